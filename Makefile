@@ -1,0 +1,37 @@
+# Set-up and the main entry points. Every target creates .venv (Python 3.11) and installs the
+# pinned dependencies (requirements.lock) first, so each works on a new machine as it is.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+STAMP := $(VENV)/.installed
+# Stages run `python -m stages.<name>`: the venv must come first on PATH.
+RUN := PATH="$(BIN):$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)"
+
+.PHONY: setup repro test test-fast bench clean-venv
+
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "nexttoken needs Python 3.11, found " + sys.version'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and alone: 2.13.0 is the CPU build on these machines (the same pin gives the CUDA build on a GPU machine)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job: the whole chain for the configured model (default gemma3_270m) and prompt.
+repro: setup
+	$(RUN) nexttoken compose --check
+	$(RUN) dvc repro
+
+# The test suite: unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone).
+test: setup
+	$(RUN) python -m pytest -q
+
+# Unit and integration tests only (skips the slow end-to-end runs).
+test-fast: setup
+	$(RUN) python -m pytest -q -m "not slow"
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,386 @@
+"""Capture every internal of ONE forward pass of a HF causal LM, by hooks on module paths.
+
+Names follow one TransformerLens-style scheme built by `act_name`. Shapes (batch B = 1,
+T positions, H hidden, V = LM-head output size):
+
+    embed                       [1, T, H]   embedding module output (Gemma: already * sqrt(H))
+    blocks.{i}.resid_pre        [1, T, H]   input of decoder layer i
+    blocks.{i}.attn_out         [1, T, H]   what attention adds to the residual
+    blocks.{i}.resid_mid        [1, T, H]   residual after the attention add (real input of its reader)
+    blocks.{i}.mlp_out          [1, T, H]   what the MLP adds to the residual
+    blocks.{i}.resid_post       [1, T, H]   output of decoder layer i
+    blocks.{i}.attn_weights     [1, heads, T, T]   for layer 0 and the configured layers
+    final_norm_out              [1, T, H]   LM-head input (all positions, even with positions="last")
+    logits                      [1, T or 1, V]     model output (after any final softcapping)
+
+Layer 0 also gets what its attention recompute needs (`ATTN_INTERNALS`): ln1_out [1,T,H];
+attn.q / attn.k / attn.v [1,T,heads*hd] (projection outputs); Gemma: attn.q_norm_out /
+attn.k_norm_out [1,heads,T,hd]; attn.q_rot / attn.k_rot [1,heads,T,hd] and attn.mask
+[1,1,T,T] exactly as passed to the attention function; attn.z [1,T,heads,hd] (its output,
+before o_proj).
+
+Why hooks and not `output_hidden_states`: HF's `hidden_states[-1]` is already after the
+final norm. Post-RoPE q/k, the mask and the attention weights are recorded by routing the
+model's attention call through a registered attention implementation that calls the very
+function eager would have used and records its inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from pipeline.errors import bad_value
+
+POSITIONS = ("all", "last")
+GLOBAL_KINDS = ("embed", "final_norm_out", "logits")
+LAYER_KINDS = ("resid_pre", "attn_weights", "attn_out", "resid_mid", "mlp_out", "resid_post")
+# Layer-0 internals, in the order they are computed.
+ATTN_INTERNALS = ("ln1_out", "attn.q", "attn.k", "attn.v", "attn.q_norm_out", "attn.k_norm_out",
+                  "attn.q_rot", "attn.k_rot", "attn.mask", "attn_weights", "attn.z")
+_QK_NORM_KINDS = ("attn.q_norm_out", "attn.k_norm_out")
+
+
+def act_name(kind: str, layer: int | None = None) -> str:
+    """The one naming function: `act_name("resid_pre", 3) -> "blocks.3.resid_pre"`."""
+    if layer is None:
+        if kind not in GLOBAL_KINDS:
+            raise ValueError(f"{kind!r} is not a model-level activation; known: {GLOBAL_KINDS}")
+        return kind
+    if kind not in LAYER_KINDS and kind not in ATTN_INTERNALS:
+        raise ValueError(f"{kind!r} is not a per-layer activation")
+    return f"blocks.{layer}.{kind}"
+
+
+@dataclass(frozen=True)
+class ModuleNames:
+    """Where one model family keeps each piece (dotted HF attribute paths).
+
+    Adding a Llama-like decoder is one entry in `FAMILIES`; nothing else branches on the model.
+    """
+
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    rotary: str = "model.rotary_emb"
+    # Inside a decoder layer.
+    ln1: str = "input_layernorm"
+    attn: str = "self_attn"
+    attn_out: str = "self_attn"                    # output (first element) is added to the residual
+    resid_mid_reader: str = "post_attention_layernorm"  # first module that reads resid_mid
+    mlp_out: str = "mlp"
+    post_attn_norm: str | None = None              # applied to o_proj output before the add
+    # Inside the attention module.
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    q_norm: str | None = None                      # applied on [B, heads, T, hd], before RoPE
+    k_norm: str | None = None
+    rope_by_layer_type: bool = False               # rotary module takes the layer type (Gemma 3)
+    attn_softcap: str | None = None                # attention attribute passed as `softcap`, if any
+    final_softcap: str | None = None               # config attribute: final logit softcapping
+
+
+LLAMA_LIKE = ModuleNames()
+GEMMA3 = ModuleNames(
+    attn_out="post_attention_layernorm",
+    resid_mid_reader="pre_feedforward_layernorm",
+    mlp_out="post_feedforward_layernorm",
+    post_attn_norm="post_attention_layernorm",
+    q_norm="q_norm",
+    k_norm="k_norm",
+    rope_by_layer_type=True,
+    # Gemma3Attention has `attn_logit_softcapping` but does NOT pass it to the attention
+    # function (Gemma 2 did), so no attention softcap here.
+    attn_softcap=None,
+    final_softcap="final_logit_softcapping",
+)
+FAMILIES: dict[str, ModuleNames] = {
+    "llama": LLAMA_LIKE,
+    "mistral": LLAMA_LIKE,
+    "qwen2": LLAMA_LIKE,
+    "gemma3_text": GEMMA3,
+}
+
+
+def family(model: nn.Module) -> ModuleNames:
+    """The module-name table for this model's `config.model_type`."""
+    model_type = model.config.model_type
+    if model_type not in FAMILIES:
+        raise bad_value("model_type", model_type, f"one of {sorted(FAMILIES)} (pipeline.capture.FAMILIES)")
+    return FAMILIES[model_type]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.get_submodule(family(model).layers)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to capture beyond the always-captured set. Range checks need the model: `resolve_layers`."""
+
+    attention_layers: tuple[int, ...]
+    positions: str
+
+    def __post_init__(self) -> None:
+        layers = self.attention_layers
+        if not isinstance(layers, (tuple, list)) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in layers
+        ):
+            raise bad_value("capture.attention_layers", layers, "a list of integer layer indices")
+        object.__setattr__(self, "attention_layers", tuple(layers))
+        if self.positions not in POSITIONS:
+            raise bad_value("capture.positions", self.positions, " or ".join(POSITIONS))
+
+    def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Sorted, non-negative layers whose attention weights are stored (layer 0 always)."""
+        resolved = {0}
+        for i in self.attention_layers:
+            if not -num_layers <= i < num_layers:
+                raise bad_value("capture.attention_layers", i,
+                                f"integers in [{-num_layers}, {num_layers - 1}] for this model "
+                                f"with {num_layers} layers")
+            resolved.add(i % num_layers)
+        return tuple(sorted(resolved))
+
+
+def capture_names(model: nn.Module, spec: CaptureSpec) -> list[str]:
+    """The exact ordered list of names `run_capture` returns for this model and spec."""
+    names = family(model)
+    num_layers = len(decoder_layers(model))
+    attn_layers = spec.resolve_layers(num_layers)
+    order = [act_name("embed")]
+    for i in range(num_layers):
+        order.append(act_name("resid_pre", i))
+        if i == 0:
+            order += [act_name(k, 0) for k in ATTN_INTERNALS
+                      if names.q_norm is not None or k not in _QK_NORM_KINDS]
+        elif i in attn_layers:
+            order.append(act_name("attn_weights", i))
+        order += [act_name(k, i) for k in ("attn_out", "resid_mid", "mlp_out", "resid_post")]
+    return order + [act_name("final_norm_out"), act_name("logits")]
+
+
+def _store(t: torch.Tensor) -> torch.Tensor:
+    # A copy, so later in-place work in the model can never change what was recorded; the
+    # dtype is kept (bf16 stays bf16, bit-exact). Made outside inference mode so callers get
+    # ordinary tensors (inference tensors refuse later use in autograd-tracked code).
+    with torch.inference_mode(False):
+        return t.detach().to(device="cpu", copy=True).contiguous()
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+class _Recorder:
+    """Collects tensors by name during one forward pass."""
+
+    def __init__(self, attn_layer_of: dict[int, int], attn_layers: tuple[int, ...], base_impl: str):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.attn_layer_of = attn_layer_of      # id(attention module) -> layer index
+        self.attn_layers = attn_layers
+        self.base_impl = base_impl
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        if name in self.tensors:
+            raise RuntimeError(f"{name} captured twice: one forward pass expected")
+        self.tensors[name] = _store(t)
+
+    def attention(self, module, query, key, mask, z, weights) -> None:
+        layer = self.attn_layer_of[id(module)]
+        if layer == 0:
+            self.put(act_name("attn.q_rot", 0), query)
+            self.put(act_name("attn.k_rot", 0), key)
+            if mask is not None:
+                self.put(act_name("attn.mask", 0), mask)
+            self.put(act_name("attn.z", 0), z)
+        if layer in self.attn_layers:
+            if weights is None:
+                raise RuntimeError(f"layer {layer}: the attention function returned no weights")
+            self.put(act_name("attn_weights", layer), weights)
+
+
+_ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("nexttoken_recorder", default=None)
+_RECORDING_IMPL = "nexttoken_recording"
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """Calls exactly what `get_interface(base, eager_attention_forward)` would, and records it."""
+    recorder = _ACTIVE.get()
+    if recorder is None:
+        raise RuntimeError(f"attn_implementation {_RECORDING_IMPL!r} is only valid inside run_capture")
+    # The model's forward resolves `eager_attention_forward` from its own modeling file's
+    # globals at call time; look it up in the same place (unwrap: forward is decorated).
+    eager = inspect.unwrap(type(module).forward).__globals__["eager_attention_forward"]
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(recorder.base_impl, eager)
+    z, weights = inner(module, query, key, value, attention_mask, **kwargs)
+    recorder.attention(module, query, key, attention_mask, z, weights)
+    return z, weights
+
+
+def _configs(model: nn.Module) -> list:
+    """Every distinct config object the model's modules read `_attn_implementation` from."""
+    seen = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def _recording_attention_impl(model: nn.Module, recorder: _Recorder):
+    """Route attention through `_recording_attention`, restoring the implementation afterwards.
+
+    The two registrations stay in transformers' global registries (they have no unregister);
+    they are inert: the name is only ever selected here, and only `config` is switched back.
+    """
+    # Same mask function as the base implementation: an implementation missing from the
+    # mask mapping would get NO mask at all.
+    AttentionInterface.register(_RECORDING_IMPL, _recording_attention)
+    AttentionMaskInterface.register(_RECORDING_IMPL, ALL_MASK_ATTENTION_FUNCTIONS[recorder.base_impl])
+    originals = [(cfg, cfg._attn_implementation) for cfg in _configs(model)]
+    token = _ACTIVE.set(recorder)
+    try:
+        for cfg, _ in originals:
+            cfg._attn_implementation = _RECORDING_IMPL
+        yield
+    finally:
+        for cfg, impl in originals:
+            cfg._attn_implementation = impl
+        _ACTIVE.reset(token)
+
+
+def _hook_plan(model: nn.Module, recorder: _Recorder) -> list[tuple[nn.Module, str, object]]:
+    """(module, "pre" | "post", hook fn) for every module-path capture."""
+    names = family(model)
+
+    def post(name, pick=_first):
+        return lambda module, args, output: recorder.put(name, pick(output))
+
+    def pre(name):
+        return lambda module, args, kwargs: recorder.put(name, args[0] if args else kwargs["hidden_states"])
+
+    sub = model.get_submodule
+    plan = [(sub(names.embed), "post", post(act_name("embed"))),
+            (sub(names.final_norm), "post", post(act_name("final_norm_out")))]
+    for i, layer in enumerate(decoder_layers(model)):
+        ls = layer.get_submodule
+        plan += [
+            (layer, "pre", pre(act_name("resid_pre", i))),
+            (ls(names.attn_out), "post", post(act_name("attn_out", i))),
+            (ls(names.resid_mid_reader), "pre", pre(act_name("resid_mid", i))),
+            (ls(names.mlp_out), "post", post(act_name("mlp_out", i))),
+            (layer, "post", post(act_name("resid_post", i))),
+        ]
+    layer0, attn0 = decoder_layers(model)[0], decoder_layers(model)[0].get_submodule(names.attn)
+    plan.append((layer0.get_submodule(names.ln1), "post", post(act_name("ln1_out", 0))))
+    for kind, path in (("attn.q", names.q_proj), ("attn.k", names.k_proj), ("attn.v", names.v_proj),
+                       ("attn.q_norm_out", names.q_norm), ("attn.k_norm_out", names.k_norm)):
+        if path is not None:
+            plan.append((attn0.get_submodule(path), "post", post(act_name(kind, 0))))
+    return plan
+
+
+@contextlib.contextmanager
+def _hooks(plan):
+    handles = []
+    try:
+        for module, when, fn in plan:
+            if when == "pre":
+                handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(fn))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _forward(model: nn.Module, input_ids: torch.Tensor, positions: str):
+    """The one forward call both the capture and the plain run make (same arguments)."""
+    if positions not in POSITIONS:
+        raise bad_value("capture.positions", positions, " or ".join(POSITIONS))
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
+    device = model.get_submodule(family(model).embed).weight.device
+    model.eval()
+    # use_cache=False: one prefill pass needs no cache; logits_to_keep=1 computes only the
+    # last row of logits (HF slices the LM-head input, the final norm still sees every position).
+    return model(input_ids=input_ids.to(device), use_cache=False,
+                 logits_to_keep=1 if positions == "last" else 0)
+
+
+def plain_forward_logits(model: nn.Module, input_ids: torch.Tensor, positions: str) -> torch.Tensor:
+    """Logits of a forward pass with no hooks at all: [1, T or 1, V], CPU, computed dtype."""
+    with torch.inference_mode():
+        return _store(_forward(model, input_ids, positions).logits)
+
+
+def run_capture(model: nn.Module, input_ids: torch.Tensor, spec: CaptureSpec) -> dict[str, torch.Tensor]:
+    """One forward pass; every activation in `capture_names(model, spec)` order, on CPU."""
+    base_impl = model.config._attn_implementation
+    if base_impl != "eager":
+        raise bad_value("capture.attn_implementation", base_impl,
+                        "eager (attention weights and the layer-0 recompute need it)")
+    names = family(model)
+    layers = decoder_layers(model)
+    attn_modules = [layer.get_submodule(names.attn) for layer in layers]
+    expected = capture_names(model, spec)
+    recorder = _Recorder({id(m): i for i, m in enumerate(attn_modules)},
+                         spec.resolve_layers(len(layers)), base_impl)
+    with torch.inference_mode(), _hooks(_hook_plan(model, recorder)), \
+            _recording_attention_impl(model, recorder):
+        out = _forward(model, input_ids, spec.positions)
+    # Logits come from the model output, not an lm_head hook: Gemma softcaps after lm_head.
+    recorder.put(act_name("logits"), out.logits)
+    got = recorder.tensors
+    if set(got) != set(expected):
+        raise RuntimeError(f"capture mismatch: missing {sorted(set(expected) - set(got))}, "
+                           f"unexpected {sorted(set(got) - set(expected))}")
+    return {name: got[name] for name in expected}
+
+
+def model_facts(model: nn.Module, tokenizer_len: int) -> dict:
+    """Shape facts the later stages and the manifest need (plain JSON types)."""
+    names = family(model)
+    cfg = model.config
+    attn = decoder_layers(model)[0].get_submodule(names.attn)
+    embed = model.get_submodule(names.embed)
+    lm_head = model.get_submodule(names.lm_head)
+    scale = getattr(embed, "scalar_embed_scale", None)
+    facts = {
+        "model_type": cfg.model_type,
+        "num_layers": len(decoder_layers(model)),
+        "hidden_size": cfg.hidden_size,
+        "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": attn.head_dim,
+        "output_size": lm_head.weight.shape[0],
+        "tokenizer_len": tokenizer_len,
+        "lm_head_weight_shape": list(lm_head.weight.shape),
+        "lm_head_has_bias": lm_head.bias is not None,
+        # The storage actually shared, not just what the config claims.
+        "tied_embeddings": lm_head.weight.data_ptr() == embed.weight.data_ptr(),
+        "attn_implementation": cfg._attn_implementation,
+        "dtype": str(lm_head.weight.dtype).removeprefix("torch."),
+        "layer_types": list(getattr(cfg, "layer_types", None) or []),
+        "sliding_window": getattr(cfg, "sliding_window", None),
+        "final_logit_softcapping": getattr(cfg, names.final_softcap) if names.final_softcap else None,
+        "embed_scale": None if scale is None else float(scale),
+        "embed_scale_note": "none: `embed` is the raw embedding row" if scale is None else (
+            f"`embed` already includes the scale sqrt(hidden_size)={scale!r}, applied inside the "
+            f"embedding module in the weight dtype (value used: {float(embed.embed_scale.to(embed.weight.dtype))!r})"),
+    }
+    return facts

@@ -1,0 +1,82 @@
+"""Compose `conf/` (+ Hydra overrides) into `params.yaml`, exactly as `dvc exp run` does.
+
+DVC's Hydra integration (`hydra.enabled = true` in .dvc/config) composes `conf/` into
+params.yaml for `dvc exp run -S ...`. `nexttoken compose` calls the same DVC function, so
+both paths write the same bytes; every section is validated before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pipeline import config
+from pipeline.errors import UserError, bad_value
+
+CONF_DIR = "conf"
+CONFIG_NAME = "config"
+
+
+def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
+    """Compose conf/ with overrides into out_file; return the validated params dict."""
+    from dvc.utils.hydra import compose_and_dump
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    conf = (root / CONF_DIR).resolve()
+    try:
+        compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str(root.resolve()), list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise _explain(e, overrides, conf) from None
+    params = config.read_params(out_file)
+    for section in config.SECTIONS:
+        config.load_section(params, section)
+    return params
+
+
+def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
+    """Hydra's multi-line errors as one line; unknown group choices list the options."""
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        group = conf / key.lstrip("+~")
+        if group.is_dir() and not (group / f"{value}.yaml").exists():
+            options = sorted(p.stem for p in group.glob("*.yaml"))
+            return bad_value(key.lstrip("+~"), value, "one of " + ", ".join(options))
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(f"cannot compose conf/ with overrides {overrides}: {first}")
+
+
+def compose(overrides: list[str], root: Path, params_file: Path) -> dict:
+    """Write params_file atomically from conf/ + overrides."""
+    fd, tmp = tempfile.mkstemp(prefix=".params-", suffix=".yaml", dir=params_file.parent)
+    os.close(fd)
+    try:
+        params = compose_to(Path(tmp), overrides, root)
+        os.replace(tmp, params_file)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return params
+
+
+def check(root: Path, params_file: Path) -> list[str]:
+    """Keys where params_file differs from the composition of conf/ (empty: in step)."""
+    with tempfile.TemporaryDirectory() as d:
+        expected = compose_to(Path(d) / "params.yaml", [], root)
+    actual = config.read_params(params_file)
+    return diff_keys(expected, actual)
+
+
+def diff_keys(a, b, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested mappings."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b), key=str):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k not in a or k not in b:
+                out.append(key)
+            else:
+                out.extend(diff_keys(a[k], b[k], key))
+        return out
+    return [] if a == b and type(a) is type(b) else [prefix or "<root>"]

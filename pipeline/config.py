@@ -1,0 +1,349 @@
+"""Typed, validated config at the stage boundary.
+
+Stages read `params.yaml` (the composition of `conf/`) and turn each section they use into
+a frozen dataclass here. Validation happens in `__post_init__` and raises `UserError`
+naming the key, the value and what is allowed; nothing else happens there (no seeding, no
+I/O). Library code never sees a DictConfig or a raw dict of params.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import UserError, bad_value
+
+DTYPES = ("bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+SOURCE_KINDS = ("gguf_package", "tiny_qwen2", "hub")
+BRANCHES = ("sample", "greedy")
+
+
+# ---------------------------------------------------------------- value checks
+def _int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    # bool is an int in Python; a config that says `true` for a count is a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_value(key, value, "an integer" + _range_text(lo, hi))
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad_value(key, value, "an integer" + _range_text(lo, hi))
+    return value
+
+
+def _float(key: str, value: Any, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_value(key, value, "a finite number" + _range_text(lo, hi, lo_open))
+    if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
+        raise bad_value(key, value, "a number" + _range_text(lo, hi, lo_open))
+    return float(value)
+
+
+def _range_text(lo, hi, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{lo}, {hi}]"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise bad_value(key, value, "one of " + ", ".join(allowed))
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise bad_value(key, value, "true or false")
+    return value
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_value(key, value, "a non-empty string")
+    return value
+
+
+# ---------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class SourceConfig:
+    kind: str
+    package: str | None = None
+    pip: str | None = None
+    hub_id: str | None = None
+    revision: str | None = None
+    seed: int | None = None
+    architecture: dict | None = None
+
+    def __post_init__(self):
+        _choice("model.source.kind", self.kind, SOURCE_KINDS)
+        if self.kind in ("gguf_package", "tiny_qwen2"):
+            _text("model.source.package", self.package)
+        if self.kind == "hub":
+            _text("model.source.hub_id", self.hub_id)
+        if self.kind == "tiny_qwen2":
+            _int("model.source.seed", self.seed, lo=0)
+            if not isinstance(self.architecture, dict):
+                raise bad_value("model.source.architecture", self.architecture, "a mapping of Qwen2Config fields")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    family: str
+    add_special_tokens: bool
+    chat_template: bool
+
+    def __post_init__(self):
+        _text("model.tokenizer.family", self.family)
+        _bool("model.tokenizer.add_special_tokens", self.add_special_tokens)
+        _bool("model.tokenizer.chat_template", self.chat_template)
+        if self.chat_template:
+            # The reference experiment scores a raw prompt; a chat template would change
+            # what is being measured, and no stage implements it yet.
+            raise bad_value("model.tokenizer.chat_template", True, "false (chat templates are not supported)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    source: SourceConfig
+    tokenizer: TokenizerConfig
+    trust_remote_code: bool = False
+    reference_figures: str | None = None
+
+    def __post_init__(self):
+        _text("model.name", self.name)
+        _bool("model.trust_remote_code", self.trust_remote_code)
+        if self.reference_figures is not None:
+            _text("model.reference_figures", self.reference_figures)
+
+    @classmethod
+    def from_params(cls, d: dict) -> "ModelConfig":
+        d = _known("model", d, cls)
+        return cls(**{**d, "source": SourceConfig(**_known("model.source", d["source"], SourceConfig)),
+                      "tokenizer": TokenizerConfig(**_known("model.tokenizer", d["tokenizer"], TokenizerConfig))})
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    name: str
+    text: str
+    expected_token_ids: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _text("prompt.name", self.name)
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise bad_value("prompt.text", self.text, "a non-empty string")
+        if not isinstance(self.expected_token_ids, dict):
+            raise bad_value("prompt.expected_token_ids", self.expected_token_ids,
+                            "a mapping tokenizer family -> list of ids")
+        for fam, ids in self.expected_token_ids.items():
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                    for i in ids):
+                raise bad_value(f"prompt.expected_token_ids.{fam}", ids, "a list of non-negative integer ids")
+
+    def expected_ids_for(self, family: str) -> list[int] | None:
+        return self.expected_token_ids.get(family)
+
+    @classmethod
+    def from_params(cls, d: dict) -> "PromptConfig":
+        return cls(**_known("prompt", d, cls))
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    dtype: str
+    device: str
+    attn_implementation: str
+    attention_layers: tuple[int, ...]
+    positions: str
+
+    def __post_init__(self):
+        _choice("capture.dtype", self.dtype, DTYPES)
+        if not isinstance(self.device, str) or not (
+                self.device in ("auto", "cpu", "cuda") or
+                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise bad_value("capture.device", self.device, "auto, cpu, cuda or cuda:N")
+        _choice("capture.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if not isinstance(self.attention_layers, (list, tuple)):
+            raise bad_value("capture.attention_layers", self.attention_layers, "a list of layer indices")
+        for i in self.attention_layers:
+            _int("capture.attention_layers", i)
+        object.__setattr__(self, "attention_layers", tuple(self.attention_layers))
+        _choice("capture.positions", self.positions, ("all", "last"))
+        if self.attn_implementation != "eager":
+            # sdpa never materialises attention weights; the layer-0 recompute check needs them.
+            raise bad_value("capture.attn_implementation", self.attn_implementation,
+                            "eager (attention weights and the layer-0 recompute need it)")
+
+    @classmethod
+    def from_params(cls, d: dict) -> "CaptureConfig":
+        return cls(**_known("capture", d, cls))
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    name: str
+    temperature: float
+    top_k: int
+    top_p: float
+
+    def __post_init__(self):
+        _text("probs.extra_filters.name", self.name)
+        _float(f"probs.extra_filters.{self.name}.temperature", self.temperature, lo=0.0)
+        _int(f"probs.extra_filters.{self.name}.top_k", self.top_k, lo=0)
+        _float(f"probs.extra_filters.{self.name}.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class ProbsConfig:
+    positions: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    fp32_sum_tolerance: float
+    fp64_sum_tolerance: float
+    top_n: int
+    extra_filters: tuple[FilterConfig, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.positions, (list, tuple)) or not self.positions:
+            raise bad_value("probs.positions", self.positions, "a non-empty list of prompt positions")
+        for p in self.positions:
+            _int("probs.positions", p)
+        if not isinstance(self.temperatures, (list, tuple)) or not self.temperatures:
+            raise bad_value("probs.temperatures", self.temperatures, "a non-empty list of numbers > 0")
+        for t in self.temperatures:
+            _float("probs.temperatures", t, lo=0.0, lo_open=True)
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise bad_value("probs.temperatures", self.temperatures, "distinct values")
+        _float("probs.fp32_sum_tolerance", self.fp32_sum_tolerance, lo=0.0)
+        _float("probs.fp64_sum_tolerance", self.fp64_sum_tolerance, lo=0.0)
+        _int("probs.top_n", self.top_n, lo=1)
+        object.__setattr__(self, "positions", tuple(self.positions))
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+
+    @classmethod
+    def from_params(cls, d: dict) -> "ProbsConfig":
+        d = _known("probs", d, cls)
+        filters = d.get("extra_filters") or []
+        if not isinstance(filters, list):
+            raise bad_value("probs.extra_filters", filters, "a list of {name, temperature, top_k, top_p}")
+        return cls(**{**d, "extra_filters": tuple(FilterConfig(**_known("probs.extra_filters", f, FilterConfig))
+                                                  for f in filters)})
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    branches: tuple[str, ...]
+    kv_cache: tuple[bool, ...]
+    top_n: int
+
+    def __post_init__(self):
+        _float("sampling.temperature", self.temperature, lo=0.0)
+        _int("sampling.top_k", self.top_k, lo=0)
+        _float("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _int("sampling.seed", self.seed, lo=0, hi=2**63 - 1)
+        _int("sampling.max_new_tokens", self.max_new_tokens, lo=0)
+        if not isinstance(self.branches, (list, tuple)) or not self.branches:
+            raise bad_value("sampling.branches", self.branches, "a non-empty list of " + ", ".join(BRANCHES))
+        for b in self.branches:
+            _choice("sampling.branches", b, BRANCHES)
+        if not isinstance(self.kv_cache, (list, tuple)) or not self.kv_cache:
+            raise bad_value("sampling.kv_cache", self.kv_cache, "a non-empty list of true/false")
+        for k in self.kv_cache:
+            _bool("sampling.kv_cache", k)
+        _int("sampling.top_n", self.top_n, lo=1)
+        object.__setattr__(self, "branches", tuple(self.branches))
+        object.__setattr__(self, "kv_cache", tuple(self.kv_cache))
+
+    @classmethod
+    def from_params(cls, d: dict) -> "SamplingConfig":
+        return cls(**_known("sampling", d, cls))
+
+
+@dataclass(frozen=True)
+class ChecksConfig:
+    kv_cache_atol: float
+
+    def __post_init__(self):
+        _float("checks.kv_cache_atol", self.kv_cache_atol, lo=0.0)
+
+    @classmethod
+    def from_params(cls, d: dict) -> "ChecksConfig":
+        return cls(**_known("checks", d, cls))
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "prompt": PromptConfig,
+    "capture": CaptureConfig,
+    "probs": ProbsConfig,
+    "sampling": SamplingConfig,
+    "checks": ChecksConfig,
+}
+
+
+def _known(section: str, d: Any, cls) -> dict:
+    """The section as a dict, refusing keys the dataclass does not know (typos)."""
+    if not isinstance(d, dict):
+        raise bad_value(section, d, "a mapping")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise bad_value(f"{section}.{unknown[0]}", d[unknown[0]], "a known key: " + ", ".join(sorted(names)))
+    missing = sorted(n for n in names if n not in d and _required(cls, n))
+    if missing:
+        raise UserError(f"{section}.{missing[0]} is missing: params.yaml must set it (see conf/)")
+    return dict(d)
+
+
+def _required(cls, name: str) -> bool:
+    from dataclasses import MISSING
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def read_params(path: Path) -> dict:
+    """params.yaml as a dict; a clear error if it is missing or not YAML."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} not found: run `nexttoken compose` to write it from conf/") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise bad_value(str(path), data, "a YAML mapping of config sections")
+    return data
+
+
+def load_section(params: dict, name: str):
+    """One validated section of params.yaml."""
+    if name not in params:
+        raise UserError(f"params.yaml has no `{name}` section: run `nexttoken compose`")
+    return SECTIONS[name].from_params(params[name])
+
+
+def subset(params: dict, keys: tuple[str, ...]) -> dict:
+    """The nested part of params.yaml named by dotted keys (what a stage reads and records)."""
+    out: dict = {}
+    for key in keys:
+        node, dst = params, out
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                raise UserError(f"params.yaml has no `{key}`: run `nexttoken compose`")
+            node = node[part]
+            if i < len(parts) - 1:
+                dst = dst.setdefault(part, {})
+        dst[parts[-1]] = node
+    return out

@@ -1,0 +1,122 @@
+"""The forward stage's work: validate, load, capture one pass, and gather its evidence.
+
+Evidence recorded beside the tensors: the captured logits equal a plain forward's bit for
+bit (capture is transparent) and two plain forwards agree (the pass is repeatable here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from pipeline import capture, models
+from pipeline.artifacts import read_json
+from pipeline.config import CaptureConfig
+from pipeline.errors import UserError
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    snapshot: Path
+    device: torch.device
+    dtype: torch.dtype
+    capture: CaptureConfig
+    spec: capture.CaptureSpec
+    num_layers: int
+    model_record: dict
+
+
+def plan(cap: CaptureConfig, prepared_dir: Path) -> ForwardPlan:
+    """Resolve device, dtype and layers from the config and the model's config.json only."""
+    device = models.resolve_device(cap.device)
+    dtype = models.resolve_dtype(cap.dtype)
+    source = read_json(prepared_dir / "source.json")
+    snapshot = models.snapshot_dir(prepared_dir, source)
+    num_layers = models.num_layers(snapshot)
+    spec = capture.CaptureSpec(attention_layers=cap.attention_layers, positions=cap.positions)
+    spec.resolve_layers(num_layers)          # raises naming an out-of-range layer
+    record = {k: source.get(k) for k in ("name", "kind", "revision")}
+    return ForwardPlan(snapshot, device, dtype, cap, spec, num_layers, record)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    tensors: dict[str, torch.Tensor]
+    facts: dict
+
+
+def run(p: ForwardPlan, ids: list[int], trust_remote_code: bool) -> ForwardResult:
+    if not ids:
+        raise UserError("tokens.parquet holds no tokens: re-run the tokenize stage")
+    model = models.load_model(p.snapshot, p.dtype, str(p.device), p.capture.attn_implementation,
+                              trust_remote_code)
+    tokenizer_len = len(models.load_tokenizer(p.snapshot))
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    tensors = capture.run_capture(model, input_ids, p.spec)
+    plain = capture.plain_forward_logits(model, input_ids, p.spec.positions)
+    again = capture.plain_forward_logits(model, input_ids, p.spec.positions)
+    logits = tensors[capture.act_name("logits")]
+    facts = {
+        **capture.model_facts(model, tokenizer_len),
+        "device": str(p.device),
+        "compute_dtype": str(p.dtype).removeprefix("torch."),
+        "positions": p.spec.positions,
+        "attention_layers": list(p.spec.resolve_layers(p.num_layers)),
+        "n_positions": len(ids),
+        "logit_positions": logit_positions(p.spec.positions, len(ids)),
+        "input_ids": ids,
+        "capture_transparent": bool(torch.equal(logits, plain)),
+        "capture_vs_plain_max_abs_diff": _max_abs(logits, plain),
+        "repeat_identical": bool(torch.equal(plain, again)),
+        "repeat_max_abs_diff": _max_abs(plain, again),
+        "names": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                  for name, t in tensors.items()},
+        "gpu_name": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else None,
+    }
+    return ForwardResult({**tensors, "input_ids": input_ids}, facts)
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
+
+
+def logit_positions(positions: str, n: int) -> list[int]:
+    return list(range(n)) if positions == "all" else [n - 1]
+
+
+def save_capture(result: ForwardResult, path: Path) -> None:
+    from safetensors.torch import save_file
+    meta = {"format": "nexttoken-capture", "names": json.dumps(list(result.tensors))}
+    save_file({k: v.contiguous() for k, v in result.tensors.items()}, str(path), metadata=meta)
+
+
+def load_logits(path: Path) -> torch.Tensor:
+    """The stored logits as [rows, V] in their computed dtype (rows = logit_positions)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(capture.act_name("logits"))[0]
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def logit_rows(facts: dict, logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    positions = facts["logit_positions"]
+    if len(positions) != logits.shape[0]:
+        raise UserError(f"capture.safetensors has {logits.shape[0]} logit rows but facts.json lists "
+                        f"{len(positions)} positions: the forward artifacts come from different runs")
+    for i, pos in enumerate(positions):
+        yield pos, logits[i]
+
+
+def logits_facts(facts: dict, logits: torch.Tensor) -> dict:
+    """Key facts carried in logits.parquet's schema metadata."""
+    import hashlib
+    raw = logits.contiguous().view(torch.uint8) if logits.dtype != torch.float32 else logits.contiguous()
+    return {"dtype": facts["compute_dtype"], "device": facts["device"], "output_size": facts["output_size"],
+            "n_positions": facts["n_positions"], "tokenizer_len": facts["tokenizer_len"], "positions": facts["logit_positions"],
+            "logits_content_sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest()}

@@ -1,0 +1,51 @@
+"""Every artifact path, stated once.
+
+Stage folders are fixed and untimestamped (`artifacts/<stage>/`); history lives in git and
+`dvc exp`. dvc.yaml names the same folders as stage outputs, and a test keeps the two in
+step. Functions take the repository root so nothing here touches the disk at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ARTIFACTS = "artifacts"
+MANIFEST = "manifest.json"
+PARAMS = "params.yaml"
+STAGING = ".nexttoken/staging"   # stage outputs are built here, then moved into place whole
+
+STAGES = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
+
+# (stage, file name) of every data file a later stage or a user reads.
+SOURCE = ("prepare_model", "source.json")
+TOKENS = ("tokenize", "tokens.parquet")
+TOKENIZE_SUMMARY = ("tokenize", "tokenize.json")
+CAPTURE = ("forward", "capture.safetensors")
+FORWARD_FACTS = ("forward", "facts.json")
+LOGITS = ("logits", "logits.parquet")
+VOCAB = ("logits", "vocab.parquet")
+TABLE = ("probs", "table.parquet")
+FILTERED = ("probs", "filtered.parquet")
+PROBS_SUMMARY = ("probs", "summary.json")
+STEPS = ("trajectories", "steps.parquet")
+STEP_LOGITS = ("trajectories", "step_logits.parquet")
+TRAJECTORIES = ("trajectories", "trajectories.json")
+CHECKS = ("checks", "checks.parquet")
+METRICS = ("checks", "metrics.json")
+REPORT = ("report", "report.md")
+
+
+def stage_dir(stage: str, root: Path | str = ".") -> Path:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGES)}")
+    return Path(root) / ARTIFACTS / stage
+
+
+def artifact(item: tuple[str, str], root: Path | str = ".") -> Path:
+    """Path of one artifact file, e.g. `artifact(TOKENS)`."""
+    stage, name = item
+    return stage_dir(stage, root) / name
+
+
+def manifest_path(stage: str, root: Path | str = ".") -> Path:
+    return stage_dir(stage, root) / MANIFEST

@@ -1,0 +1,138 @@
+"""Tokenize the prompt and describe every token: id, piece, raw bytes, decodes alone?
+
+A token stands for bytes, not characters: byte-level BPE (Qwen, GPT-2) writes each byte as
+a printable stand-in character; SentencePiece-style vocabularies (Gemma) write a space as
+"▁" and lone bytes as "<0xHH>". `piece_bytes` undoes either, so a piece like " 就"'s first
+half (id 58230) shows as the two bytes it really is and is flagged as not decodable alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import pyarrow as pa
+
+from pipeline.errors import UserError
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: stand-in character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def is_byte_level(tokenizer) -> bool:
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
+    return "ByteLevel" in kinds
+
+
+def piece_bytes(piece: str, byte_level: bool) -> bytes:
+    """The raw bytes one vocabulary piece stands for."""
+    if byte_level:
+        table = _byte_level_decoder()
+        try:
+            return bytes(table[ch] for ch in piece)
+        except KeyError:          # added tokens are stored as plain text
+            return piece.encode("utf-8")
+    m = _BYTE_TOKEN.match(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def decodes_alone(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    ids: list[int]
+    table: pa.Table           # one row per position
+    summary: dict             # round trip, special ids, tokenizer facts
+
+
+def tokenize_prompt(tokenizer, text: str, add_special_tokens: bool,
+                    max_positions: int | None = None) -> Tokenized:
+    ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    if not ids:
+        raise UserError(f"prompt.text={text!r} tokenizes to no tokens: give a prompt with text in it")
+    if max_positions is not None and len(ids) > max_positions:
+        raise UserError(f"prompt.text is {len(ids)} tokens long: the model's context allows at most "
+                        f"{max_positions} (max_position_embeddings)")
+    table = vocab_table(tokenizer, ids)
+    table = pa.table({"position": pa.array(range(len(ids)), pa.int32()), **{
+        name: table[name] for name in table.column_names}})
+    special = set(tokenizer.all_special_ids)
+    content_ids = [i for i in ids if i not in special]
+    decoded = tokenizer.decode(content_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    summary = {
+        "prompt": text,
+        "n_tokens": len(ids),
+        "token_ids": ids,
+        "add_special_tokens": add_special_tokens,
+        "special_positions": [p for p, i in enumerate(ids) if i in special],
+        "decoded": tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+        "decoded_without_special": decoded,
+        "round_trip_ok": decoded == text,
+        "tokenizer_class": type(tokenizer).__name__,
+        "tokenizer_len": len(tokenizer),
+        "byte_level": is_byte_level(tokenizer),
+        "special_ids": {k: getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")},
+    }
+    return Tokenized(ids=ids, table=table, summary=summary)
+
+
+def vocab_table(tokenizer, ids: list[int] | range) -> pa.Table:
+    """token_id, piece, piece_bytes_hex, text, decodes_alone, is_special for the given ids.
+
+    Ids at or past len(tokenizer) (the model's output may be larger, e.g. 152064 vs 151665
+    for Qwen2.5) have no token: piece null, has_token false.
+    """
+    byte_level = is_byte_level(tokenizer)
+    n = len(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    ids = list(ids)
+    known = [i for i in ids if i < n]
+    pieces = dict(zip(known, tokenizer.convert_ids_to_tokens(known)))
+    rows = {"token_id": [], "piece": [], "piece_bytes_hex": [], "text": [], "decodes_alone": [],
+            "is_special": [], "has_token": []}
+    for i in ids:
+        piece = pieces.get(i)
+        raw = None if piece is None else (
+            piece.encode("utf-8") if i in special else piece_bytes(piece, byte_level))
+        rows["token_id"].append(i)
+        rows["piece"].append(piece)
+        rows["piece_bytes_hex"].append(None if raw is None else raw.hex())
+        rows["text"].append(None if piece is None else tokenizer.decode(
+            [i], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        rows["decodes_alone"].append(None if raw is None else decodes_alone(raw))
+        rows["is_special"].append(i in special)
+        rows["has_token"].append(piece is not None)
+    return pa.table({
+        "token_id": pa.array(rows["token_id"], pa.int32()),
+        "piece": pa.array(rows["piece"], pa.string()),
+        "piece_bytes_hex": pa.array(rows["piece_bytes_hex"], pa.string()),
+        "text": pa.array(rows["text"], pa.string()),
+        "decodes_alone": pa.array(rows["decodes_alone"], pa.bool_()),
+        "is_special": pa.array(rows["is_special"], pa.bool_()),
+        "has_token": pa.array(rows["has_token"], pa.bool_()),
+    })

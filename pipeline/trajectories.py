@@ -1,0 +1,110 @@
+"""The trajectories stage's work: run every branch with and without the KV cache, tabulate.
+
+Branches: `sample` (the configured temperature / top-k / top-p, a CPU generator seeded from
+`sampling.seed`) and `greedy` (argmax of the raw logits). The full-prefix run (no cache) is
+the reference path, as in the article; the cached run is recorded so the checks stage can
+compare its logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.config import SamplingConfig
+from pipeline.decode import Step, run_branch
+from pipeline.sampling import SamplingSettings, next_token_probs, ranks
+
+STEPS_SCHEMA = pa.schema([
+    ("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32()), ("prefix_len", pa.int32()),
+    ("token_id", pa.int32()), ("piece", pa.string()), ("text_so_far", pa.string()), ("logit", pa.float32()),
+    ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
+    ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
+])
+STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
+
+
+def branch_settings(branch: str, sampling: SamplingConfig) -> SamplingSettings:
+    if branch == "greedy":
+        return SamplingSettings(temperature=0.0, top_k=0, top_p=1.0)
+    return SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+@dataclass(frozen=True)
+class Run:
+    branch: str
+    kv_cache: bool
+    settings: SamplingSettings
+    steps: list[Step]
+
+
+def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int]) -> list[Run]:
+    runs = []
+    for branch in sampling.branches:
+        settings = branch_settings(branch, sampling)
+        for kv in sampling.kv_cache:
+            steps = run_branch(model, prompt_ids, settings, sampling.max_new_tokens, sampling.seed, kv, eos_ids)
+            runs.append(Run(branch, kv, settings, steps))
+    return runs
+
+
+def steps_table(runs: list[Run], tokenizer, top_n: int) -> pa.Table:
+    rows: dict[str, list] = {name: [] for name in STEPS_SCHEMA.names}
+    for r in runs:
+        new_ids: list[int] = []
+        for s in r.steps:
+            new_ids.append(s.token_id)
+            logits = s.logits.float()
+            probs = next_token_probs(s.logits, r.settings)
+            order = torch.argsort(logits, descending=True, stable=True)[:top_n]
+            values = {
+                "branch": r.branch, "kv_cache": r.kv_cache, "step": s.step, "prefix_len": s.prefix_len,
+                "token_id": s.token_id, "piece": tokenizer.convert_ids_to_tokens(s.token_id),
+                # decoded from all new ids: joining pieces would split multi-byte characters
+                "text_so_far": tokenizer.decode(new_ids, skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False),
+                "logit": float(logits[s.token_id]), "prob": s.prob,
+                "rank": int(ranks(s.logits)[s.token_id]),
+                "top_ids": order.tolist(), "top_logits": logits[order].tolist(), "top_probs": probs[order].tolist(),
+                "stop_reason": s.stop_reason,
+            }
+            for k, v in values.items():
+                rows[k].append(v)
+    return pa.table(rows, schema=STEPS_SCHEMA)
+
+
+def step_logit_rows(runs: list[Run]) -> tuple[list[tuple[int, torch.Tensor]], list[dict]]:
+    """(position, logits row) per step and the branch/kv_cache/step keys of each."""
+    rows, keys = [], []
+    for r in runs:
+        for s in r.steps:
+            rows.append((s.prefix_len - 1, s.logits))
+            keys.append({"branch": r.branch, "kv_cache": r.kv_cache, "step": s.step})
+    return rows, keys
+
+
+def summary(runs: list[Run], tokenizer) -> dict:
+    out = {}
+    for r in runs:
+        ids = [s.token_id for s in r.steps]
+        out[f"{r.branch}{'_kv' if r.kv_cache else ''}"] = {
+            "branch": r.branch, "kv_cache": r.kv_cache, "settings": asdict(r.settings), "token_ids": ids,
+            "text": tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+            "stop_reason": r.steps[-1].stop_reason if r.steps else None,
+        }
+    return out
+
+
+def check_finite_steps(runs: list[Run]) -> None:
+    from pipeline.errors import UserError
+    for r in runs:
+        for s in r.steps:
+            bad = torch.nonzero(~torch.isfinite(s.logits.float())).flatten()
+            if bad.numel():
+                raise UserError(f"branch {r.branch} (kv_cache={r.kv_cache}) step {s.step}: logits at position "
+                                f"{s.prefix_len - 1} are not finite for {bad.numel()} ids (first: "
+                                f"{bad[:5].tolist()}): the model produced NaN/Inf")

@@ -1,0 +1,1 @@
+"""One thin entry point per DVC stage, run as `python -m stages.<name>`."""

@@ -1,0 +1,26 @@
+"""Stage logits: the captured logits in long format (logits.parquet) and the vocabulary."""
+
+from __future__ import annotations
+
+from pipeline import forward, logits_io, models, paths, tokenization
+from pipeline.artifacts import read_json, stage_main, stage_run
+
+STAGE = "logits"
+PARAMS: tuple[str, ...] = ()   # everything it needs comes from the forward stage's artifacts
+
+
+def main() -> None:
+    with stage_run(STAGE, {}) as run:
+        source = read_json(run.use(paths.SOURCE))
+        facts = read_json(run.use(paths.FORWARD_FACTS))
+        logits = forward.load_logits(run.use(paths.CAPTURE))        # [T or 1, V], computed dtype
+        run.model = {k: source.get(k) for k in ("name", "kind", "revision")}
+        run.facts = forward.logits_facts(facts, logits)
+        logits_io.write_logits(run.out(paths.LOGITS[1]), forward.logit_rows(facts, logits),
+                               run.parquet_metadata())
+        tokenizer = models.load_tokenizer(models.snapshot_dir(paths.stage_dir("prepare_model"), source))
+        run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(facts["output_size"])))
+
+
+if __name__ == "__main__":
+    stage_main(STAGE, main)

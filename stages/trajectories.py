@@ -1,0 +1,41 @@
+"""Stage trajectories: sampled and greedy continuations, with and without the KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import config, logits_io, models, paths, trajectories
+from pipeline.artifacts import read_json, read_parquet, stage_main, stage_run
+
+STAGE = "trajectories"
+PARAMS = ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
+          "capture.attn_implementation", "sampling")
+
+
+def main() -> None:
+    params = config.read_params(Path(paths.PARAMS))
+    model_cfg = config.load_section(params, "model")
+    cap = config.load_section(params, "capture")
+    sampling = config.load_section(params, "sampling")
+    device, dtype = models.resolve_device(cap.device), models.resolve_dtype(cap.dtype)
+    with stage_run(STAGE, config.subset(params, PARAMS)) as run:
+        source = read_json(run.use(paths.SOURCE))
+        run.use(paths.stage_dir("prepare_model"))
+        ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
+        snapshot = models.snapshot_dir(paths.stage_dir("prepare_model"), source)
+        model = models.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
+        tokenizer = models.load_tokenizer(snapshot)
+        runs = trajectories.run_all(model, ids, sampling, models.eos_ids(model))
+        run.model = {k: source.get(k) for k in ("name", "kind", "revision")}
+        run.seeds["sample"] = sampling.seed
+        run.facts = {"device": str(device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
+        run.write_parquet(paths.STEPS[1], trajectories.steps_table(runs, tokenizer, sampling.top_n),
+                          compression="zstd")
+        rows, keys = trajectories.step_logit_rows(runs)
+        logits_io.write_logits(run.out(paths.STEP_LOGITS[1]), rows, run.parquet_metadata(),
+                               extra_schema=trajectories.STEP_LOGITS_KEYS, extra_values=keys)
+        run.write_json(paths.TRAJECTORIES[1], trajectories.summary(runs, tokenizer))
+
+
+if __name__ == "__main__":
+    stage_main(STAGE, main)

@@ -1,0 +1,105 @@
+"""Atomic stage outputs, manifests and the provenance fields."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from pipeline import artifacts, paths, provenance
+from pipeline.errors import UserError
+
+MANIFEST_FIELDS = {"schema_version", "stage", "config", "config_sha256", "seeds", "model", "facts", "inputs",
+                   "outputs", "libraries", "hardware", "determinism", "git", "python_executable", "command",
+                   "created_at", "duration_s"}
+
+
+def _table():
+    return pa.table({"a": pa.array([1, 2, 3], pa.int32()), "b": pa.array([0.5, 1.5, 2.5])})
+
+
+def test_manifest_records_every_field_and_true_hashes(tmp_path):
+    src = tmp_path / "artifacts" / "prepare_model"
+    src.mkdir(parents=True)
+    (src / "source.json").write_text("{}")
+    with artifacts.stage_run("tokenize", {"prompt": {"text": "x"}}, tmp_path) as run:
+        run.use(paths.SOURCE)
+        run.seeds["sample"] = 7
+        run.write_parquet("t.parquet", _table())
+        run.write_json("s.json", {"k": 1})
+    m = json.loads((tmp_path / "artifacts/tokenize/manifest.json").read_text())
+    assert MANIFEST_FIELDS <= set(m)
+    assert m["stage"] == "tokenize" and m["seeds"] == {"sample": 7}
+    assert m["inputs"] == [provenance.file_record(src / "source.json", tmp_path)]
+    assert {o["path"] for o in m["outputs"]} == {"artifacts/tokenize/t.parquet", "artifacts/tokenize/s.json"}
+    for o in m["outputs"]:
+        assert o["sha256"] == provenance.sha256_file(tmp_path / o["path"])
+    parquet = next(o for o in m["outputs"] if o["path"].endswith(".parquet"))
+    assert parquet["logical_sha256"] == provenance.logical_hash(tmp_path / parquet["path"])
+    for key in ("torch", "transformers", "pyarrow", "dvc", "hydra-core", "python"):
+        assert m["libraries"][key]
+    assert m["hardware"]["cpu_cores"] >= 1 and "cuda_available" in m["hardware"]
+    assert artifacts.parquet_facts(tmp_path / "artifacts/tokenize/t.parquet")["stage"] == "tokenize"
+
+
+def test_failed_stage_leaves_previous_output_and_no_staging(tmp_path):
+    with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        run.write_json("s.json", {"v": 1})
+    with pytest.raises(RuntimeError):
+        with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+            run.write_json("s.json", {"v": 2})
+            raise RuntimeError("boom")
+    assert json.loads((tmp_path / "artifacts/tokenize/s.json").read_text()) == {"v": 1}
+    assert not any((tmp_path / paths.STAGING).iterdir())
+
+
+def test_missing_input_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="artifacts/prepare_model/source.json is missing"):
+        with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+            run.use(paths.SOURCE)
+    assert not (tmp_path / "artifacts/tokenize").exists()
+
+
+def test_parquet_writes_are_deterministic(tmp_path):
+    hashes = []
+    for i in range(2):
+        with artifacts.stage_run("tokenize", {"c": 1}, tmp_path) as run:
+            run.write_parquet("t.parquet", _table())
+        hashes.append(provenance.sha256_file(tmp_path / "artifacts/tokenize/t.parquet"))
+    assert hashes[0] == hashes[1]
+
+
+def test_logical_hash_ignores_metadata_but_not_values(tmp_path):
+    import pyarrow.parquet as pq
+    t = _table()
+    pq.write_table(t, tmp_path / "a.parquet")
+    pq.write_table(t.replace_schema_metadata({"x": "y"}), tmp_path / "b.parquet", compression="zstd")
+    pq.write_table(t.set_column(1, "b", pa.array([0.5, 1.5, 2.25])), tmp_path / "c.parquet")
+    la, lb, lc = (provenance.logical_hash(tmp_path / f"{n}.parquet") for n in "abc")
+    assert la == lb != lc
+
+
+def test_safetensors_logical_hash_sees_one_changed_element(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+    x = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    save_file({"x": x}, tmp_path / "a.safetensors", metadata={"m": "1"})
+    save_file({"x": x}, tmp_path / "b.safetensors")
+    y = x.clone()
+    y[1, 2] = 99
+    save_file({"x": y}, tmp_path / "c.safetensors")
+    ha, hb, hc = (provenance.logical_hash(tmp_path / f"{n}.safetensors") for n in "abc")
+    assert ha == hb != hc
+
+
+def test_corrupt_files_give_clear_errors(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(UserError, match="bad.parquet is not a readable Parquet file"):
+        artifacts.read_parquet(tmp_path / "bad.parquet")
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(UserError, match="bad.json is not valid JSON"):
+        artifacts.read_json(tmp_path / "bad.json")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(UserError, match="bad.safetensors is not a readable safetensors file"):
+        artifacts.read_safetensors(tmp_path / "bad.safetensors")

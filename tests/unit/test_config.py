@@ -1,0 +1,83 @@
+"""The real conf/ composes for every group option; sections validate; bad values are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import compose, config
+from pipeline.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
+
+
+def test_groups_are_the_designed_ones():
+    assert GROUPS == ["capture", "checks", "model", "probs", "prompt", "sampling"]
+
+
+@pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS
+                                          for p in sorted((REPO / "conf" / g).glob("*.yaml"))])
+def test_every_group_option_composes_and_validates(tmp_path, group, option):
+    params = compose.compose_to(tmp_path / "params.yaml", [f"{group}={option}"], REPO)
+    for section in config.SECTIONS:
+        assert config.load_section(params, section) is not None
+    assert params[group] == yaml.safe_load((REPO / "conf" / group / f"{option}.yaml").read_text())
+
+
+def test_committed_params_yaml_is_the_composition_of_conf():
+    assert compose.check(REPO, REPO / "params.yaml") == []
+
+
+def test_check_names_the_differing_key(tmp_path):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["sampling"]["top_p"] = 0.5
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True))
+    assert compose.check(REPO, tmp_path / "params.yaml") == ["sampling.top_p"]
+
+
+def test_unknown_model_lists_the_options(tmp_path):
+    with pytest.raises(UserError, match=r"model='nope'.*gemma3_270m, qwen2_5_7b, tiny_qwen2"):
+        compose.compose_to(tmp_path / "p.yaml", ["model=nope"], REPO)
+
+
+def _params():
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize("section,key,value,match", [
+    ("prompt", "text", "", "prompt.text=''"),
+    ("prompt", "text", "   ", "prompt.text='   '"),
+    ("sampling", "temperature", -0.1, "sampling.temperature=-0.1"),
+    ("sampling", "top_p", 0.0, "sampling.top_p=0.0"),
+    ("sampling", "top_p", 1.5, "sampling.top_p=1.5"),
+    ("sampling", "top_k", -1, "sampling.top_k=-1"),
+    ("sampling", "top_k", True, "sampling.top_k=True"),
+    ("sampling", "max_new_tokens", -1, "sampling.max_new_tokens=-1"),
+    ("sampling", "seed", 1.5, "sampling.seed=1.5"),
+    ("sampling", "seed", "abc", "sampling.seed='abc'"),
+    ("capture", "dtype", "int8", "capture.dtype='int8'"),
+    ("capture", "device", "tpu", "capture.device='tpu'"),
+    ("capture", "attention_layers", [0, "x"], "capture.attention_layers='x'"),
+    ("capture", "positions", "middle", "capture.positions='middle'"),
+    ("probs", "temperatures", [0.0], "probs.temperatures=0.0"),
+    ("probs", "positions", [], "probs.positions=\\[\\]"),
+    ("checks", "kv_cache_atol", -1.0, "checks.kv_cache_atol=-1.0"),
+    ("sampling", "typo_key", 1, "sampling.typo_key=1"),
+])
+def test_bad_values_are_named(section, key, value, match):
+    params = _params()
+    params[section][key] = value
+    with pytest.raises(UserError, match=match):
+        config.load_section(params, section)
+
+
+def test_subset_takes_exactly_the_named_keys():
+    params = _params()
+    sub = config.subset(params, ("model.name", "model.tokenizer", "prompt"))
+    assert sub == {"model": {"name": params["model"]["name"], "tokenizer": params["model"]["tokenizer"]},
+                   "prompt": params["prompt"]}
+    with pytest.raises(UserError, match="model.nope"):
+        config.subset(params, ("model.nope",))

@@ -1,0 +1,60 @@
+"""dvc.yaml lists, per stage, exactly its params keys and the code it runs.
+
+Code deps: the stage module plus every pipeline/ module it imports, transitively (found by
+reading the imports, not by hand), so editing library code invalidates exactly the stages
+that run it. Outs: the stage's fixed folder from pipeline/paths.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import paths
+
+REPO = Path(__file__).resolve().parents[2]
+DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+def _pipeline_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "pipeline":
+                out |= {f"pipeline.{a.name}" for a in node.names}
+            elif node.module.startswith("pipeline."):
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("pipeline.")}
+    return {m for m in out if (REPO / (m.replace(".", "/") + ".py")).exists()}
+
+
+def _code_deps(stage: str) -> set[str]:
+    seen, todo = set(), [f"stages.{stage}"]
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        todo.extend(_pipeline_imports(REPO / (mod.replace(".", "/") + ".py")))
+    return {m.replace(".", "/") + ".py" for m in seen}
+
+
+def test_stage_order_matches_paths():
+    assert list(DVC) == [s for s in paths.STAGES if s in DVC]
+
+
+@pytest.mark.parametrize("stage", list(DVC))
+def test_stage_declares_its_code_params_and_outs(stage):
+    spec = DVC[stage]
+    module = importlib.import_module(f"stages.{stage}")
+    assert spec["cmd"] == f"python -m stages.{stage}"
+    assert tuple(spec.get("params", ())) == module.PARAMS
+    code = {d for d in spec["deps"] if d.endswith(".py")}
+    assert code == _code_deps(stage)
+    assert spec["outs"][0] in (paths.stage_dir(stage).as_posix(), {paths.stage_dir(stage).as_posix(): None}) \
+        or list(spec["outs"][0])[0] == paths.stage_dir(stage).as_posix()
