@@ -1,0 +1,23 @@
+"""Stage report: report.md (the article's tables from this run's numbers) and plots/*.png."""
+
+from __future__ import annotations
+
+from pipeline import paths, plots, report
+from pipeline.artifacts import stage_main, stage_run
+
+STAGE = "report"
+PARAMS: tuple[str, ...] = ()   # everything it shows comes from the artifacts (and their manifests)
+
+
+def main() -> None:
+    with stage_run(STAGE, {}) as run:
+        inputs = report.load(run.use)
+        run.model = inputs.manifests["forward"].get("model")
+        font = plots.fonts()
+        run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None}
+        figures = report.draw(inputs, run.out, font)
+        run.out(paths.REPORT[1]).write_text(report.render(inputs, figures, font), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    stage_main(STAGE, main)

@@ -1,0 +1,183 @@
+"""The stages on tiny_qwen2 in a temporary workspace: the acceptance figures of the chain.
+
+One session workspace runs prepare_model -> trajectories once; tests read its artifacts.
+Tests that need to change something work on their own copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from pipeline import artifacts, capture, decode, logits_io, models, paths, provenance
+from pipeline.sampling import SamplingSettings
+from tests.conftest import run_module
+
+REFERENCE = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipeline/reference/seed_article.yaml")
+                           .read_text())
+CHAIN = ("forward", "logits", "probs", "trajectories")
+
+
+@pytest.fixture(scope="module")
+def ws(tiny_workspace):
+    for stage in CHAIN:
+        run_module(f"stages.{stage}", tiny_workspace, check=True)
+    return tiny_workspace
+
+
+def test_tokens_are_the_reference_ids_and_pieces(ws):
+    tokens = pq.read_table(ws / "artifacts/tokenize/tokens.parquet").to_pandas()
+    assert tokens["token_id"].tolist() == REFERENCE["tokenize"]["token_ids"]
+    assert tokens["position"].tolist() == list(range(25))
+    for pos, (tid, text) in REFERENCE["tokenize"]["pieces"].items():
+        row = tokens.iloc[pos]
+        assert (row.token_id, row.text) == (tid, text)
+    split = tokens.iloc[15:17]
+    assert split["token_id"].tolist() == REFERENCE["tokenize"]["byte_split_example"]["ids"]
+    assert not split["decodes_alone"].any() and tokens.drop(index=[15, 16])["decodes_alone"].all()
+    # the two halves' bytes together are " 就"
+    assert bytes.fromhex("".join(split["piece_bytes_hex"])).decode() == " 就"
+    summary = json.loads((ws / "artifacts/tokenize/tokenize.json").read_text())
+    assert summary["round_trip_ok"] and summary["decoded"] == REFERENCE["prompt"]
+    assert summary["expected_token_ids_match"] is True
+
+
+def test_every_manifest_hash_matches_its_file(ws):
+    for stage in ("prepare_model", "tokenize", *CHAIN):
+        m = artifacts.read_manifest(stage, ws)
+        assert m["outputs"], stage
+        for out in m["outputs"]:
+            assert provenance.sha256_file(ws / out["path"]) == out["sha256"], out["path"]
+        for inp in m["inputs"]:
+            assert provenance.sha256_file(ws / inp["path"]) == inp["sha256"], inp["path"]
+
+
+def test_tokenize_rerun_is_byte_identical(ws, tmp_path):
+    copy = tmp_path / "ws"
+    shutil.copytree(ws, copy, symlinks=True)
+    before = provenance.sha256_file(copy / "artifacts/tokenize/tokens.parquet")
+    run_module("stages.tokenize", copy, check=True)
+    assert provenance.sha256_file(copy / "artifacts/tokenize/tokens.parquet") == before
+
+
+def test_capture_names_and_shapes(ws):
+    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
+    facts = json.loads((ws / "artifacts/forward/facts.json").read_text())
+    T, H, V = 25, 64, 152064
+    # safetensors stores names sorted; the capture order is kept in its metadata
+    from safetensors import safe_open
+    with safe_open(str(ws / "artifacts/forward/capture.safetensors"), framework="pt") as f:
+        order = json.loads(f.metadata()["names"])
+    assert order == [*facts["names"], "input_ids"] and set(order) == set(t)
+    assert t["embed"].shape == (1, T, H) and t["logits"].shape == (1, T, V)
+    assert t["blocks.1.attn_weights"].shape == (1, 4, T, T)
+    for i in range(2):
+        for kind in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
+            assert t[capture.act_name(kind, i)].shape == (1, T, H)
+    assert all(v.dtype == torch.bfloat16 for k, v in t.items() if k not in ("input_ids", "blocks.0.attn.mask"))
+    assert facts["output_size"] == V and facts["tokenizer_len"] == 151669
+    assert facts["capture_transparent"] and facts["repeat_identical"]
+
+
+def test_lm_head_recompute_is_exact(ws):
+    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
+    snapshot = ws / "artifacts/prepare_model"
+    model = models.load_model(snapshot, torch.bfloat16, "cpu", "eager", False)
+    from pipeline.recompute import lm_head_recompute
+    assert lm_head_recompute(model, t["final_norm_out"], t["logits"]) == 0.0
+
+
+def test_logits_parquet_equals_capture_exactly(ws):
+    path = ws / "artifacts/logits/logits.parquet"
+    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")["logits"][0]
+    table = pq.read_table(path)
+    assert table.num_rows == 25 * 152064
+    assert table.schema.field("logit").type == "float" and table.schema.field("position").type == "int32"
+    stored = table["logit"].to_numpy().reshape(25, 152064)
+    assert np.array_equal(stored, t.float().numpy())
+    assert "BYTE_STREAM_SPLIT" in logits_io.logit_encodings(path)
+    facts = artifacts.parquet_facts(path)
+    assert facts["dtype"] == "bfloat16" and facts["model"]["name"] == "tiny_qwen2"
+
+
+def test_logits_readable_by_duckdb_and_polars_and_one_row_group_per_position(ws):
+    duckdb = pytest.importorskip("duckdb")
+    pl = pytest.importorskip("polars")
+    path = ws / "artifacts/logits/logits.parquet"
+    n, mx = duckdb.sql(f"select count(*), max(logit) from '{path}' where position = 24").fetchall()[0]
+    assert n == 152064
+    df = pl.read_parquet(path).filter(pl.col("position") == 24)
+    assert df.height == 152064 and df["logit"].max() == pytest.approx(mx)
+    md = pq.ParquetFile(path).metadata
+    assert md.num_row_groups == 25
+    idx = md.schema.names.index("position")
+    # statistics let a filtered read skip every row group but one
+    matching = [rg for rg in range(md.num_row_groups)
+                if md.row_group(rg).column(idx).statistics.min <= 24 <= md.row_group(rg).column(idx).statistics.max]
+    assert matching == [24]
+
+
+def test_vocab_marks_ids_past_the_tokenizer(ws):
+    vocab = pq.read_table(ws / "artifacts/logits/vocab.parquet").to_pandas()
+    assert len(vocab) == 152064
+    assert vocab.loc[151669:, "has_token"].eq(False).all() and vocab.loc[151669:, "piece"].isna().all()
+    assert vocab.loc[9315, "piece"] == "Ġtemperature" and vocab.loc[9315, "text"] == " temperature"
+
+
+def test_probability_tables_sum_to_one_and_follow_the_logits(ws):
+    table = pq.read_table(ws / "artifacts/probs/table.parquet").to_pandas()
+    assert set(table["position"]) == {24} and len(table) == 152064
+    for col in ("p_T0_5", "p_T1", "p_T2"):
+        assert abs(table[col].sum() - 1) < 1e-12
+    by_logit = table.sort_values(["logit", "token_id"], ascending=[False, True])
+    assert (np.diff(by_logit["p_T1"].to_numpy()) <= 0).all()
+    assert by_logit["rank"].tolist()[:3] == [1, 2, 3]
+
+
+def test_filtered_sets(ws):
+    f = pq.read_table(ws / "artifacts/probs/filtered.parquet").to_pandas()
+    k2 = f[f["filter"] == "top_k_2"]
+    assert len(k2) == 2 and abs(k2["prob_after"].sum() - 1) < 1e-12
+    p9 = f[f["filter"] == "top_p_0.9"]
+    assert p9["prob_before"].sum() >= 0.9 > p9["prob_before"].iloc[:-1].sum()
+
+
+def _steps(ws):
+    return pq.read_table(ws / "artifacts/trajectories/steps.parquet").to_pandas()
+
+
+def test_trajectories_match_generate(ws):
+    steps = _steps(ws)
+    model = models.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    ids = pq.read_table(ws / "artifacts/tokenize/tokens.parquet")["token_id"].to_pylist()
+    sample = steps[(steps.branch == "sample") & ~steps.kv_cache]["token_id"].tolist()
+    greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache]["token_id"].tolist()
+    ref = decode.generate_reference(model, ids, SamplingSettings(1.0, 0, 1.0), 4, 20261002, kv_cache=False)
+    assert sample == ref
+    assert greedy == decode.generate_reference(model, ids, SamplingSettings(0.0, 0, 1.0), 4, 0, kv_cache=False)
+    assert steps["prefix_len"].tolist()[:4] == [25, 26, 27, 28]
+    assert steps.groupby(["branch", "kv_cache"]).size().eq(4).all()
+
+
+def test_step_one_uses_the_forward_logits(ws):
+    last = logits_io.read_position(ws / "artifacts/logits/logits.parquet", 24)
+    sl = pq.read_table(ws / "artifacts/trajectories/step_logits.parquet", filters=[("step", "==", 1)]).to_pandas()
+    for (branch, kv), g in sl.groupby(["branch", "kv_cache"]):
+        assert np.array_equal(g.sort_values("token_id")["logit"].to_numpy(), last), (branch, kv)
+    steps = _steps(ws)
+    assert steps[(steps.branch == "greedy") & (steps.step == 1)]["token_id"].eq(int(np.argmax(last))).all()
+
+
+def test_text_so_far_is_decoded_not_joined(ws):
+    steps = _steps(ws)
+    tok = models.load_tokenizer(ws / "artifacts/prepare_model")
+    for (branch, kv), g in steps.groupby(["branch", "kv_cache"]):
+        ids = g.sort_values("step")["token_id"].tolist()
+        assert g.sort_values("step")["text_so_far"].iloc[-1] == tok.decode(ids)
