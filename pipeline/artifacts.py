@@ -143,7 +143,16 @@ def stage_run(stage: str, config: dict[str, Any], root: Path | str = ".") -> Ite
 
 
 def stage_main(stage: str, body: Callable[[], None]) -> None:
-    """Entry point wrapper: a UserError is one line on stderr and exit status 2."""
+    """Entry point wrapper: a UserError is one line on stderr and exit status 2.
+
+    Progress bars show on a terminal only: in CI logs and under DVC's captured output
+    they would be thousands of carriage-return lines.
+    """
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:       # imported by the stage module already
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     try:
         body()
     except UserError as e:

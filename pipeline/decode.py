@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import bad_value
+from pipeline.errors import UserError, bad_value
 from pipeline.sampling import SamplingSettings, choose, next_token_probs
 
 
@@ -33,6 +33,15 @@ def _check(prompt_ids: list[int], max_new_tokens: int) -> None:
         raise bad_value("sampling.max_new_tokens", max_new_tokens, "an integer >= 0")
     if len(prompt_ids) == 0:
         raise bad_value("prompt_ids", prompt_ids, "at least one token id")
+
+
+def _check_finite(logits: torch.Tensor, step: int, position: int) -> None:
+    # multinomial on NaN probabilities fails with an opaque message (or, for greedy,
+    # argmax silently picks a NaN): stop with the positions instead.
+    bad = torch.nonzero(~torch.isfinite(logits.float())).flatten()
+    if bad.numel():
+        raise UserError(f"step {step}: logits at position {position} are not finite for {bad.numel()} ids "
+                        f"(first: {bad[:5].tolist()}): the model produced NaN/Inf; no token chosen")
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -72,6 +81,7 @@ def run_branch(
             # Copy the row: keeping a view would pin the whole [1, pos, vocab] logits.
             logits = out.logits[0, -1].to("cpu", copy=True)
             del out
+            _check_finite(logits, step, len(ids) - 1)
             token = choose(logits, settings, generator)
             prob = float(next_token_probs(logits, settings)[token])
             if token in eos_ids:

@@ -166,14 +166,17 @@ def temperature_bars(out: Callable[[str], Path], position: int, temps: list[dict
     ids = [c["token_id"] for c in temps[0]["top"]]
     groups = [labels[i] for i in ids] + ["rest\n(all other ids)"]
     values = np.array([[c["prob"] for c in t["top"]] + [t["rest"]] for t in temps])   # [T, group]
-    rows = [[g.replace("\n", " "), *(float(v) for v in values[:, j])] for j, g in enumerate(groups)]
-    data = out("plots/temperature_top.csv")
-    _write_csv(data, ["candidate", *(f"p_T{t['temperature']:g}" for t in temps)], rows)
+    # One row per temperature with fixed column names (rank1.., rest), so a dvc.yaml plot spec
+    # holds for any model and prompt; which id each rank is goes in a file of its own.
+    _write_csv(out("plots/temperature_top.csv"), ["temperature", *(f"rank{k + 1}" for k in range(len(ids))), "rest"],
+               [[float(t["temperature"]), *(float(v) for v in values[k])] for k, t in enumerate(temps)])
+    _write_csv(out("plots/temperature_top_ids.csv"), ["rank", "token_id", "label"],
+               [[k + 1, i, labels[i].replace("\n", " ")] for k, i in enumerate(ids)])
     with matplotlib.rc_context(_rc(font)):
         fig = _new_figure()
         ax = fig.add_subplot()
         width = 0.8 / len(temps)
-        colors = matplotlib.colormaps["coolwarm"](np.linspace(0.05, 0.95, len(temps)))
+        colors = matplotlib.colormaps["plasma"](np.linspace(0.1, 0.8, len(temps)))   # cool -> hot
         x = np.arange(len(groups))
         for k, t in enumerate(temps):
             bars = ax.bar(x + (k - (len(temps) - 1) / 2) * width, values[k], width, color=colors[k],
@@ -208,15 +211,17 @@ def cumulative_curve(out: Callable[[str], Path], position: int, logits: np.ndarr
         ax.set_xscale("log")
         ax.set_xlim(1, p.size * 1.5)
         ax.set_ylim(0, 1.02)
-        for c in cuts:
+        for k, c in enumerate(cuts):
             n = c["kept_count"]
             ax.axhline(c["top_p"], color="tab:red", ls="--", lw=1)
             ax.axvline(n, color="tab:red", ls=":", lw=1)
             ax.plot([n], [cum[n - 1]], "o", color="tab:red")
+            # the box sits below-right of the cut, where the rising curve leaves room
             ax.annotate(f"{c['filter']}: top_p = {c['top_p']:g} keeps {n} of {p.size} ids\n"
-                        f"(kept mass {c['kept_mass']:.6f})", (n, cum[n - 1]), xytext=(-12, -38),
-                        textcoords="offset points", ha="right", color="tab:red",
-                        bbox={"boxstyle": "round", "fc": "white", "ec": "tab:red", "alpha": 0.9})
+                        f"(kept mass {c['kept_mass']:.6f})", (n, cum[n - 1]), xytext=(0.97, 0.25 + 0.15 * k),
+                        textcoords="axes fraction", ha="right", color="tab:red",
+                        arrowprops={"arrowstyle": "->", "color": "tab:red"},
+                        bbox={"boxstyle": "round", "fc": "white", "ec": "tab:red"})
         ax.set_xlabel("candidates kept, sorted by probability (rank, log scale)")
         ax.set_ylabel("cumulative probability")
         ax.set_title(f"How much mass the top-ranked ids hold (position {position}, T = {t:g})")
@@ -248,8 +253,10 @@ def entropy_plot(out: Callable[[str], Path], position: int, logits: np.ndarray, 
                    label=f"uniform over all {logits.size} ids: ln V = {ceiling:.3f} nats")
         for t in temps:
             ax.plot([t["temperature"]], [t["entropy_nats"]], "o", color="black", zorder=3)
-            ax.annotate(f"T = {t['temperature']:g}: {t['entropy_nats']:.3f} nats", (t["temperature"], t["entropy_nats"]),
-                        xytext=(8, -14), textcoords="offset points", fontsize=9)
+            # above-left of the dot: the rising curve lies below-left of it
+            ax.annotate(f"T = {t['temperature']:g}: {t['entropy_nats']:.3f} nats",
+                        (t["temperature"], t["entropy_nats"]), xytext=(-8, 8), textcoords="offset points",
+                        ha="right", fontsize=9)
         ax.set_xlim(0, grid[-1])
         ax.set_ylim(0, ceiling * 1.08)
         ax.set_xlabel("temperature T")

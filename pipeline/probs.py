@@ -126,3 +126,24 @@ def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int
             "fp32_within_tolerance": tab.sum_err32 <= tolerance32,
         })
     return out
+
+
+def sweep_metrics(position: int, row: np.ndarray, sampling_filter: dict, by_temperature: list[dict]) -> dict:
+    """The numbers a sweep compares, at one position (DVC metrics: flat keys, no dots).
+
+    `sampling`: the configured filter and the distribution it draws from (temperature 0 is
+    greedy: its distribution is reported at T = 1, as the filter's).
+    """
+    s = sampling_filter
+    t = s["temperature"] if s["temperature"] > 0 else 1.0
+    p = torch.softmax(torch.from_numpy(row).to(torch.float64) / t, dim=-1).numpy()
+    return {
+        "position": position,
+        "sampling": {"kept_count": s["kept_count"], "kept_mass": s["kept_mass"],
+                     "top_prob_after": s["top_prob_after"], "top_prob": float(p.max()),
+                     "entropy_bits": entropy_nats(p) / math.log(2)},
+        "temperatures": {prob_column(e["temperature"]): {"top_prob": e["top"][0]["prob"],
+                                                        "entropy_bits": e["entropy_bits"],
+                                                        "sum_error_fp32": e["sum_error_fp32"]}
+                         for e in by_temperature if e["position"] == position},
+    }

@@ -11,6 +11,7 @@ the figures): running the stage twice writes the same bytes.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +27,7 @@ from pipeline.plots import Figure, Fonts
 Use = Callable[[Any], Path]     # StageRun.use: records an input, returns its path
 N_COORDS = 4                    # the article prints the first 4 coordinates
 MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
+SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
 UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
 
 
@@ -40,7 +42,7 @@ class Inputs:
     facts: dict                        # forward/facts.json
     input_ids: tuple[list[int], str]   # shape and dtype of the captured input ids
     coords: dict[str, np.ndarray]      # embed / final_norm_out -> [T, 4], bf16 values as float32
-    position: int                      # the last prompt position (the figures' position)
+    position: int                      # the last position with probability tables (default: the last one)
     logits: np.ndarray                 # [V] float32 logits at `position` (exact bf16 values)
     summary: dict                      # probs/summary.json
     kept_top: list[dict]               # probs/filtered.parquet rows with kept_rank <= top_n
@@ -52,6 +54,10 @@ class Inputs:
     @property
     def top_n(self) -> int:
         return len(self.summary["temperatures"][0]["top"])
+
+    def where(self) -> str:
+        last = self.facts["n_positions"] - 1
+        return f"position {self.position}" + (" (the last prompt position)" if self.position == last else "")
 
     def top_logit_ids(self) -> list[int]:
         # rank 1 = highest logit; ties go to the lower id (pipeline.sampling's rule)
@@ -86,8 +92,8 @@ def load(use: Use, root: Path | str = ".") -> Inputs:
                  if paths.manifest_path(s, root).exists()}
     facts = read_json(use(paths.FORWARD_FACTS))
     coords, input_ids = _first_coords(use(paths.CAPTURE))
-    position = facts["logit_positions"][-1]
     summary = read_json(use(paths.PROBS_SUMMARY))
+    position = summary["positions"][-1]      # probs.positions, resolved; -1 (the last) by default
     top_n = len(summary["temperatures"][0]["top"])
     checks = None
     if paths.artifact(paths.CHECKS, root).exists():
@@ -132,8 +138,13 @@ def yes(b: bool | None) -> str:
 def table(headers: list[str], rows: list[list], source: str | list[str]) -> list[str]:
     sources = [source] if isinstance(source, str) else source
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(str(c).replace("\n", " ") for c in row) + " |" for row in rows]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return out + ["", "source: " + ", ".join(f"`{s}`" for s in sources), ""]
+
+
+def _cell(c: Any) -> str:
+    # A bare pipe ends a table cell and a newline ends the row; code() already escaped its pipes.
+    return re.sub(r"(?<!\\)\|", r"\\|", str(c)).replace("\n", " ")
 
 
 def figure(fig: Figure) -> list[str]:
@@ -225,13 +236,14 @@ def shapes(inp: Inputs) -> list[str]:
     def row(label: str, name: str) -> list:
         return [label, code(name), str(names[name]["shape"]), names[name]["dtype"]]
     shape, dtype = inp.input_ids
-    rows = [["input ids", code("input_ids"), str(shape), dtype.lower()], row("embeddings", act_name("embed"))]
+    rows = [["input ids", code("input_ids"), str(shape), SAFETENSORS_DTYPES.get(dtype, dtype)],
+            row("embeddings", act_name("embed"))]
     rows += [row(f"layer {i} output", act_name("resid_post", i)) for i in range(f["num_layers"])
              if act_name("resid_post", i) in names]
     rows += [row("final norm (LM-head input)", act_name("final_norm_out")),
              ["LM-head weight", "`lm_head.weight`", str(f["lm_head_weight_shape"]),
               f"bias: {yes(f['lm_head_has_bias'])}"], row("logits", act_name("logits")),
-             ["next id (argmax, last position)", "-", "[1]", f"id {inp.top_logit_ids()[0]}"]]
+             [f"next id (argmax at position {inp.position})", "-", "[1]", f"id {inp.top_logit_ids()[0]}"]]
     return ["## 3. Shapes through the model", ""] + table(["step", "tensor", "shape", "dtype"], rows,
                                                          [src(paths.FORWARD_FACTS), src(paths.CAPTURE)])
 
@@ -246,17 +258,18 @@ def coordinates(inp: Inputs) -> list[str]:
         r = inp.tokens[p]
         rows.append([p, r["token_id"], code(r["text"]), ", ".join(exact(v) for v in emb[p]),
                      ", ".join(exact(v) for v in fin[p])])
-    last = ", ".join(exact(v) for v in fin[inp.position])
+    n = inp.facts["n_positions"] - 1
+    last = ", ".join(exact(v) for v in fin[n])
     return ["## 4. First coordinates: embeddings and LM-head input", "",
             f"The first {N_COORDS} coordinates of each position's embedding row (`embed`) and of the LM-head "
             f"input (`final_norm_out`), printed exactly ({inp.facts['names']['embed']['dtype']} values). "
-            f"LM-head input at the last position ({inp.position}): `[{last}]`.", ""] + table(
+            f"LM-head input at the last position ({n}): `[{last}]`.", ""] + table(
         ["position", "id", "text", f"embed[:{N_COORDS}]", f"final_norm_out[:{N_COORDS}]"], rows, src(paths.CAPTURE))
 
 
 def top_logits(inp: Inputs) -> list[str]:
     rows = [[k + 1, i, token_text(inp, i), exact(inp.logits[i])] for k, i in enumerate(inp.top_logit_ids())]
-    return [f"## 5. Top-{inp.top_n} logits at the last position ({inp.position})", "",
+    return [f"## 5. Top-{inp.top_n} logits at {inp.where()}", "",
             f"Raw {inp.facts['compute_dtype']} logits over all {inp.logits.size} outputs (the tokenizer has "
             f"{inp.facts['tokenizer_len']} tokens).", ""] + table(
         ["rank", "id", "text", "logit"], rows, [src(paths.LOGITS), src(paths.VOCAB)])
@@ -330,7 +343,7 @@ def checks(inp: Inputs) -> list[str]:
     errors = [c for c in failed if c["severity"] == "error"]
     rows = [[code(c["name"]), c["what"], _measured(c["measured"]), _measured(c["tolerance"]),
              c["verdict"] if c["verdict"] == "pass" else f"**{c['verdict'].upper()}**", c["severity"],
-             (c.get("detail") or "").replace("|", "\\|")] for c in inp.checks]
+             c.get("detail") or ""] for c in inp.checks]
     return out + [f"{len(inp.checks)} checks: {len(inp.checks) - len(failed)} pass, {len(failed)} fail "
                   f"({len(errors)} of severity `error`). `report` checks record numerical findings; they never "
                   f"fail the run.", ""] + table(
@@ -342,11 +355,8 @@ def _measured(x: float | None) -> str:
 
 
 def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figure]:
-    """The three figures at the last prompt position, drawn into `out(...)` paths."""
+    """The three figures at `inp.position`, drawn into `out(...)` paths."""
     temps = [t for t in inp.summary["temperatures"] if t["position"] == inp.position]
-    if not temps:
-        raise UserError(f"{src(paths.PROBS_SUMMARY)} has no table for the last position {inp.position}: "
-                        f"set probs.positions to include -1")
     labels = {c["token_id"]: plots.token_label(c["token_id"], inp.vocab.get(c["token_id"]), font)
               for c in temps[0]["top"]}
     cuts = [f for f in inp.summary["filters"] if f["position"] == inp.position and f["top_p"] < 1.0]
@@ -364,7 +374,7 @@ def render(inp: Inputs, figures: dict[str, Figure], font: Fonts) -> str:
                                                             "escaped, \\uXXXX)")
     lines = [f"# Next-token report: `{inp.source.get('name')}` on prompt `{prompt_name}`", "",
              "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
-             f"from. Figures are drawn at the last prompt position ({inp.position}); plot fonts: {fonts}.", ""]
+             f"from. Figures are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
     for part in (conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
                  temperatures(inp, figures), filters(inp, figures), trajectories(inp), checks(inp)):
         lines += part

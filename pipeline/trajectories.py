@@ -99,12 +99,8 @@ def summary(runs: list[Run], tokenizer) -> dict:
     return out
 
 
-def check_finite_steps(runs: list[Run]) -> None:
-    from pipeline.errors import UserError
-    for r in runs:
-        for s in r.steps:
-            bad = torch.nonzero(~torch.isfinite(s.logits.float())).flatten()
-            if bad.numel():
-                raise UserError(f"branch {r.branch} (kv_cache={r.kv_cache}) step {s.step}: logits at position "
-                                f"{s.prefix_len - 1} are not finite for {bad.numel()} ids (first: "
-                                f"{bad[:5].tolist()}): the model produced NaN/Inf")
+def sweep_metrics(summary_by_run: dict) -> dict:
+    """Per branch on the reference path (no cache): ids as one string, text, steps."""
+    return {v["branch"]: {"ids": " ".join(map(str, v["token_ids"])), "text": v["text"],
+                          "steps": len(v["token_ids"])}
+            for v in summary_by_run.values() if not v["kv_cache"]}

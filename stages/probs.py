@@ -45,6 +45,10 @@ def main() -> None:
                           row_group_size=len(vocab))
         run.write_parquet(paths.FILTERED[1], pa.table(filtered, schema=probs.FILTERED_SCHEMA), compression="zstd")
         run.write_json(paths.PROBS_SUMMARY[1], {"positions": positions, **summary})
+        last = positions[-1]
+        sampling_filter = next(f for f in summary["filters"] if f["position"] == last and f["filter"] == "sampling")
+        run.write_json(paths.PROBS_METRICS[1], probs.sweep_metrics(
+            last, logits_io.read_position(logits_path, last), sampling_filter, summary["temperatures"]))
 
 
 if __name__ == "__main__":

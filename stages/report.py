@@ -12,7 +12,7 @@ PARAMS: tuple[str, ...] = ()   # everything it shows comes from the artifacts (a
 def main() -> None:
     with stage_run(STAGE, {}) as run:
         inputs = report.load(run.use)
-        run.model = inputs.manifests["forward"].get("model")
+        run.model = inputs.manifests.get("forward", {}).get("model")
         font = plots.fonts()
         run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None}
         figures = report.draw(inputs, run.out, font)

@@ -34,7 +34,9 @@ def main() -> None:
         rows, keys = trajectories.step_logit_rows(runs)
         logits_io.write_logits(run.out(paths.STEP_LOGITS[1]), rows, run.parquet_metadata(),
                                extra_schema=trajectories.STEP_LOGITS_KEYS, extra_values=keys)
-        run.write_json(paths.TRAJECTORIES[1], trajectories.summary(runs, tokenizer))
+        summary = trajectories.summary(runs, tokenizer)
+        run.write_json(paths.TRAJECTORIES[1], summary)
+        run.write_json(paths.TRAJECTORIES_METRICS[1], trajectories.sweep_metrics(summary))
 
 
 if __name__ == "__main__":

@@ -56,5 +56,11 @@ def test_stage_declares_its_code_params_and_outs(stage):
     assert tuple(spec.get("params", ())) == module.PARAMS
     code = {d for d in spec["deps"] if d.endswith(".py")}
     assert code == _code_deps(stage)
-    assert spec["outs"][0] in (paths.stage_dir(stage).as_posix(), {paths.stage_dir(stage).as_posix(): None}) \
-        or list(spec["outs"][0])[0] == paths.stage_dir(stage).as_posix()
+    # outputs: the stage folder itself, or (where DVC metrics/plots live beside them) its files
+    # one by one, always including the manifest; nothing outside the folder
+    folder = paths.stage_dir(stage).as_posix()
+    outs = [o if isinstance(o, str) else next(iter(o)) for o in spec["outs"]]
+    declared = outs + [next(iter(m)) if isinstance(m, dict) else m for m in spec.get("metrics", [])] \
+        + [next(iter(p)) if isinstance(p, dict) else p for p in spec.get("plots", [])]
+    assert outs == [folder] or f"{folder}/{paths.MANIFEST}" in outs
+    assert all(d == folder or d.startswith(folder + "/") for d in declared)

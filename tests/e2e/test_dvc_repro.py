@@ -1,0 +1,115 @@
+"""End to end: `dvc repro` and `dvc exp run` in a temporary git clone of this working tree.
+
+The clone holds the tracked and untracked-but-not-ignored files (what a commit of the
+current tree would hold), with its own git history and DVC cache, on tiny_qwen2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import provenance
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def sh(cwd: Path, *cmd: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "DVC_NO_ANALYTICS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def clone_worktree(dest: Path) -> Path:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    sh(dest, "git", "init", "-q")
+    sh(dest, "git", "add", "-A")
+    sh(dest, "git", "commit", "-qm", "clone of the working tree")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    repo = clone_worktree(tmp_path_factory.mktemp("clone"))
+    sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
+    sh(repo, "dvc", "repro")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "tiny_qwen2 run")
+    return repo
+
+
+def test_repro_runs_every_stage_and_is_then_up_to_date(clone):
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    stages = list(yaml.safe_load((clone / "dvc.yaml").read_text())["stages"])
+    assert set(lock) == set(stages)
+    status = sh(clone, "dvc", "status")
+    assert "up to date" in status.stdout
+    again = sh(clone, "dvc", "repro")
+    assert "didn't change, skipping" in again.stdout and "Running stage" not in again.stdout
+
+
+def test_forced_tokenize_is_byte_identical(clone):
+    path = clone / "artifacts/tokenize/tokens.parquet"
+    before = provenance.sha256_file(path)
+    sh(clone, "dvc", "repro", "--force", "--single-item", "tokenize")
+    assert provenance.sha256_file(path) == before
+    sh(clone, "git", "checkout", "--", ".")
+
+
+def test_compose_check_detects_a_conf_change(clone):
+    assert sh(clone, "nexttoken", "compose", "--check", check=False).returncode == 1   # params = tiny_qwen2
+    work = clone.parent / "check_copy"
+    shutil.copytree(clone, work, ignore=shutil.ignore_patterns("artifacts", ".dvc"))
+    sh(work, "nexttoken", "compose")
+    assert sh(work, "nexttoken", "compose", "--check").returncode == 0
+    conf = work / "conf/sampling/reference.yaml"
+    conf.write_text(conf.read_text().replace("top_k: 0", "top_k: 7"))
+    proc = sh(work, "nexttoken", "compose", "--check", check=False)
+    assert proc.returncode == 1 and "sampling.top_k" in proc.stderr
+
+
+def test_sampling_change_reruns_only_the_sampling_stages(clone):
+    proc = sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "sampling.temperature=0.7")
+    out = proc.stdout
+    for skipped in ("prepare_model", "tokenize", "forward", "logits"):
+        assert f"Stage '{skipped}' didn't change, skipping" in out, out
+    for rerun in ("probs", "trajectories"):
+        assert f"Running stage '{rerun}'" in out, out
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    assert params["sampling"]["temperature"] == 0.7 and params["model"]["name"] == "tiny_qwen2"
+
+
+def test_exp_run_with_a_new_prompt_composes_and_runs(clone):
+    sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text=Hello world")
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    assert params["prompt"]["text"] == "Hello world"
+    tokens = __import__("pyarrow.parquet", fromlist=["x"]).read_table(clone / "artifacts/tokenize/tokens.parquet")
+    assert tokens.num_rows == 2   # "Hello", " world"
+
+
+def test_bad_prompt_in_exp_run_fails_cleanly(clone):
+    # DVC itself removes a stage's outputs before running it; the stage must then fail
+    # with one clear line and leave nothing behind, and DVC must know to re-run it.
+    proc = sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text=' '", check=False)
+    assert proc.returncode != 0
+    assert "nexttoken tokenize: error: prompt.text=' ' is not allowed: a non-empty string" in proc.stdout + proc.stderr
+    assert not (clone / "artifacts/tokenize").exists() or not any((clone / "artifacts/tokenize").iterdir())
+    staging = clone / ".nexttoken/staging"
+    assert not staging.exists() or not any(staging.iterdir())
+    assert "tokenize" in sh(clone, "dvc", "status").stdout

@@ -1,0 +1,259 @@
+"""The report stage on tiny_qwen2: its tables carry the artifacts' numbers, its figures exist.
+
+One module workspace (a copy of the session's tiny workspace, the chain run to
+trajectories, plus a hand-written checks.parquet in the checks stage's schema) runs the
+report once; tests re-read the artifacts and find the same numbers in report.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from safetensors.torch import load_file
+
+from pipeline import logits_io, paths, plots, report
+from tests.conftest import run_module
+
+CHAIN = ("forward", "logits", "probs", "trajectories")
+CHECKS_SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
+                           ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
+                           ("detail", pa.string())])
+CHECKS = [
+    {"name": "lm_head_recompute", "what": "lm_head(final_norm_out) vs logits", "measured": 0.0, "tolerance": 0.0,
+     "verdict": "pass", "severity": "error", "detail": "max |diff| over every position"},
+    {"name": "fp32_sum_T1", "what": "|sum(p_fp32) - 1| at T=1", "measured": 2.85e-05, "tolerance": 2e-06,
+     "verdict": "fail", "severity": "report", "detail": "FP32 accumulation, as in the article"},
+    {"name": "kv_cache_parity", "what": "max |logit diff| per step", "measured": float("nan"), "tolerance": 0.01,
+     "verdict": "pass", "severity": "report", "detail": None},
+]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_checks(ws: Path) -> None:
+    folder = paths.stage_dir("checks", ws)
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(CHECKS, schema=CHECKS_SCHEMA), paths.artifact(paths.CHECKS, ws))
+
+
+@pytest.fixture(scope="module")
+def ws(tiny_workspace, tmp_path_factory) -> Path:
+    ws = tmp_path_factory.mktemp("report_ws") / "ws"
+    shutil.copytree(tiny_workspace, ws)
+    for stage in CHAIN:
+        # an earlier test module may have run the chain in the shared workspace already
+        if not paths.manifest_path(stage, ws).exists():
+            run_module(f"stages.{stage}", ws, check=True)
+    _write_checks(ws)
+    run_module("stages.report", ws, check=True)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def md(ws) -> str:
+    return paths.artifact(paths.REPORT, ws).read_text(encoding="utf-8")
+
+
+def section(md: str, number: int) -> str:
+    m = re.search(rf"^## {number}\. .*?(?=^## |\Z)", md, flags=re.M | re.S)
+    assert m, f"report.md has no section {number}"
+    return m.group(0)
+
+
+def tables(text: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table in `text` as rows of {header: cell}."""
+    out, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+        elif block:
+            head, rows = block[0], block[2:]
+            out.append([dict(zip(head, r)) for r in rows])
+            block = []
+    return out
+
+
+def unquote(cell: str) -> str:
+    """The string a code() cell shows."""
+    return json.loads(cell.strip("`").replace("\\|", "|"))
+
+
+# ---------------------------------------------------------------- numbers
+def test_top_logits_are_the_stored_ones(ws, md):
+    facts = json.loads(paths.artifact(paths.FORWARD_FACTS, ws).read_text())
+    last = facts["logit_positions"][-1]
+    logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), last)
+    top = np.argsort(-logits.astype(np.float64), kind="stable")[:3]
+    rows = tables(section(md, 5))[0]
+    assert [int(r["id"]) for r in rows] == top.tolist()
+    assert [float(r["logit"]) for r in rows] == [float(logits[i]) for i in top]   # printed exactly
+    assert section(md, 5).splitlines()[0].endswith(f"at position {last} (the last prompt position)")
+
+
+def test_temperature_table_and_rest_match_summary(ws, md):
+    summary = json.loads(paths.artifact(paths.PROBS_SUMMARY, ws).read_text())
+    t1 = next(t for t in summary["temperatures"] if t["temperature"] == 1.0)
+    rows = tables(section(md, 6))[0]
+    by_id = {r["id"]: r for r in rows}
+    for cand in t1["top"]:
+        assert float(by_id[str(cand["token_id"])]["T = 1"]) == pytest.approx(cand["prob"], abs=5e-5)
+    assert float(by_id["rest"]["T = 1"]) == pytest.approx(t1["rest"], abs=5e-5)
+    # a row's probabilities plus rest make 1 (to the printed precision)
+    assert sum(float(r["T = 1"]) for r in rows) == pytest.approx(1.0, abs=4 * 5e-5)
+    sums = {r["T"]: r for r in tables(section(md, 6))[1]}
+    assert float(sums["1"]["FP32 error"]) == pytest.approx(t1["sum_error_fp32"], rel=1e-3)
+    assert sums["1"]["FP32 within"] == ("yes" if t1["fp32_within_tolerance"] else "**no**")
+
+
+def test_top_p_kept_count_and_renormalised_probs(ws, md):
+    filtered = pq.read_table(paths.artifact(paths.FILTERED, ws)).to_pandas()
+    kept = filtered[filtered["filter"] == "top_p_0.9"]
+    summary_rows, kept_rows = tables(section(md, 7))[:2]
+    row = next(r for r in summary_rows if unquote(r["filter"]) == "top_p_0.9")
+    assert int(row["kept ids"]) == len(kept) > 0
+    top_k2 = [r for r in kept_rows if unquote(r["filter"]) == "top_k_2"]
+    stored = filtered[filtered["filter"] == "top_k_2"].sort_values("kept_rank")
+    assert [int(r["id"]) for r in top_k2] == stored["token_id"].tolist()
+    assert [float(r["p after (renormalised)"]) for r in top_k2] == pytest.approx(stored["prob_after"].tolist(),
+                                                                                  abs=5e-5)
+
+
+def test_trajectory_tables_show_the_stored_ids(ws, md):
+    steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
+    text = section(md, 8)
+    blocks = tables(text)
+    heads = re.findall(r"^Branch `(\w+)`, KV cache (on|off)", text, flags=re.M)
+    assert len(heads) == len(blocks) == 4
+    for (branch, kv), rows in zip(heads, blocks):
+        want = steps[(steps.branch == branch) & (steps.kv_cache == (kv == "on"))].sort_values("step")
+        assert [int(r["id"]) for r in rows] == want["token_id"].tolist()
+        assert [unquote(r["text so far"]) for r in rows] == want["text_so_far"].tolist()
+    greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache].sort_values("step")
+    logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), 24)
+    assert greedy["token_id"].iloc[0] == int(np.argmax(logits))   # greedy step 1 = argmax
+
+
+def test_coordinates_are_the_captured_bf16_values(ws, md):
+    capture = load_file(str(paths.artifact(paths.CAPTURE, ws)))
+    rows = {r["position"]: r for r in tables(section(md, 4))[0]}
+    for name, column in (("embed", "embed[:4]"), ("final_norm_out", "final_norm_out[:4]")):
+        values = capture[name][0, :, :4].float()
+        for pos in (6, 24):
+            shown = [float(v) for v in rows[str(pos)][column].split(",")]
+            assert shown == values[pos].tolist()
+
+
+def test_checks_table_shows_every_verdict(md):
+    rows = {unquote(r["check"]): r for r in tables(section(md, 9))[0]}
+    assert set(rows) == {c["name"] for c in CHECKS}
+    assert rows["fp32_sum_T1"]["verdict"] == "**FAIL**" and rows["fp32_sum_T1"]["severity"] == "report"
+    assert rows["lm_head_recompute"]["verdict"] == "pass"
+    assert rows["kv_cache_parity"]["measured"] == "-"          # NaN is shown as missing, not "nan"
+    assert "3 checks: 2 pass, 1 fail (0 of severity `error`)" in section(md, 9)
+
+
+def test_shapes_follow_the_capture(ws, md):
+    facts = json.loads(paths.artifact(paths.FORWARD_FACTS, ws).read_text())
+    rows = tables(section(md, 3))[0]
+    assert rows[0]["shape"] == f"[1, {facts['n_positions']}]"
+    layer_rows = [r for r in rows if r["step"].startswith("layer ")]
+    assert len(layer_rows) == facts["num_layers"]
+    assert rows[-2]["shape"] == str(facts["names"]["logits"]["shape"])
+
+
+# ---------------------------------------------------------------- form
+def test_every_table_cites_an_existing_artifact(ws, md):
+    cited = re.findall(r"^source: (.+)$", md, flags=re.M)
+    assert len(cited) == len(tables(md)) >= 12
+    for line in cited:
+        for path in re.findall(r"`([^`]+)`", line):
+            if "*" in path:
+                assert list(ws.glob(path)), path
+            else:
+                assert (ws / path).is_file(), path
+
+
+def test_every_png_named_exists_and_is_a_real_image(ws, md):
+    names = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
+    assert sorted(names) == ["plots/cumulative.png", "plots/entropy.png", "plots/temperature_top.png"]
+    folder = paths.stage_dir("report", ws)
+    for name in names:
+        data = (folder / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE, name
+        width, height = struct.unpack(">II", data[16:24])                 # IHDR
+        assert width >= 600 and height >= 300 and len(data) > 10_000, (name, width, height, len(data))
+        assert b"Software" not in data and b"tIME" not in data           # nothing run-specific
+    for data_file in re.findall(r"Data: `([^`]+)`", md):
+        assert (folder / data_file).stat().st_size > 0
+
+
+def test_plot_data_matches_the_summary(ws):
+    summary = json.loads(paths.artifact(paths.PROBS_SUMMARY, ws).read_text())
+    folder = paths.stage_dir("report", ws) / "plots"
+    configured = {t["temperature"]: t["entropy_nats"] for t in summary["temperatures"]}
+    lines = (folder / "entropy_configured.csv").read_text().splitlines()
+    assert lines[0] == "temperature,entropy_nats,entropy_bits"
+    assert {float(a): float(b) for a, b, _ in (l.split(",") for l in lines[1:])} == configured
+    # the fine-grid curve, recomputed here, passes through the configured points
+    logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), 24)
+    for t, h in configured.items():
+        assert plots.entropy_curve(logits, np.array([t]))[0] == pytest.approx(h, rel=1e-9)
+    cum = (folder / "cumulative.csv").read_text().splitlines()
+    assert cum[0] == "rank,log10_rank,prob,cumulative" and float(cum[-1].split(",")[3]) == pytest.approx(1.0)
+
+
+def test_second_run_writes_identical_bytes(ws):
+    folder = paths.stage_dir("report", ws)
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+              and p.name != paths.MANIFEST}
+    run_module("stages.report", ws, check=True)
+    after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+             and p.name != paths.MANIFEST}
+    assert set(after) == set(before) and Path("report.md") in after
+    assert [n for n in before if before[n] != after[n]] == []
+
+
+def test_without_checks_the_report_says_so(ws, tmp_path):
+    # The other stages' folders linked in, the checks folder left out.
+    for stage in ("prepare_model", "tokenize", *CHAIN):
+        (tmp_path / paths.ARTIFACTS).mkdir(exist_ok=True)
+        (tmp_path / paths.ARTIFACTS / stage).symlink_to(paths.stage_dir(stage, ws).resolve())
+    run_module("stages.report", tmp_path, check=True)
+    text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 9)
+    assert "`artifacts/checks/checks.parquet` is missing" in text and not tables(text)
+
+
+def test_missing_input_is_a_clear_error(tmp_path):
+    proc = run_module("stages.report", tmp_path)
+    assert proc.returncode == 2 and "artifacts/forward/facts.json is missing" in proc.stderr
+    assert not paths.stage_dir("report", tmp_path).exists()
+
+
+# ---------------------------------------------------------------- cells and labels
+def test_code_cells_survive_markdown():
+    assert report.code("a|b") == '`"a\\|b"`'
+    assert report.code(" x\n") == '`" x\\n"`'
+    assert report.code("x`y") == '``"x`y"``'
+    assert report._cell("1 | 2\n3") == "1 \\| 2 3" and report._cell(report.code("|")) == '`"\\|"`'
+    assert report.prob(0.61794) == "0.6179" and report.prob(2.5e-6) == "2.500e-06"
+    assert report.shown_positions(3) == [0, 1, 2]
+    assert report.shown_positions(100)[report.MAX_ROWS // 2] is None and len(report.shown_positions(100)) == 41
+
+
+def test_token_labels_without_and_with_a_cjk_font():
+    latin = plots.Fonts(("DejaVu Sans",), frozenset(range(32, 0x250)))
+    cjk = plots.Fonts(("DejaVu Sans", "Noto Sans CJK SC"), frozenset(range(32, 0x250)) | {0x6E29, 0x5EA6})
+    warm = {"text": "温度", "decodes_alone": True, "piece_bytes_hex": "e6b8a9e5baa6", "has_token": True}
+    assert plots.token_label(104273, warm, latin) == '"\\u6e29\\u5ea6"\nid 104273'
+    assert plots.token_label(104273, warm, cjk) == '"温度"\nid 104273'
+    half = {"text": " \ufffd", "decodes_alone": False, "piece_bytes_hex": "20e5b0", "has_token": True}
+    assert plots.token_label(58230, half, cjk) == "bytes 20e5b0\nid 58230"
+    assert plots.token_label(151700, None, cjk) == "(no token)\nid 151700"
+    assert plots.token_label(220, {"text": " ", "decodes_alone": True}, latin) == '" "\nid 220'
