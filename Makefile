@@ -33,5 +33,10 @@ test: setup
 test-fast: setup
 	$(RUN) python -m pytest -q -m "not slow"
 
+# Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
+# ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.
+bench: setup
+	$(RUN) nexttoken bench
+
 clean-venv:
 	rm -rf $(VENV)

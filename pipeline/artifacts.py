@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import struct
 import sys
 import time
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from pipeline import paths, provenance
 from pipeline.errors import EXIT_USER_ERROR, UserError
 
 PARQUET_META_KEY = b"nexttoken"
+TEST_PAUSE_ENV = "NEXTTOKEN_TEST_PAUSE"
 
 
 class StageRun:
@@ -35,10 +38,11 @@ class StageRun:
         self.model: dict[str, Any] | None = None
         self.facts: dict[str, Any] = {}
         self._inputs: list[dict[str, Any]] = []
+        self._recorded: dict[str, tuple[str, str | None]] = {}   # path -> (sha256, stage recording it)
+        self._manifests: dict[str, dict | None] = {}
         self._started = time.time()
         self.staging = self.root / paths.STAGING / f"{stage}-{os.getpid()}"
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
+        _remove_stale_staging(self.staging.parent, stage)
         self.staging.mkdir(parents=True)
 
     # ------------------------------------------------------------ inputs
@@ -55,8 +59,60 @@ class StageRun:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != paths.MANIFEST) \
             if path.is_dir() else [path]
         for f in files:
-            self._inputs.append(provenance.file_record(f, self.root))
+            # sha256 first and checked against the manifests; only then is the file parsed
+            # (for its logical hash), so a damaged file is named as such, not as a parse error.
+            record = {"path": _rel(f, self.root), "bytes": f.stat().st_size, "sha256": provenance.sha256_file(f)}
+            self._verify(record)
+            try:
+                logical = provenance.logical_hash(f)
+            except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:
+                kind = {".parquet": "Parquet", ".safetensors": "safetensors"}.get(f.suffix, f.suffix)
+                detail = (str(e).splitlines() or [type(e).__name__])[0].split("': ")[-1]   # not the path again
+                raise UserError(f"{record['path']} is not a readable {kind} file (truncated or corrupt?): "
+                                f"{detail}") from None
+            if logical is not None:
+                record["logical_sha256"] = logical
+            self._inputs.append(record)
         return path
+
+    def _verify(self, record: dict[str, Any]) -> None:
+        """Refuse an input that is not what its stage recorded, or not what other inputs were made from.
+
+        (1) The producing stage's manifest, when there is one and it lists the file, records
+        this sha256. (2) Every manifest read so far that lists this file among its inputs
+        recorded this sha256 too (e.g. a capture made from other tokens than the
+        tokens.parquet beside it).
+        """
+        rel, sha = record["path"], record["sha256"]
+        self._agree(rel, sha, None)
+        parts = Path(rel).parts
+        if len(parts) < 3 or parts[0] != paths.ARTIFACTS or parts[1] not in paths.STAGES:
+            return
+        stage = parts[1]
+        if stage not in self._manifests:
+            manifest_file = paths.manifest_path(stage, self.root)
+            self._manifests[stage] = read_json(manifest_file) if manifest_file.exists() else None
+        manifest = self._manifests[stage]
+        if manifest is None:
+            return
+        if not isinstance(manifest, dict):
+            raise UserError(f"{paths.manifest_path(stage, self.root)} is not a stage manifest (corrupt?): "
+                            "re-run `dvc repro`")
+        made = {o.get("path"): o.get("sha256") for o in manifest.get("outputs") or []}
+        if rel in made and made[rel] != sha:
+            raise UserError(f"{rel} was not produced by the recorded run of stage {stage} "
+                            f"(sha256 {sha[:12]} != manifest {str(made[rel])[:12]}): re-run `dvc repro`")
+        for i in manifest.get("inputs") or []:
+            self._agree(i.get("path"), i.get("sha256"), stage)
+
+    def _agree(self, rel: str, sha: str, made_from_by: str | None) -> None:
+        """Note a sha256 for rel (on disk: made_from_by None; else recorded as an input of that stage)."""
+        seen = self._recorded.setdefault(rel, (sha, made_from_by))
+        if seen[0] != sha:
+            disk, claim = ((sha, seen) if made_from_by is None else (seen[0], (sha, made_from_by)))
+            raise UserError(f"{rel} (sha256 {disk[:12]}) is not the file stage {claim[1]} was made from "
+                            f"(its manifest records sha256 {claim[0][:12]}): the artifacts come from different "
+                            f"runs; re-run `dvc repro`")
 
     # ------------------------------------------------------------ outputs
     def out(self, name: str) -> Path:
@@ -115,6 +171,46 @@ class StageRun:
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _remove_stale_staging(staging_root: Path, stage: str) -> None:
+    """Remove this stage's staging folders left by runs that were killed (their process is gone)."""
+    if not staging_root.is_dir():
+        return
+    pattern = re.compile(re.escape(stage) + r"-(\d+)(\.old)?")
+    for d in staging_root.iterdir():
+        m = pattern.fullmatch(d.name)
+        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:        # exists, owned by someone else
+        return True
+    return True
+
+
+def test_pause(point: str) -> None:
+    """TEST-ONLY hook: pause a writer halfway through an artifact, so a test can kill the stage there.
+
+    With NEXTTOKEN_TEST_PAUSE=<point> (forward.capture: capture.safetensors half written;
+    logits.rows: logits.parquet after its first row group), write this process's id to
+    .nexttoken/test-pause-<point> in the working directory and sleep (up to 10 minutes).
+    Unset, or set to another point, it does nothing: no stage or user ever sets it.
+    """
+    if os.environ.get(TEST_PAUSE_ENV) != point:
+        return
+    marker = Path(paths.STAGING).parent / f"test-pause-{point}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+test_pause.__test__ = False    # not a pytest test, despite its name
 
 
 def _swap_into_place(staging: Path, final: Path) -> None:
@@ -179,9 +275,16 @@ def read_parquet(path: Path, columns: list[str] | None = None, filters=None):
 
 def parquet_facts(path: Path) -> dict[str, Any]:
     """The facts a stage stored in a Parquet file's schema metadata."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    meta = pq.read_schema(path).metadata or {}
-    return json.loads(meta.get(PARQUET_META_KEY, b"{}"))
+    if not Path(path).exists():
+        raise UserError(f"{path} is missing: run `dvc repro` to make it")
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        return json.loads(meta.get(PARQUET_META_KEY, b"{}"))
+    except (pa.ArrowInvalid, OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a readable Parquet file (truncated or corrupt?): "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def read_json(path: Path) -> Any:

@@ -29,6 +29,31 @@ def _compose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from pipeline import audit
+    return audit.cli(args)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from pipeline import rundiff
+    return rundiff.cli(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from pipeline import sweep
+    return sweep.cli(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pipeline import bench    # torch and friends load only when benchmarking
+    lengths = tuple(args.lengths) if args.lengths else None
+    wl = tuple(args.workspace_lengths) if args.workspace_lengths else None
+    result = bench.run(Path.cwd(), quick=args.quick, only=args.only, lengths=lengths, workspace_lengths=wl)
+    print(bench.report(result))
+    print(f"wrote {bench.OUTPUT.as_posix()} ({result['wall_s']:.0f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nexttoken", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -37,6 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check", action="store_true",
                    help="exit 1 (naming the keys) when params.yaml differs from conf/")
     c.set_defaults(func=_compose)
+    b = sub.add_parser("bench", help="measure capture, files, chain, isolation and scale as ratios "
+                                     "-> artifacts/bench/bench.json")
+    b.add_argument("--quick", action="store_true", help="few repetitions, short prompts (for tests)")
+    b.add_argument("--only", metavar="NAME", help="one section: capture, logits_io, chain, nnsight, dvc, scale")
+    b.add_argument("--lengths", type=int, nargs="+", metavar="T", help="scale lengths for tiny_qwen2")
+    b.add_argument("--workspace-lengths", type=int, nargs="+", metavar="T",
+                   help="scale lengths for this workspace's model")
+    b.set_defaults(func=_bench)
+    a = sub.add_parser("audit", help="re-verify a run: hashes, chain, dvc.lock, config, re-derivation "
+                                     "(exit 1 on any finding)")
+    a.add_argument("--rev", help="a git revision or experiment name, read from git + the DVC cache "
+                                 "(default: the workspace)")
+    a.set_defaults(func=_audit)
+    d = sub.add_parser("diff", help="how two runs differ: config, environment, numbers, trajectories")
+    d.add_argument("rev_a", help="a git revision, an experiment name or 'workspace'")
+    d.add_argument("rev_b", help="a git revision, an experiment name or 'workspace'")
+    d.set_defaults(func=_diff)
+    s = sub.add_parser("sweep", help="collect the current baseline's experiments into a table and plots")
+    s.add_argument("--out", type=Path, default=None, help="output folder (default: artifacts/sweep)")
+    s.set_defaults(func=_sweep)
     return p
 
 

@@ -8,6 +8,7 @@ both paths write the same bytes; every section is validated before anything is w
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -30,21 +31,41 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
     except (HydraException, OmegaConfBaseException) as e:
         raise _explain(e, overrides, conf) from None
     params = config.read_params(out_file)
+    for extra in sorted(set(params) - set(config.SECTIONS), key=str):
+        raise bad_value(str(extra), params[extra], "a config section: " + ", ".join(config.SECTIONS))
     for section in config.SECTIONS:
-        config.load_section(params, section)
+        config.load_section(params, section, root)
     return params
 
 
 def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
-    """Hydra's multi-line errors as one line; unknown group choices list the options."""
+    """Hydra's multi-line errors as one line naming the override; unknown choices and keys list the options."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], first)   # one printable line
+    for ov in overrides:
+        if not ov.partition("=")[0].lstrip("+~") or not _parses(ov):
+            return bad_value("override", ov, f"key=value in Hydra override syntax, e.g. sampling.top_k=5 ({first})")
     for ov in overrides:
         key, _, value = ov.partition("=")
-        group = conf / key.lstrip("+~")
-        if group.is_dir() and not (group / f"{value}.yaml").exists():
+        name = key.lstrip("+~")
+        group = conf / name
+        if name and group.is_dir() and not (group / f"{value}.yaml").exists():
             options = sorted(p.stem for p in group.glob("*.yaml"))
-            return bad_value(key.lstrip("+~"), value, "one of " + ", ".join(options))
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return bad_value(name, value, "one of " + ", ".join(options))
+        if f"Could not override '{name}'" in first:
+            known = config.known_keys(name.rpartition(".")[0])
+            return bad_value(name, value, "a known key: " + ", ".join(known) if known else "a key that exists in conf/")
     return UserError(f"cannot compose conf/ with overrides {overrides}: {first}")
+
+
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    try:
+        OverridesParser.create().parse_overrides([override])
+    except HydraException:
+        return False
+    return True
 
 
 def compose(overrides: list[str], root: Path, params_file: Path) -> dict:

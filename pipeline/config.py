@@ -9,8 +9,9 @@ I/O). Library code never sees a DictConfig or a raw dict of params.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import yaml
@@ -70,6 +71,77 @@ def _text(key: str, value: Any) -> str:
     return value
 
 
+def _optional_text(key: str, value: Any) -> str | None:
+    return None if value is None else _text(key, value)
+
+
+# C0 controls other than tab, newline and carriage return, DEL, C1 controls, lone surrogates:
+# invisible in a config file, yet each becomes a token the reader of the record cannot see.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _control_char(text: str) -> str | None:
+    """Where the first forbidden control character is, or None."""
+    bad = _CONTROL.search(text)
+    if bad is None:
+        return None
+    return f"U+{ord(bad.group()):04X} at character {bad.start()} (line {text.count(chr(10), 0, bad.start()) + 1})"
+
+
+def prompt_text(key: str, value: Any) -> str:
+    """A prompt: a string with something besides white space and no control characters."""
+    if not isinstance(value, str) or not value.strip():
+        raise bad_value(key, value if not isinstance(value, str) else _short(value), "a non-empty string")
+    where = _control_char(value)
+    if where:
+        raise UserError(f"{key}={_short(value)!r} is not allowed: {where}; allowed: {PROMPT_ALLOWED}")
+    return value
+
+
+def repo_relpath(key: str, value: Any, what: str = "a relative path inside the repository") -> str:
+    """A path that stays inside the repository, judged from its text alone (no I/O)."""
+    _text(key, value)
+    posix, win = PurePosixPath(value), PureWindowsPath(value)
+    if posix.is_absolute() or win.is_absolute() or win.drive or value.startswith("~") \
+            or ".." in posix.parts or ".." in win.parts:
+        raise bad_value(key, value, what + " (no absolute paths, no ~, no ..)")
+    return value
+
+
+def inside_repo(key: str, value: str, root: Path | str) -> Path:
+    """root/value resolved (symlinks followed); refused when it lands outside the repository."""
+    repo_relpath(key, value)
+    base = Path(root).resolve()
+    path = (base / value).resolve()
+    if not path.is_relative_to(base):
+        raise bad_value(key, value, f"a path inside the repository (it resolves to {path}, outside {base})")
+    return path
+
+
+def read_prompt_file(key: str, value: str, root: Path | str) -> str:
+    """The UTF-8 text of a prompt file inside the repository, validated as a prompt."""
+    path = inside_repo(key, value, root)
+    if not path.is_file():
+        raise bad_value(key, value, "an existing file inside the repository, relative to its root")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}={value!r} is not allowed: not UTF-8 (byte 0x{data[e.start]:02x} at offset "
+                        f"{e.start}); allowed: a UTF-8 text file") from None
+    if not text.strip():
+        raise bad_value(key, value, "a file with text in it (this one is empty or white space only)")
+    where = _control_char(text)
+    if where:
+        raise UserError(f"{key}={value!r} is not allowed: its text has {where}; allowed: {PROMPT_ALLOWED}")
+    return text
+
+
 # ---------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class SourceConfig:
@@ -83,14 +155,50 @@ class SourceConfig:
 
     def __post_init__(self):
         _choice("model.source.kind", self.kind, SOURCE_KINDS)
+        for key in ("package", "pip", "hub_id", "revision"):
+            _optional_text(f"model.source.{key}", getattr(self, key))
+        if self.seed is not None:
+            _int("model.source.seed", self.seed, lo=0)
+        if self.architecture is not None and not isinstance(self.architecture, dict):
+            raise bad_value("model.source.architecture", self.architecture, "a mapping or null")
         if self.kind in ("gguf_package", "tiny_qwen2"):
             _text("model.source.package", self.package)
+            _text("model.source.pip", self.pip)
         if self.kind == "hub":
-            _text("model.source.hub_id", self.hub_id)
+            # A hub id (Qwen/Qwen2.5-7B) or a directory inside the repository: never a path
+            # that leaves it (models.prepare also refuses one that resolves outside it).
+            repo_relpath("model.source.hub_id", self.hub_id,
+                         "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository")
         if self.kind == "tiny_qwen2":
             _int("model.source.seed", self.seed, lo=0)
-            if not isinstance(self.architecture, dict):
-                raise bad_value("model.source.architecture", self.architecture, "a mapping of Qwen2Config fields")
+            _tiny_architecture(self.architecture)
+
+
+TINY_ARCH_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "max_position_embeddings")
+TINY_ARCH_FLOATS = ("rope_theta", "rms_norm_eps", "lm_head_std")
+
+
+def _tiny_architecture(arch: Any) -> None:
+    key = "model.source.architecture"
+    if not isinstance(arch, dict):
+        raise bad_value(key, arch, "a mapping of Qwen2Config fields")
+    known = TINY_ARCH_INTS + TINY_ARCH_FLOATS
+    for name in sorted(set(arch) - set(known)):
+        raise bad_value(f"{key}.{name}", arch[name], "a known key: " + ", ".join(known))
+    for name in known:
+        if name not in arch:
+            raise UserError(f"{key}.{name} is missing: the tiny_qwen2 source needs " + ", ".join(known))
+    for name in TINY_ARCH_INTS:
+        _int(f"{key}.{name}", arch[name], lo=1)
+    for name in TINY_ARCH_FLOATS:
+        _float(f"{key}.{name}", arch[name], lo=0.0, lo_open=True)
+    if arch["hidden_size"] % arch["num_attention_heads"]:
+        raise bad_value(f"{key}.num_attention_heads", arch["num_attention_heads"],
+                        f"a divisor of hidden_size={arch['hidden_size']}")
+    if arch["num_attention_heads"] % arch["num_key_value_heads"]:
+        raise bad_value(f"{key}.num_key_value_heads", arch["num_key_value_heads"],
+                        f"a divisor of num_attention_heads={arch['num_attention_heads']}")
 
 
 @dataclass(frozen=True)
@@ -120,8 +228,11 @@ class ModelConfig:
     def __post_init__(self):
         _text("model.name", self.name)
         _bool("model.trust_remote_code", self.trust_remote_code)
-        if self.reference_figures is not None:
-            _text("model.reference_figures", self.reference_figures)
+        if self.reference_figures is not None and (not isinstance(self.reference_figures, str)
+                                                   or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*",
+                                                                       self.reference_figures)):
+            raise bad_value("model.reference_figures", self.reference_figures,
+                            "null or the plain name of a file in pipeline/reference/ (letters, digits, _ and -)")
 
     @classmethod
     def from_params(cls, d: dict) -> "ModelConfig":
@@ -133,13 +244,17 @@ class ModelConfig:
 @dataclass(frozen=True)
 class PromptConfig:
     name: str
-    text: str
+    text: str | None = None       # the prompt; from `file` when that is set (then text is null in params)
     expected_token_ids: dict = field(default_factory=dict)
+    file: str | None = None       # a path inside the repository whose UTF-8 text is the prompt
 
     def __post_init__(self):
         _text("prompt.name", self.name)
-        if not isinstance(self.text, str) or not self.text.strip():
-            raise bad_value("prompt.text", self.text, "a non-empty string")
+        if self.file is not None:
+            repo_relpath("prompt.file", self.file)
+        if self.text is None and self.file is None:
+            raise bad_value("prompt.text", None, "a non-empty string (or null with prompt.file set)")
+        prompt_text("prompt.text", self.text)
         if not isinstance(self.expected_token_ids, dict):
             raise bad_value("prompt.expected_token_ids", self.expected_token_ids,
                             "a mapping tokenizer family -> list of ids")
@@ -152,8 +267,15 @@ class PromptConfig:
         return self.expected_token_ids.get(family)
 
     @classmethod
-    def from_params(cls, d: dict) -> "PromptConfig":
-        return cls(**_known("prompt", d, cls))
+    def from_params(cls, d: dict, root: Path | str = ".") -> "PromptConfig":
+        """The prompt section; with `file` set, its text is read here (relative to root)."""
+        d = _known("prompt", d, cls)
+        if d.get("file") is not None:
+            if d.get("text") is not None:
+                raise bad_value("prompt.file", d["file"], "null when prompt.text is set: give the prompt "
+                                "as text or as a file, not both (set prompt.text=null to use the file)")
+            d["text"] = read_prompt_file("prompt.file", d["file"], root)
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -293,6 +415,13 @@ SECTIONS = {
 }
 
 
+def known_keys(section: str) -> list[str]:
+    """The keys a (dotted) config section takes, e.g. known_keys("model.source"); [] if none."""
+    nested = {"model.source": SourceConfig, "model.tokenizer": TokenizerConfig, "probs.extra_filters": FilterConfig}
+    cls = nested.get(section) or SECTIONS.get(section)
+    return sorted(f.name for f in fields(cls)) if cls else []
+
+
 def _known(section: str, d: Any, cls) -> dict:
     """The section as a dict, refusing keys the dataclass does not know (typos)."""
     if not isinstance(d, dict):
@@ -326,10 +455,12 @@ def read_params(path: Path) -> dict:
     return data
 
 
-def load_section(params: dict, name: str):
-    """One validated section of params.yaml."""
+def load_section(params: dict, name: str, root: Path | str = "."):
+    """One validated section of params.yaml (root: the repository, for paths in the config)."""
     if name not in params:
         raise UserError(f"params.yaml has no `{name}` section: run `nexttoken compose`")
+    if name == "prompt":
+        return PromptConfig.from_params(params[name], root)
     return SECTIONS[name].from_params(params[name])
 
 

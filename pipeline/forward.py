@@ -7,6 +7,7 @@ bit (capture is transparent) and two plain forwards agree (the pass is repeatabl
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -14,7 +15,7 @@ from typing import Iterator
 import torch
 
 from pipeline import capture, models
-from pipeline.artifacts import read_json
+from pipeline.artifacts import read_json, test_pause
 from pipeline.config import CaptureConfig
 from pipeline.errors import UserError
 
@@ -89,19 +90,48 @@ def logit_positions(positions: str, n: int) -> list[int]:
 
 
 def save_capture(result: ForwardResult, path: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     meta = {"format": "nexttoken-capture", "names": json.dumps(list(result.tensors))}
-    save_file({k: v.contiguous() for k, v in result.tensors.items()}, str(path), metadata=meta)
+    data = memoryview(save({k: v.contiguous() for k, v in result.tensors.items()}, metadata=meta))
+    header, body = _canonical_header(data)
+    with open(path, "wb") as f:   # in the staging folder: a half-written file never reaches artifacts/
+        f.write(header)
+        f.write(body[:len(body) // 2])
+        f.flush()
+        test_pause("forward.capture")
+        f.write(body[len(body) // 2:])
 
 
-def load_logits(path: Path) -> torch.Tensor:
-    """The stored logits as [rows, V] in their computed dtype (rows = logit_positions)."""
+def _canonical_header(data: memoryview) -> tuple[bytes, memoryview]:
+    """The safetensors header with its metadata keys sorted, and the tensor bytes after it.
+
+    safetensors writes `__metadata__` from a Rust HashMap, whose order changes from one
+    process to the next: the same capture would get different bytes (and sha256) per run.
+    """
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(bytes(data[8:8 + n]))
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-(8 + len(text)) % 8)          # tensor data stays 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, data[8 + n:]
+
+
+def load_logits(path: Path, facts: dict) -> torch.Tensor:
+    """The stored logits as [rows, V] in their computed dtype (rows = logit_positions).
+
+    The capture must belong with facts.json: same input ids, same logits shape.
+    """
     from safetensors import SafetensorError, safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(capture.act_name("logits"))[0]
+            logits, input_ids = f.get_tensor(capture.act_name("logits")), f.get_tensor("input_ids")
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    recorded = (facts.get("names") or {}).get(capture.act_name("logits"), {}).get("shape")
+    if input_ids[0].tolist() != facts.get("input_ids") or list(logits.shape) != recorded:
+        raise UserError(f"{path} and {Path(path).with_name('facts.json')} come from different runs (input ids "
+                        f"or logits shape {list(logits.shape)} != {recorded} differ): re-run `dvc repro`")
+    return logits[0]
 
 
 def logit_rows(facts: dict, logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

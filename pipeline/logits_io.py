@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.artifacts import read_parquet, test_pause
 from pipeline.errors import UserError
 
 LOGITS_SCHEMA = pa.schema([("position", pa.int32()), ("token_id", pa.int32()), ("logit", pa.float32())])
@@ -54,6 +55,7 @@ def write_logits(path: Path, rows: Iterable[tuple[int, torch.Tensor]], metadata:
             table = _row_table(position, row, schema, extra)
             writer.write_table(table, row_group_size=table.num_rows)
             total += table.num_rows
+            test_pause("logits.rows")
     return total
 
 
@@ -66,7 +68,7 @@ def logit_encodings(path: Path) -> set[str]:
 
 def read_position(path: Path, position: int) -> np.ndarray:
     """The float32 logits of one position, ordered by token id."""
-    table = pq.read_table(path, columns=["token_id", "logit"], filters=[("position", "==", position)])
+    table = read_parquet(path, columns=["token_id", "logit"], filters=[("position", "==", position)])
     if table.num_rows == 0:
         raise UserError(f"{path} has no rows for position {position}")
     ids = table["token_id"].to_numpy()

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from pipeline.config import inside_repo, repo_relpath
 from pipeline.errors import UserError, bad_value
 
 KINDS = ("gguf_package", "tiny_qwen2", "hub")
@@ -236,9 +237,9 @@ def _save(model, tokenizer, out_dir: Path, name: str, show: bool) -> None:
 
 def _describe(snapshot: Path, trust_remote_code: bool = False) -> dict:
     """Facts a reader of source.json wants, read back from the snapshot as a later stage sees it."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
-    cfg = AutoConfig.from_pretrained(snapshot, local_files_only=True, trust_remote_code=trust_remote_code)
+    cfg = _auto_config(snapshot, trust_remote_code)
     text = cfg.get_text_config()
     tokenizer = load_tokenizer(snapshot, trust_remote_code=trust_remote_code)
     try:
@@ -263,9 +264,13 @@ def _describe(snapshot: Path, trust_remote_code: bool = False) -> dict:
 
 # ---------------------------------------------------------------- hub
 def _resolve_hub(source: ModelSource, trust_remote_code: bool, show: bool) -> dict:
-    local = Path(source.hub_id).expanduser()
+    # A local directory is relative to the repository root (where stages run) and must stay
+    # inside it, symlinks followed: a config never points the pipeline at files elsewhere.
+    what = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
+    repo_relpath("model.source.hub_id", source.hub_id, what)
+    local = Path.cwd() / source.hub_id
     if local.is_dir():
-        snapshot, revision = local.resolve(), None
+        snapshot, revision = inside_repo("model.source.hub_id", source.hub_id, Path.cwd()), None
         notes = [f"local directory {snapshot}: no revision; files hashed"]
     else:
         snapshot = _hub_snapshot(source, show)
@@ -327,33 +332,67 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation,
-        device_map=None if device.type == "cpu" else str(device),
-        trust_remote_code=trust_remote_code, use_safetensors=True, local_files_only=True)
+    with _unreadable(path, "model"):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation,
+            device_map=None if device.type == "cpu" else str(device),
+            trust_remote_code=trust_remote_code, use_safetensors=True, local_files_only=True)
     return model.eval()
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    with _unreadable(path, "tokenizer"):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_files(prepared_dir: Path, source_record: dict) -> list[Path]:
+    """The prepared snapshot's files a tokenizer reads (all but the weights); none for a hub cache snapshot."""
+    if source_record.get("snapshot_dir"):
+        return []
+    return sorted(p for p in Path(prepared_dir).iterdir() if p.is_file() and p.suffix != ".safetensors"
+                  and p.name not in ("manifest.json", "source.json"))
+
+
+@contextmanager
+def _unreadable(path: Path, what: str) -> Iterator[None]:
+    """Loading errors from damaged or missing snapshot files as one line naming the folder.
+
+    `Exception` too: the tokenizers library raises a bare Exception for a corrupt tokenizer.json.
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:    # noqa: BLE001 - re-raised as a UserError naming the folder, or as is
+        if not isinstance(e, (OSError, ValueError, KeyError)) and type(e) is not Exception:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load the {what} from {path} (damaged or missing files?): {first}; "
+                        "re-run `dvc repro`") from None
 
 
 def max_positions(path: Path, trust_remote_code: bool = False) -> int | None:
     """The model's max_position_embeddings, or None when its config does not state one."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    return getattr(cfg.get_text_config(), "max_position_embeddings", None)
+    return getattr(_auto_config(path, trust_remote_code).get_text_config(), "max_position_embeddings", None)
 
 
 def num_layers(path: Path, trust_remote_code: bool = False) -> int:
     """Number of decoder layers, from the snapshot's config alone (no weights loaded)."""
+    return int(_auto_config(path, trust_remote_code).get_text_config().num_hidden_layers)
+
+
+def _auto_config(path: Path, trust_remote_code: bool):
+    """The snapshot's config.json as a transformers config; one line naming it when it is damaged."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    return int(cfg.get_text_config().num_hidden_layers)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{Path(path) / 'config.json'} is not a readable model config (corrupt, or not the "
+                        f"prepared model?): {first}; re-run `dvc repro`") from None
 
 
 def eos_ids(model) -> set[int]:

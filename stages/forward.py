@@ -20,7 +20,7 @@ def main() -> None:
         run.use(paths.stage_dir("prepare_model"))
         ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
         result = forward.run(plan, ids, trust_remote_code=model_cfg.trust_remote_code)
-        run.model = plan.model_record
+        run.model = {**plan.model_record, "trust_remote_code": model_cfg.trust_remote_code}
         run.facts = result.facts
         forward.save_capture(result, run.out(paths.CAPTURE[1]))
         run.write_json(paths.FORWARD_FACTS[1], result.facts)

@@ -12,13 +12,16 @@ PARAMS: tuple[str, ...] = ()   # everything it needs comes from the forward stag
 def main() -> None:
     with stage_run(STAGE, {}) as run:
         source = read_json(run.use(paths.SOURCE))
+        prepared = paths.stage_dir("prepare_model")
+        for f in models.tokenizer_files(prepared, source):          # what the tokenizer reads: recorded
+            run.use(f)
         facts = read_json(run.use(paths.FORWARD_FACTS))
-        logits = forward.load_logits(run.use(paths.CAPTURE))        # [T or 1, V], computed dtype
+        logits = forward.load_logits(run.use(paths.CAPTURE), facts)  # [T or 1, V], computed dtype
         run.model = {k: source.get(k) for k in ("name", "kind", "revision")}
         run.facts = forward.logits_facts(facts, logits)
         logits_io.write_logits(run.out(paths.LOGITS[1]), forward.logit_rows(facts, logits),
                                run.parquet_metadata())
-        tokenizer = models.load_tokenizer(models.snapshot_dir(paths.stage_dir("prepare_model"), source))
+        tokenizer = models.load_tokenizer(models.snapshot_dir(prepared, source))
         run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(facts["output_size"])))
 
 

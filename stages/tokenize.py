@@ -17,7 +17,12 @@ def main() -> None:
     prompt = config.load_section(params, "prompt")
     with stage_run(STAGE, config.subset(params, PARAMS)) as run:
         source = read_json(run.use(paths.SOURCE))
-        snapshot = models.snapshot_dir(paths.stage_dir("prepare_model"), source)
+        if prompt.file is not None:
+            run.use(Path(prompt.file))          # its sha256 goes into the manifest
+        prepared = paths.stage_dir("prepare_model")
+        for f in models.tokenizer_files(prepared, source):          # what the tokenizer reads: recorded
+            run.use(f)
+        snapshot = models.snapshot_dir(prepared, source)
         tokenizer = models.load_tokenizer(snapshot)
         tok = tokenization.tokenize_prompt(tokenizer, prompt.text, model_cfg.tokenizer.add_special_tokens,
                                            max_positions=models.max_positions(snapshot))

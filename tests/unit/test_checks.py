@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline import checks, config, logits_io, models, paths, probs, reference_figures
+from pipeline import provenance, checks, config, logits_io, models, paths, probs, reference_figures
 from tests.conftest import run_module
 
 CHAIN = ("forward", "logits", "probs", "trajectories")
@@ -142,6 +142,14 @@ def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path
     def flip(v):          # position 3: no later table reads it, so only the file check can see it
         v[3 * V + 42] += 0.25
     rewrite(logits, tmp_path / "l.parquet", "logit", flip).replace(logits)
+    # a producer that wrote a wrong number and recorded it faithfully: the manifest chain
+    # holds, so only the check itself can catch it
+    for manifest_path in (copy / "artifacts").glob("*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        for rec in manifest["outputs"] + manifest["inputs"]:
+            if rec["path"] == "artifacts/logits/logits.parquet":
+                rec["sha256"] = provenance.sha256_file(logits)
+        manifest_path.write_text(json.dumps(manifest))
     params = yaml.safe_load((copy / paths.PARAMS).read_text())
     params["prompt"]["expected_token_ids"]["qwen2"][3] = 445          # the article says 444
     (copy / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True))

@@ -1,0 +1,506 @@
+"""`nexttoken bench`: what recording costs, as ratios against the plain alternatives.
+
+Sections (`--only NAME` runs one):
+  capture    run_capture vs a hook-free forward, same model and prompt        (target <= 1.10)
+  logits_io  logits.parquet write + read vs numpy save + load; size vs bf16    (target <= 3.0)
+  chain      the stages in one process, model loaded once, vs bench/baseline_script.py (<= 1.2)
+  nnsight    capture vs nnsight (and TransformerLens when installed): time and peak memory (<= 1.0)
+  dvc        `dvc repro` in a temp clone vs the same stages in one process: the price of isolation
+  scale      forward + logits dump at growing prompt lengths, fresh process each (exponent <= 1.15)
+
+Absolute times depend on the machine and its neighbours, so contenders run alternately
+(the order flips every repetition) and ratios are medians of per-pair ratios: load from
+other processes hits both sides of a pair. The model comes from this workspace's
+artifacts/prepare_model. Results go to artifacts/bench/bench.json (written atomically);
+the printed table holds ratios only. Fresh-process measurements live in `pipeline.scale`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline import capture, config, logits_io, models, paths
+from pipeline.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINE = REPO / "bench" / "baseline_script.py"
+OUTPUT = Path(paths.ARTIFACTS) / "bench" / "bench.json"
+SECTIONS = ("capture", "logits_io", "chain", "nnsight", "dvc", "scale")
+CHAIN_STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "checks")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Repetitions and sizes: the full run fits 15 minutes on a 2-core CPU; --quick is for tests."""
+
+    quick: bool
+    reps_forward: int          # capture / nnsight pairs
+    reps_io: int
+    reps_chain: int
+    reps_dvc: int
+    scale_lengths: dict        # model name -> prompt lengths ("workspace" = this workspace's model)
+    dvc_stages: tuple[str, ...] | None = None   # None: every stage after prepare_model
+
+    @classmethod
+    def make(cls, quick: bool, lengths: tuple[int, ...] | None = None,
+             workspace_lengths: tuple[int, ...] | None = None) -> "Plan":
+        if quick:
+            return cls(True, 3, 2, 1, 1, {"workspace": lengths or (16, 64)}, ("tokenize", "forward"))
+        # bf16 matmuls on a CPU without native bf16 (AVX2) are slow: tiny_qwen2 at 4096 tokens
+        # takes ~7 minutes (the LM head over every position), gemma3_270m at 1024 ~5; so the
+        # default lengths keep the whole run near 15 minutes and longer ones are opt-in
+        # (--lengths, --workspace-lengths).
+        return cls(False, 3, 3, 1, 1, {"tiny_qwen2": lengths or (32, 256, 1024),
+                                       "workspace": workspace_lengths or ()})
+
+
+class Results:
+    """Every ratio with its target and verdict, plus each section's details."""
+
+    def __init__(self) -> None:
+        self.ratios: dict[str, dict] = {}
+        self.sections: dict[str, dict] = {}
+
+    def ratio(self, name: str, value: float, target: float | None, what: str, note: str = "") -> None:
+        finite = value is not None and math.isfinite(value)
+        ok = None if target is None or not finite else bool(value <= target)   # not measured: no verdict
+        self.ratios[name] = {"value": float(value) if finite else None, "target": target, "pass": ok,
+                             "what": what, "note": note}
+
+
+# ---------------------------------------------------------------- timing
+def alternate(contenders: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times per contender (and this process's CPU time under "<name>.cpu": it leaves out
+    the moments the machine gave to others); the order flips every repetition."""
+    names = list(contenders)
+    for _ in range(warmup):
+        for n in names:
+            contenders[n]()
+    times: dict[str, list[float]] = {k: [] for n in names for k in (n, f"{n}.cpu")}
+    for r in range(reps):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            gc.collect()
+            t0, c0 = time.perf_counter(), time.process_time()
+            contenders[n]()
+            times[n].append(time.perf_counter() - t0)
+            times[f"{n}.cpu"].append(time.process_time() - c0)
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
+    """Median of per-repetition ratios: a slow moment of the machine cancels within its pair."""
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+
+def summary(times: dict[str, list[float]]) -> dict:
+    return {n: {"median_s": statistics.median(t), "runs_s": [round(x, 4) for x in t]} for n, t in times.items()}
+
+
+# ---------------------------------------------------------------- workspace
+@dataclass
+class Workspace:
+    """This workspace's params, its prepared model, and (once loaded) the model and tokenizer."""
+
+    root: Path
+    params: dict
+    snapshot: Path
+    cfg: dict
+    model: object = None
+    tokenizer: object = None
+    load_s: dict | None = None
+
+    @classmethod
+    def open(cls, root: Path) -> "Workspace":
+        root = Path(root).resolve()
+        params = config.read_params(root / paths.PARAMS)
+        prepared = paths.stage_dir("prepare_model", root)
+        if not (prepared / paths.SOURCE[1]).exists():
+            raise UserError(f"{prepared} holds no prepared model: run `dvc repro prepare_model` first "
+                            f"(the bench measures the model of this workspace)")
+        source = json.loads((prepared / paths.SOURCE[1]).read_text(encoding="utf-8"))
+        cfg = {n: config.load_section(params, n) for n in ("model", "prompt", "capture", "probs", "sampling")}
+        if source.get("name") != cfg["model"].name:
+            raise UserError(f"{prepared} holds {source.get('name')} but params.yaml names {cfg['model'].name}: "
+                            f"run `dvc repro prepare_model` (or `nexttoken compose model=...`) first")
+        return cls(root, params, models.snapshot_dir(prepared, source).resolve(), cfg)
+
+    @property
+    def name(self) -> str:
+        return self.cfg["model"].name
+
+    def load(self) -> None:
+        if self.model is None:
+            cap = self.cfg["capture"]
+            t0 = time.perf_counter()
+            self.model = models.load_model(self.snapshot, models.resolve_dtype(cap.dtype),
+                                           models.resolve_device(cap.device), cap.attn_implementation,
+                                           self.cfg["model"].trust_remote_code)
+            t1 = time.perf_counter()
+            self.tokenizer = models.load_tokenizer(self.snapshot, self.cfg["model"].trust_remote_code)
+            self.load_s = {"model": t1 - t0, "tokenizer": time.perf_counter() - t1}
+
+    def input_ids(self) -> torch.Tensor:
+        add = self.cfg["model"].tokenizer.add_special_tokens
+        return torch.tensor([self.tokenizer(self.cfg["prompt"].text, add_special_tokens=add).input_ids])
+
+    def spec(self, positions: str = "all") -> capture.CaptureSpec:
+        return capture.CaptureSpec(self.cfg["capture"].attention_layers, positions)
+
+
+# ---------------------------------------------------------------- the in-process chain
+@contextlib.contextmanager
+def shared_model(preloaded: dict | None = None):
+    """`models.load_model` / `load_tokenizer` memoized by resolved path: every stage of an
+    in-process chain gets the same model object, loaded at most once."""
+    cache = dict(preloaded or {})
+    cache["calls"] = []             # ("model" | "tokenizer"), in call order: what each stage loads
+    load_model, load_tokenizer = models.load_model, models.load_tokenizer
+
+    def model(path, dtype, device, attn, trust):
+        cache["calls"].append("model")
+        key = ("model", str(Path(path).resolve()), str(dtype), str(torch.device(device)), attn, trust)
+        if key not in cache:
+            cache[key] = load_model(path, dtype, device, attn, trust)
+        return cache[key]
+
+    def tokenizer(path, trust_remote_code=False):
+        cache["calls"].append("tokenizer")
+        key = ("tokenizer", str(Path(path).resolve()), trust_remote_code)
+        if key not in cache:
+            cache[key] = load_tokenizer(path, trust_remote_code)
+        return cache[key]
+
+    models.load_model, models.load_tokenizer = model, tokenizer
+    try:
+        yield cache
+    finally:
+        models.load_model, models.load_tokenizer = load_model, load_tokenizer
+
+
+def preloaded(ws: Workspace) -> dict:
+    cap, trust = ws.cfg["capture"], ws.cfg["model"].trust_remote_code
+    return {("model", str(ws.snapshot), str(models.resolve_dtype(cap.dtype)),
+             str(models.resolve_device(cap.device)), cap.attn_implementation, trust): ws.model,
+            ("tokenizer", str(ws.snapshot), trust): ws.tokenizer}
+
+
+def scratch_workspace(src_root: Path, dest: Path) -> Path:
+    """params.yaml + a link to the prepared model: stages write here, never into the user's artifacts."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / paths.PARAMS).write_bytes((src_root / paths.PARAMS).read_bytes())
+    link = paths.stage_dir("prepare_model", dest)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(paths.stage_dir("prepare_model", src_root).resolve(), target_is_directory=True)
+    return dest
+
+
+def run_chain(root: Path, stages: tuple[str, ...], cache: dict | None = None) -> dict:
+    """Run the stages' own `main()` in order in `root`, one process, shared model; time each."""
+    times, notes, loads = {}, {}, {}
+    old = Path.cwd()
+    os.chdir(root)      # stages read params.yaml and write artifacts/ relative to the cwd
+    try:
+        with shared_model(cache) as shared:
+            for name in stages:
+                t0 = time.perf_counter()
+                notes[name] = _run_stage(name)
+                times[name] = time.perf_counter() - t0
+                loads[name] = sorted(set(shared["calls"]))
+                shared["calls"].clear()
+    finally:
+        os.chdir(old)
+    return {"stage_s": times, "total_s": sum(times.values()), "loads": loads,
+            "notes": {k: v for k, v in notes.items() if v}}
+
+
+def _run_stage(name: str) -> str:
+    try:
+        module = importlib.import_module(f"stages.{name}")
+    except ImportError as e:
+        if name != "checks":
+            raise
+        return _checks_without_stage(e)
+    try:
+        module.main()
+    except SystemExit as e:          # the checks stage exits 1 after writing failed error checks
+        return f"exited with status {e.code}"
+    return ""
+
+
+def _checks_without_stage(err: ImportError) -> str:
+    """stages/checks.py not importable (it is written separately): the pipeline.recompute
+    recomputations on the stored capture stand in for it, and the note says so."""
+    from pipeline import recompute
+    from pipeline.artifacts import read_json, read_safetensors, stage_run
+    params = config.read_params(Path(paths.PARAMS))
+    cap, trust = config.load_section(params, "capture"), config.load_section(params, "model").trust_remote_code
+    with stage_run("checks", {}) as run:
+        snapshot = models.snapshot_dir(paths.stage_dir("prepare_model"), read_json(run.use(paths.SOURCE)))
+        model = models.load_model(snapshot, models.resolve_dtype(cap.dtype), models.resolve_device(cap.device),
+                                  cap.attn_implementation, trust)
+        t = read_safetensors(run.use(paths.CAPTURE))
+        found = {"lm_head": recompute.lm_head_recompute(model, t["final_norm_out"], t["logits"]),
+                 **recompute.layer0_attention_recompute(model, t), **recompute.future_attention_max(t)}
+        run.write_json("recompute.json", {str(k): v for k, v in found.items()})
+    return f"stages.checks not importable ({err}): ran the pipeline.recompute recomputations instead"
+
+
+# ---------------------------------------------------------------- sections
+def bench_capture(ws: Workspace, plan: Plan, res: Results) -> torch.Tensor:
+    ws.load()
+    ids, spec = ws.input_ids(), ws.spec()
+    out: dict = {}
+    times = alternate({"capture": lambda: out.update(t=capture.run_capture(ws.model, ids, spec)),
+                       "plain": lambda: out.update(p=capture.plain_forward_logits(ws.model, ids, "all")),
+                       "plain_last": lambda: capture.plain_forward_logits(ws.model, ids, "last")},
+                      plan.reps_forward)
+    logits = out["t"][capture.act_name("logits")]
+    res.sections["capture"] = {"model": ws.name, "n_tokens": ids.shape[1], "dtype": ws.cfg["capture"].dtype,
+                               "bit_identical_logits": bool(torch.equal(logits, out["p"])), **summary(times)}
+    res.ratio("capture_vs_plain", paired_ratio(times, "capture", "plain"), 1.10,
+              "run_capture / hook-free forward, same prompt")
+    res.ratio("plain_all_vs_plain_last", paired_ratio(times, "plain", "plain_last"), None,
+              "hook-free forward computing every position's logits / only the last (logits_to_keep=1)",
+              "information: what a decode step pays for unused logit rows")
+    return logits[0]
+
+
+def bench_logits_io(logits: torch.Tensor, plan: Plan, res: Results, tmp: Path) -> None:
+    """logits [T, V] (computed dtype): Parquet writer + full read vs numpy save + load of float32."""
+    arr = logits.float().numpy()
+    pq_path, np_path = tmp / "logits.parquet", tmp / "logits.npy"
+
+    def parquet():
+        import pyarrow.parquet as pq
+        logits_io.write_logits(pq_path, enumerate(logits), {b"bench": b"1"})
+        t = pq.read_table(pq_path)
+        return t["logit"].to_numpy().reshape(arr.shape)
+
+    def numpy_io():
+        np.save(np_path, arr)
+        return np.load(np_path)
+
+    def numpy_compressed():      # a size-comparable numpy file, for context
+        np.savez_compressed(tmp / "logits.npz", logits=arr)
+        return np.load(tmp / "logits.npz")["logits"]
+
+    times = alternate({"parquet": parquet, "numpy": numpy_io}, plan.reps_io)
+    # One pair only: zlib takes seconds per call, and this ratio is context, not a target.
+    times |= {f"{k}_vs_npz": v for k, v in alternate({"parquet": parquet, "npz": numpy_compressed}, 1, 0).items()}
+    exact = bool(np.array_equal(parquet(), arr))
+    raw_bf16 = arr.size * 2
+    res.sections["logits_io"] = {"shape": list(arr.shape), "read_back_exact": exact,
+                                 "parquet_bytes": pq_path.stat().st_size, "npy_bytes": np_path.stat().st_size,
+                                 "npz_bytes": (tmp / "logits.npz").stat().st_size,
+                                 "raw_bf16_bytes": raw_bf16, "encodings": sorted(logits_io.logit_encodings(pq_path)),
+                                 **summary(times)}
+    res.ratio("parquet_vs_numpy", paired_ratio(times, "parquet", "numpy"), 3.0,
+              "logits.parquet write + full read / numpy save + load (float32)")
+    res.ratio("parquet_vs_npz_compressed", paired_ratio(times, "parquet_vs_npz", "npz_vs_npz"), None,
+              "logits.parquet write + read / numpy savez_compressed + load", "information: a compressed numpy file")
+    res.ratio("parquet_size_vs_bf16", pq_path.stat().st_size / raw_bf16, None,
+              "logits.parquet bytes / raw bf16 bytes (T*V*2)", "information: no target")
+
+
+def _baseline_module():
+    if not BASELINE.exists():
+        raise UserError(f"{BASELINE} is missing: the bench needs the repository checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location("nexttoken_baseline_script", BASELINE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module       # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_settings(ws: Workspace, module):
+    c, s = ws.cfg, ws.cfg["sampling"]
+    from pipeline.probs import filters
+    named = [(f.name, f.settings.temperature, f.settings.top_k, f.settings.top_p) for f in filters(c["probs"], s)]
+    return module.Settings(prompt=c["prompt"].text, add_special_tokens=c["model"].tokenizer.add_special_tokens,
+                           positions=c["probs"].positions, temperatures=c["probs"].temperatures,
+                           filters=tuple(named), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                           seed=s.seed, max_new_tokens=s.max_new_tokens, kv_cache=s.kv_cache)
+
+
+def bench_chain(ws: Workspace, plan: Plan, res: Results, tmp: Path) -> None:
+    ws.load()
+    module = _baseline_module()
+    settings = baseline_settings(ws, module)
+    scratch = scratch_workspace(ws.root, tmp / "chain_ws")
+    runs: list[dict] = []
+    # The baseline runs first: one-time costs of the first generate / Parquet write land on it.
+    times = alternate({"baseline": lambda: module.run(ws.model, ws.tokenizer, settings, tmp / "baseline_out"),
+                       "chain": lambda: runs.append(run_chain(scratch, CHAIN_STAGES, preloaded(ws)))},
+                      plan.reps_chain, warmup=0)
+    last = runs[-1]
+    checks_s = last["stage_s"].get("checks", 0.0)
+    res.sections["chain"] = {"model": ws.name, "stages": list(CHAIN_STAGES), "per_stage_s": last["stage_s"],
+                             "loads_per_stage": last["loads"],
+                             "notes": last["notes"], "baseline_script": str(BASELINE.relative_to(REPO)), **summary(times)}
+    res.ratio("chain_vs_baseline", paired_ratio(times, "chain", "baseline"), 1.2,
+              "tokenize..checks in one process (model loaded once) / bench/baseline_script.py")
+    res.ratio("chain_vs_baseline_cpu_time", paired_ratio(times, "chain.cpu", "baseline.cpu"), None,
+              "the same ratio in CPU time of this process", "information: steadier than wall time on a shared machine")
+    res.ratio("chain_without_checks_vs_baseline",
+              statistics.median((c["total_s"] - c["stage_s"].get("checks", 0.0)) / b
+                                for c, b in zip(runs, times["baseline"])), None,
+              "the same without the checks stage (the outputs alone)", f"information; checks took {checks_s:.1f} s")
+
+
+def nnsight_contender(model, input_ids: torch.Tensor, attention_layers: tuple[int, ...]) -> Callable[[], dict]:
+    """nnsight saving what a user compares: embed, every layer's output (the residual stream),
+    attention weights of the given layers, the final norm output and the logits."""
+    from nnsight import NNsight
+    names = capture.family(model)
+    lm = NNsight(model)
+
+    def envoy(path: str):
+        node = lm
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
+    n_layers = len(capture.decoder_layers(model))
+
+    def run() -> dict:
+        saved: dict = {}
+        with torch.inference_mode(), lm.trace(input_ids, use_cache=False):
+            saved["embed"] = envoy(names.embed).output.save()
+            for i in range(n_layers):
+                layer = envoy(names.layers)[i]
+                if i in attention_layers:      # execution order: attention runs inside the layer
+                    saved[f"blocks.{i}.attn_weights"] = getattr(layer, names.attn).output[1].save()
+                out = layer.output
+                saved[f"blocks.{i}.resid_post"] = (out[0] if isinstance(out, tuple) else out).save()
+            saved["final_norm_out"] = envoy(names.final_norm).output.save()
+            saved["logits"] = lm.output.logits.save()
+        return saved
+
+    return run
+
+
+def bench_nnsight(ws: Workspace, plan: Plan, res: Results) -> None:
+    from pipeline import scale
+    section = res.sections.setdefault("nnsight", {})
+    layers = ws.spec().resolve_layers(len(capture.decoder_layers(_loaded(ws))))
+    if importlib.util.find_spec("nnsight") is None:
+        section["nnsight"] = "not installed: pip install nnsight (0.8.x; it leaves torch as pinned)"
+    else:
+        import nnsight
+        ids = ws.input_ids()
+        run_nn = nnsight_contender(ws.model, ids, layers)
+        saved = run_nn()
+        cap = capture.run_capture(ws.model, ids, ws.spec())
+        same = torch.equal(saved["logits"], cap["logits"])
+        times = alternate({"capture": lambda: capture.run_capture(ws.model, ids, ws.spec()), "nnsight": run_nn},
+                          plan.reps_forward)
+        mem = {k: scale.child(ws.root, {"kind": "memory", "contender": k}) for k in ("capture", "nnsight")}
+        section.update({"version": nnsight.__version__, "model": ws.name, "n_tokens": ids.shape[1],
+                        "same_logits": bool(same), "saved_by_nnsight": len(saved), "saved_by_capture": len(cap),
+                        "memory": mem, **summary(times)})
+        res.ratio("capture_vs_nnsight_time", paired_ratio(times, "capture", "nnsight"), 1.0,
+                  "run_capture (everything it records) / nnsight trace saving embed, resid per layer, "
+                  "attention of layers " + str(list(layers)) + ", final norm, logits")
+        res.ratio("capture_vs_nnsight_peak_rss", mem["capture"]["extra_peak_mb"] / mem["nnsight"]["extra_peak_mb"],
+                  1.0, "peak RSS above the loaded model during one pass, fresh process each",
+                  f"absolute peaks {mem['capture']['peak_mb']:.0f} vs {mem['nnsight']['peak_mb']:.0f} MB")
+    section["transformer_lens"] = scale.transformer_lens(ws.root, plan)
+
+
+def _hash_time(ws: Workspace) -> float:
+    """What recording the snapshot as a stage input costs (every stage that `use`s it pays it)."""
+    from pipeline import provenance
+    t0 = time.perf_counter()
+    for f in sorted(p for p in ws.snapshot.rglob("*") if p.is_file()):
+        provenance.sha256_file(f)
+    return time.perf_counter() - t0
+
+
+def _loaded(ws: Workspace):
+    ws.load()
+    return ws.model
+
+
+# ---------------------------------------------------------------- the command
+def write_json(path: Path, obj: dict) -> None:
+    """Atomic: a temp file in the same folder, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".bench-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def report(result: dict) -> str:
+    """What `nexttoken bench` prints: the ratios, then the scale table when it ran."""
+    from pipeline.scale import scale_table
+    scale = scale_table(result["sections"].get("scale", {}))
+    return table(result["ratios"]) + ("\n\n" + scale if scale else "")
+
+
+def table(ratios: dict) -> str:
+    """The printed summary: one line per ratio, its target and PASS / MISS (info: no target)."""
+    lines = [f"{'ratio':<40} {'value':>9} {'target':>8}  verdict", "-" * 70]
+    for name, r in ratios.items():
+        target = "-" if r["target"] is None else f"<= {r['target']:g}"
+        verdict = "info" if r["target"] is None else {True: "PASS", False: "MISS", None: "n/a"}[r["pass"]]
+        value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+        lines.append(f"{name:<40} {value:>9} {target:>8}  {verdict}")
+    return "\n".join(lines)
+
+
+def run(root: Path, quick: bool = False, only: str | None = None, lengths: tuple[int, ...] | None = None,
+        workspace_lengths: tuple[int, ...] | None = None) -> dict:
+    """Every section (or `only` one) in order; bench.json is rewritten after each section, so an
+    interrupted run keeps what it measured (`complete` says whether it finished)."""
+    from pipeline import provenance, scale
+    if only is not None and only not in SECTIONS:
+        raise UserError(f"--only {only!r}: one of {', '.join(SECTIONS)}")
+    ws, plan, res = Workspace.open(root), Plan.make(quick, lengths, workspace_lengths), Results()
+    started = time.time()
+    out = {"schema_version": 1, "quick": quick, "only": only, "complete": False, "model": ws.name,
+           "snapshot": str(ws.snapshot), "dtype": ws.cfg["capture"].dtype, "torch_threads": torch.get_num_threads(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "hardware": provenance.hardware(),
+           "wall_s": None, "ratios": res.ratios, "sections": res.sections}
+    wanted = SECTIONS if only is None else (only,)
+    with tempfile.TemporaryDirectory(prefix="nexttoken-bench-") as d:
+        tmp, held = Path(d), {}
+        steps = {"capture": lambda: held.update(logits=bench_capture(ws, plan, res)),
+                 "logits_io": lambda: bench_logits_io(held["logits"], plan, res, tmp),
+                 "chain": lambda: bench_chain(ws, plan, res, tmp),
+                 "nnsight": lambda: bench_nnsight(ws, plan, res),
+                 "dvc": lambda: scale.bench_dvc(ws, plan, res, tmp),
+                 "scale": lambda: scale.bench_scale(ws, plan, res, tmp)}
+        for name in (("capture",) if "logits_io" in wanted and "capture" not in wanted else ()) + wanted:
+            t0 = time.perf_counter()
+            steps[name]()
+            res.sections.setdefault(name, {})["section_wall_s"] = round(time.perf_counter() - t0, 2)
+            print(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            write_json(root / OUTPUT, {**out, "wall_s": round(time.time() - started, 1)})
+    if ws.load_s:
+        res.sections["workspace"] = {"model": ws.name, "load_s": ws.load_s, "snapshot_sha256_s": _hash_time(ws)}
+    out.update(complete=True, wall_s=round(time.time() - started, 1))
+    write_json(root / OUTPUT, out)
+    return out

@@ -1,0 +1,165 @@
+"""End to end: a 3 x 2 sampling sweep on tiny_qwen2 through DVC's queue, then sweep, audit, diff.
+
+In a temporary git clone of this working tree (as tests/e2e/test_dvc_repro.py makes one):
+`dvc repro`, commit, queue six experiments and run them with two workers. The forward pass
+must come from the cache in every experiment, and `nexttoken sweep / audit --rev / diff`
+must work on experiments that were never checked out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from pipeline import revisions, sweep
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+TEMPERATURES, TOP_PS = (0.5, 1.0, 2.0), (0.9, 1.0)
+SWEEP = ("-S", "model=tiny_qwen2", "-S", "sampling.temperature=0.5,1.0,2.0", "-S", "sampling.top_p=0.9,1.0")
+FORWARD_REUSED = ("Stage 'forward' didn't change, skipping", "Stage 'forward' is cached - skipping run")
+QUEUE_TIMEOUT_S = 1500
+
+
+def sh(cwd: Path, *cmd: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
+    # The queue's workers run stages with `python` from PATH: this venv's must come first.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "DVC_NO_ANALYTICS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def clone_worktree(dest: Path) -> Path:
+    """Tracked + untracked-not-ignored files of this working tree, committed in a new repo."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    sh(dest, "git", "init", "-q")
+    sh(dest, "git", "add", "-A")
+    sh(dest, "git", "commit", "-qm", "clone of the working tree")
+    return dest
+
+
+def wait_for_queue(repo: Path) -> str:
+    deadline = time.monotonic() + QUEUE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = sh(repo, "dvc", "queue", "status").stdout
+        if not re.search(r"\b(Queued|Running)\b", status) and "0 active" in status:
+            return status
+        time.sleep(10)
+    raise AssertionError(f"the queue did not finish in {QUEUE_TIMEOUT_S} s:\n{status}")
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    started = time.monotonic()
+    repo = clone_worktree(tmp_path_factory.mktemp("sweep_clone"))
+    sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
+    sh(repo, "dvc", "repro")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "tiny_qwen2 baseline")
+    try:
+        sh(repo, "dvc", "exp", "run", "--queue", *SWEEP)
+        sh(repo, "dvc", "queue", "start", "-j", "2")
+        status = wait_for_queue(repo)
+        print(f"\nbaseline + 6 queued experiments: {time.monotonic() - started:.0f} s\n{status}")
+        yield repo
+    finally:   # never leave celery workers behind, whatever happened
+        sh(repo, "dvc", "queue", "stop", "--kill", check=False)
+
+
+@pytest.fixture(scope="module")
+def shown(swept) -> dict[str, dict]:
+    """Experiment name -> its `dvc exp show --json` record."""
+    data = json.loads(sh(swept, "dvc", "exp", "show", "--json").stdout)
+    return {e["name"]: e for b in data for e in b.get("experiments") or []}
+
+
+def by_setting(shown: dict[str, dict]) -> dict[tuple[float, float], str]:
+    out = {}
+    for name, e in shown.items():
+        s = e["revs"][0]["data"]["params"]["params.yaml"]["data"]["sampling"]
+        out[(s["temperature"], s["top_p"])] = name
+    return out
+
+
+def test_six_experiments_ran_and_reused_the_forward_pass(swept, shown):
+    assert len(shown) == 6 and set(revisions.experiments(swept)) == set(shown)
+    assert {e["executor"]["state"] if e.get("executor") else "success" for e in shown.values()} == {"success"}
+    assert set(by_setting(shown)) == {(t, p) for t in TEMPERATURES for p in TOP_PS}
+    baseline = yaml.safe_load((swept / "params.yaml").read_text())["sampling"]
+    for setting, name in by_setting(shown).items():
+        log = sh(swept, "dvc", "queue", "logs", name).stdout
+        assert any(msg in log for msg in FORWARD_REUSED), f"{name}: forward ran again:\n{log}"
+        # Only the sampling stages re-run, and only where the setting is not the baseline's.
+        rerun = setting != (baseline["temperature"], baseline["top_p"])
+        for stage in ("probs", "trajectories"):
+            assert (f"Running stage '{stage}'" in log) == rerun, f"{name} {setting}:\n{log}"
+
+
+def test_exp_show_lists_the_sweep_metrics(swept, shown):
+    stages = yaml.safe_load((swept / "dvc.yaml").read_text())["stages"]
+    for name, e in shown.items():
+        metrics = e["revs"][0]["data"]["metrics"]
+        probs = metrics["artifacts/probs/metrics.json"]["data"]["sampling"]
+        assert {"kept_count", "kept_mass", "top_prob", "entropy_bits"} <= set(probs), name
+        traj = metrics["artifacts/trajectories/metrics.json"]["data"]
+        assert traj["sample"]["ids"] and traj["greedy"]["text"] is not None, name
+        if "checks" in stages:
+            assert metrics["artifacts/checks/metrics.json"]["data"]["summary"]["checks"] > 0, name
+
+
+def test_sweep_writes_the_table_and_deterministic_plots(swept, tmp_path):
+    proc = sh(swept, "nexttoken", "sweep")
+    assert "wrote 6 experiments" in proc.stdout
+    out = swept / sweep.OUT
+    df = pd.read_parquet(out / sweep.TABLE)
+    assert len(df) == 6 and len(pd.read_csv(out / sweep.CSV)) == 6
+    assert set(zip(df["sampling.temperature"], df["sampling.top_p"])) == {(t, p) for t in TEMPERATURES for p in TOP_PS}
+    assert (df["model.name"] == "tiny_qwen2").all()
+    full = df[df["sampling.top_p"] == 1.0]
+    assert (full[sweep.KEPT] == 152064).all()                     # top_p = 1 keeps the whole vocabulary
+    assert (df[df["sampling.top_p"] == 0.9][sweep.KEPT] < 152064).all()
+    assert full.sort_values("sampling.temperature")[sweep.TOP].is_monotonic_decreasing
+    for png in (sweep.KEPT_PLOT, sweep.TEMPERATURE_PLOT):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = tmp_path / "again"
+    sh(swept, "nexttoken", "sweep", "--out", str(again))
+    for name in (sweep.TABLE, sweep.KEPT_PLOT, sweep.TEMPERATURE_PLOT):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_audit_of_an_experiment_that_is_not_checked_out_is_clean(swept, shown):
+    name = by_setting(shown)[(0.5, 0.9)]
+    before = (swept / "params.yaml").read_bytes()
+    proc = sh(swept, "nexttoken", "audit", "--rev", name, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0] == f"audit of experiment {name} ({shown[name]['revs'][0]['rev'][:7]})"
+    assert proc.stdout.splitlines()[-1].startswith("verdict: CLEAN")
+    assert (swept / "params.yaml").read_bytes() == before   # the workspace was not touched
+
+
+def test_diff_of_two_experiments_names_the_swept_keys_and_the_divergence(swept, shown):
+    a, b = by_setting(shown)[(0.5, 0.9)], by_setting(shown)[(2.0, 1.0)]
+    out = sh(swept, "nexttoken", "diff", a, b).stdout
+    keys = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("  config ")]
+    assert keys == ["sampling.temperature", "sampling.top_p"], out
+    assert "  config sampling.temperature: 0.5 | 2.0" in out
+    assert "logits: identical logits.parquet" in out                 # the forward pass was shared
+    assert re.search(r"^  sample: diverges at step \d+: A chose \d+ .* \| B chose \d+ ", out, re.M), out
+    assert re.search(r"^  greedy: identical \(\d+ steps\)", out, re.M), out   # greedy ignores T and top_p

@@ -1,0 +1,116 @@
+"""Fixtures and helpers of the reliability suite: one tiny_qwen2 chain, copied per fault.
+
+`chain_ws` runs the chain once (fresh processes, as DVC would) on top of the session's
+`tiny_workspace`; tests that break something work on a copy of it. A fault must end with
+exit status 2, one line on stderr naming the problem, no traceback, and artifacts/ and
+params.yaml byte-identical (`snapshot`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipeline import paths, provenance
+from tests.conftest import run_module
+
+CHAIN = ("forward", "logits", "probs", "trajectories")
+
+
+@pytest.fixture(scope="session")
+def chain_ws(tiny_workspace, tmp_path_factory) -> Path:
+    """tiny_qwen2 through trajectories (read-only: copy it with `copy_ws` to break it)."""
+    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("reliability") / "chain")
+    for stage in CHAIN:
+        if not paths.manifest_path(stage, ws).exists():
+            run_module(f"stages.{stage}", ws, check=True)
+    return ws
+
+
+def copy_ws(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns(".nexttoken"))
+    return dest
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under artifacts/ and of params.yaml (what a failed run must not touch)."""
+    files = [p for p in (root / paths.ARTIFACTS).rglob("*") if p.is_file()] + [root / paths.PARAMS]
+    return {p.relative_to(root).as_posix(): provenance.sha256_file(p) for p in files if p.exists()}
+
+
+def is_data_file(rel: str) -> bool:
+    """A data file under artifacts/: not a manifest (times, hosts, durations), not DVC's .gitignore,
+    not the report (it renders those manifests)."""
+    name = rel.rsplit("/", 1)[-1]
+    return rel.startswith(paths.ARTIFACTS + "/") and name not in (paths.MANIFEST, ".gitignore") \
+        and not rel.startswith(f"{paths.ARTIFACTS}/report/")
+
+
+def data_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every data file under artifacts/."""
+    return {k: v for k, v in snapshot(root).items() if is_data_file(k)}
+
+
+def staging_left(root: Path) -> list[str]:
+    d = root / paths.STAGING
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    """Cut a file to a fraction of its size (a new inode: hard-linked copies stay whole)."""
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+@dataclass
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def one_line_error(out: Outcome | object, *needles: str) -> str:
+    """Exit status 2 and exactly one stderr line, no traceback, naming each needle; returns the line."""
+    code = getattr(out, "code", getattr(out, "returncode", None))
+    stderr = out.stderr.strip()
+    assert code == 2, f"exit {code}, expected 2:\n{out.stdout}\n{stderr}"
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in: {lines[0]}"
+    return lines[0]
+
+
+def run_stage_here(stage: str, ws: Path, monkeypatch) -> Outcome:
+    """A stage's real entry point (`stage_main(STAGE, main)`) in this process, in ws.
+
+    The same code path as `python -m stages.<stage>` without the 5-10 s of imports per
+    run: for the many corrupt-artifact cases. A few run as real subprocesses as well.
+    """
+    import importlib
+
+    from pipeline.artifacts import stage_main
+    module = importlib.import_module(f"stages.{stage}")
+    monkeypatch.chdir(ws)
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            stage_main(module.STAGE, module.main)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment a subprocess gets: this one, with the venv's bin first on PATH."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}

@@ -1,0 +1,160 @@
+"""Corrupt or foreign artifacts as a stage's input: a clear error naming the file, nothing lost.
+
+Three layers, each tested on its own:
+- the manifest: an input whose sha256 differs from what its producing stage's manifest
+  recorded was not produced by that run (StageRun.use);
+- the chain: an input that differs from the one another input was made from (a capture made
+  from other tokens than the tokens.parquet beside it) comes from a different run;
+- the reader: with no manifest to compare with, a truncated safetensors / Parquet / JSON
+  file still gives one line naming it, and a capture with another run's facts.json is refused.
+Each case runs the consuming stage's real entry point on a copy of a complete run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from pipeline import paths
+from tests.reliability.conftest import (copy_ws, one_line_error, python_env, run_stage_here, snapshot,
+                                        staging_left, truncate)
+
+
+def _no_manifest(ws: Path, stage: str) -> None:
+    paths.manifest_path(stage, ws).unlink()
+
+
+def _other_prompt(ws: Path, monkeypatch, tmp: Path) -> Path:
+    """A copy of ws whose tokenize stage ran on another prompt (a complete, valid, foreign run)."""
+    other = copy_ws(ws, tmp / "other")
+    params = yaml.safe_load((other / paths.PARAMS).read_text())
+    params["prompt"]["text"] = "Hello world"
+    (other / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True))
+    assert run_stage_here("tokenize", other, monkeypatch).code == 0
+    return other
+
+
+def _swap_in(ws: Path, other: Path, rel: str) -> None:
+    (ws / rel).unlink()
+    (ws / rel).write_bytes((other / rel).read_bytes())
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    id: str
+    stage: str                                      # the stage that reads the bad input
+    damage: Callable[..., None]                     # (ws, monkeypatch, tmp_path) -> None
+    needles: tuple[str, ...]
+
+
+def _trunc(rel: str) -> Callable[..., None]:
+    return lambda ws, mp, tmp: truncate(ws / rel)
+
+
+def _trunc_no_manifest(rel: str, stage: str) -> Callable[..., None]:
+    return lambda ws, mp, tmp: (truncate(ws / rel), _no_manifest(ws, stage))
+
+
+def _foreign_tokens(ws, mp, tmp):
+    _swap_in(ws, _other_prompt(ws, mp, tmp), "artifacts/tokenize/tokens.parquet")
+
+
+def _foreign_tokenize_folder(ws, mp, tmp):
+    other = _other_prompt(ws, mp, tmp)
+    for name in ("tokens.parquet", "tokenize.json", "manifest.json"):
+        _swap_in(ws, other, f"artifacts/tokenize/{name}")
+
+
+def _foreign_facts(ws, mp, tmp):
+    facts = json.loads((ws / "artifacts/forward/facts.json").read_text())
+    facts["input_ids"] = facts["input_ids"][:-1] + [facts["input_ids"][-1] + 1]   # another prompt's ids
+    (ws / "artifacts/forward/facts.json").unlink()
+    (ws / "artifacts/forward/facts.json").write_text(json.dumps(facts))
+    _no_manifest(ws, "forward")
+
+
+def _bad_manifest(ws, mp, tmp):
+    m = paths.manifest_path("forward", ws)
+    m.unlink()
+    m.write_text("{not json")
+
+
+def _edited_model_config(ws, mp, tmp):
+    cfg = ws / "artifacts/prepare_model/config.json"
+    data = json.loads(cfg.read_text())
+    data["rms_norm_eps"] = 1e-3           # still a valid config: only the manifest tells
+    cfg.unlink()
+    cfg.write_text(json.dumps(data))
+
+
+CASES = [
+    Corrupt("truncated capture.safetensors", "logits", _trunc("artifacts/forward/capture.safetensors"),
+            ("artifacts/forward/capture.safetensors was not produced by the recorded run of stage forward",
+             "re-run `dvc repro`")),
+    Corrupt("truncated capture.safetensors, no manifest", "logits",
+            _trunc_no_manifest("artifacts/forward/capture.safetensors", "forward"),
+            ("artifacts/forward/capture.safetensors is not a readable safetensors file (truncated or corrupt?)",)),
+    Corrupt("truncated logits.parquet", "probs", _trunc("artifacts/logits/logits.parquet"),
+            ("artifacts/logits/logits.parquet was not produced by the recorded run of stage logits",)),
+    Corrupt("truncated logits.parquet, no manifest", "probs",
+            _trunc_no_manifest("artifacts/logits/logits.parquet", "logits"),
+            ("artifacts/logits/logits.parquet is not a readable Parquet file (truncated or corrupt?)",)),
+    Corrupt("truncated vocab.parquet, no manifest", "probs",
+            _trunc_no_manifest("artifacts/logits/vocab.parquet", "logits"),
+            ("artifacts/logits/vocab.parquet is not a readable Parquet file",)),
+    Corrupt("truncated tokens.parquet", "forward", _trunc("artifacts/tokenize/tokens.parquet"),
+            ("artifacts/tokenize/tokens.parquet was not produced by the recorded run of stage tokenize",)),
+    Corrupt("truncated tokens.parquet, no manifest", "trajectories",
+            _trunc_no_manifest("artifacts/tokenize/tokens.parquet", "tokenize"),
+            ("artifacts/tokenize/tokens.parquet is not a readable Parquet file",)),
+    Corrupt("truncated source.json, no manifest", "tokenize",
+            _trunc_no_manifest("artifacts/prepare_model/source.json", "prepare_model"),
+            ("artifacts/prepare_model/source.json is not valid JSON",)),
+    Corrupt("edited model config.json", "forward", _edited_model_config,
+            ("artifacts/prepare_model/config.json was not produced by the recorded run of stage prepare_model",)),
+    Corrupt("truncated model config.json, no manifest", "forward",
+            _trunc_no_manifest("artifacts/prepare_model/config.json", "prepare_model"),
+            ("artifacts/prepare_model/config.json is not a readable model config",)),
+    Corrupt("tokens.parquet of another prompt", "forward", _foreign_tokens,
+            ("artifacts/tokenize/tokens.parquet was not produced by the recorded run of stage tokenize",)),
+    Corrupt("whole tokenize run of another prompt, forward of this one", "checks", _foreign_tokenize_folder,
+            ("artifacts/tokenize/tokens.parquet (sha256", "is not the file stage forward was made from",
+             "different runs")),
+    Corrupt("facts.json of another run beside this capture, no manifest", "logits", _foreign_facts,
+            ("capture.safetensors and", "facts.json come from different runs")),
+    Corrupt("corrupt forward manifest.json", "logits", _bad_manifest,
+            ("artifacts/forward/manifest.json is not valid JSON",)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_corrupt_or_foreign_input_is_named(case, chain_ws, tmp_path, monkeypatch):
+    ws = copy_ws(chain_ws, tmp_path / "ws")
+    case.damage(ws, monkeypatch, tmp_path)
+    before = snapshot(ws)
+    out = run_stage_here(case.stage, ws, monkeypatch)
+    one_line_error(out, f"nexttoken {case.stage}: error: ", *case.needles)
+    assert snapshot(ws) == before and staging_left(ws) == []
+
+
+def test_intact_copy_runs(chain_ws, tmp_path, monkeypatch):
+    """The control: the same copy, undamaged, runs every consuming stage (so the cases test the damage)."""
+    ws = copy_ws(chain_ws, tmp_path / "ws")
+    for stage in ("logits", "probs"):
+        out = run_stage_here(stage, ws, monkeypatch)
+        assert out.code == 0, out.stderr
+
+
+def test_audit_flags_a_truncated_artifact(chain_ws, tmp_path):
+    ws = copy_ws(chain_ws, tmp_path / "ws")
+    truncate(ws / "artifacts/logits/logits.parquet")
+    proc = subprocess.run(["nexttoken", "audit"], cwd=ws, capture_output=True, text=True, timeout=600,
+                          env=python_env())
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "artifacts/logits/logits.parquet" in proc.stdout, proc.stdout

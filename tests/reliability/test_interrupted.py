@@ -1,0 +1,103 @@
+"""Interrupted stages: killed while writing capture.safetensors or logits.parquet, nothing is lost.
+
+The test-only hook `artifacts.test_pause` (NEXTTOKEN_TEST_PAUSE=<point>) stops the writer
+halfway through the file; the test then kills the stage (SIGKILL: no clean-up at all;
+SIGINT: Ctrl-C). artifacts/ must still hold the previous complete run, byte for byte; a
+stale staging folder left by SIGKILL is removed by the next run of that stage, whose outputs
+equal the uninterrupted ones. The same under DVC (`dvc status`, `dvc repro`) is in
+test_dvc_faults.py (slow).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import artifacts, paths
+from tests.conftest import run_module
+from tests.reliability.conftest import copy_ws, data_hashes, snapshot, staging_left
+
+# point -> (stage, the file being written, in the staging folder)
+POINTS = {"forward.capture": ("forward", "capture.safetensors"), "logits.rows": ("logits", "logits.parquet")}
+
+
+def start_paused(ws: Path, point: str, cmd: list[str] | None = None) -> tuple[subprocess.Popen, int]:
+    """Start the stage (or cmd) with the writer set to pause at `point`; return it and the stage's pid."""
+    stage = POINTS[point][0]
+    marker = ws / Path(paths.STAGING).parent / f"test-pause-{point}"
+    marker.unlink(missing_ok=True)
+    env = {**os.environ, artifacts.TEST_PAUSE_ENV: point,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen(cmd or [sys.executable, "-m", f"stages.{stage}"], cwd=ws, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not marker.exists() or not marker.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"{stage} ended before the pause ({proc.returncode}):\n{proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{stage} never reached {point}")
+        time.sleep(0.2)
+    pid = int(marker.read_text())
+    marker.unlink()
+    return proc, pid
+
+
+def partial_file(ws: Path, point: str, pid: int) -> Path:
+    """The half-written file in the paused stage's staging folder (proof the kill is mid-write)."""
+    stage, name = POINTS[point]
+    path = ws / paths.STAGING / f"{stage}-{pid}" / name
+    assert path.is_file() and path.stat().st_size > 0, f"no partial {name} in staging"
+    return path
+
+
+def test_pause_hook_does_nothing_unless_asked(monkeypatch):
+    monkeypatch.delenv(artifacts.TEST_PAUSE_ENV, raising=False)
+    start = time.monotonic()
+    artifacts.test_pause("forward.capture")
+    monkeypatch.setenv(artifacts.TEST_PAUSE_ENV, "logits.rows")
+    artifacts.test_pause("forward.capture")
+    assert time.monotonic() - start < 1
+
+
+def test_stale_staging_of_a_killed_run_is_removed_by_the_next_run(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    staging = tmp_path / paths.STAGING
+    stale = [staging / f"forward-{dead.pid}", staging / f"forward-{dead.pid}.old"]
+    kept = [staging / f"logits-{dead.pid}",             # another stage's: its own next run cleans it
+            staging / f"forward-{os.getppid()}"]        # a live process's: maybe running right now
+    for d in stale + kept:
+        d.mkdir(parents=True)
+        (d / "capture.safetensors").write_bytes(b"half")
+    with artifacts.stage_run("forward", {}, tmp_path) as run:
+        run.write_json("facts.json", {})
+    assert [d for d in stale if d.exists()] == [] and all(d.exists() for d in kept)
+    assert sorted(p.name for p in (tmp_path / "artifacts/forward").iterdir()) == ["facts.json", "manifest.json"]
+
+
+@pytest.mark.parametrize("point,sig", [("forward.capture", signal.SIGKILL), ("logits.rows", signal.SIGINT)],
+                         ids=["forward.capture-SIGKILL", "logits.rows-SIGINT"])
+def test_killed_stage_leaves_the_previous_run_whole(chain_ws, tmp_path, point, sig):
+    ws = copy_ws(chain_ws, tmp_path / "ws")
+    stage = POINTS[point][0]
+    before, data = snapshot(ws), data_hashes(ws)
+    proc, pid = start_paused(ws, point)
+    partial = partial_file(ws, point, pid)
+    os.kill(pid, sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert snapshot(ws) == before, "artifacts/ changed by an interrupted stage"
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and "Traceback" not in stderr
+        assert stderr.strip() == f"nexttoken {stage}: interrupted; nothing was written to artifacts/{stage}"
+        assert staging_left(ws) == []
+        return
+    assert proc.returncode == -signal.SIGKILL and partial.exists()    # SIGKILL: no clean-up ran
+    run_module(f"stages.{stage}", ws, check=True)                     # the next run of that stage
+    assert staging_left(ws) == [] and data_hashes(ws) == data

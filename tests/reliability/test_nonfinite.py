@@ -1,0 +1,113 @@
+"""Non-finite numbers: a tiny_qwen2 with a poisoned weight makes NaN / Inf logits.
+
+The forward and logits stages record what the model computed (NaN included: it is the
+finding); the probs and trajectories stages stop with one line naming the positions and
+ids, and keep their previous outputs. What the checks stage does with such a run is
+recorded by the last tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import paths, provenance
+from tests.reliability.conftest import copy_ws, one_line_error, run_stage_here, snapshot, staging_left
+
+POISONED_ID = 100          # one vocabulary row of the LM head
+LAST = 24                  # the prompt has 25 tokens
+
+
+def poison(ws: Path, how: str) -> None:
+    """Change one weight of the prepared model, and record it as what prepare_model made.
+
+    Re-recording the manifest makes this a poisoned *model*, not a tampered artifact (which
+    the stages refuse, see test_corrupt_artifacts.py).
+    """
+    weights = ws / "artifacts/prepare_model/model.safetensors"
+    tensors = load_file(str(weights))
+    if how == "nan_lm_head_row":
+        tensors["lm_head.weight"][POISONED_ID] = float("nan")
+    else:                                                   # inf in the final norm: every logit breaks
+        tensors["model.norm.weight"][0] = float("inf")
+    weights.unlink()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    manifest_path = paths.manifest_path("prepare_model", ws)
+    manifest = json.loads(manifest_path.read_text())
+    for out in manifest["outputs"]:
+        if out["path"].endswith("model.safetensors"):
+            out["sha256"] = provenance.sha256_file(weights)
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+
+
+@pytest.fixture(scope="module", params=["nan_lm_head_row", "inf_final_norm"])
+def poisoned(request, chain_ws, tmp_path_factory) -> Path:
+    """A complete clean run, then the poisoned model through forward and logits (which succeed)."""
+    ws = copy_ws(chain_ws, tmp_path_factory.mktemp("poisoned") / request.param)
+    poison(ws, request.param)
+    mp = pytest.MonkeyPatch()
+    try:
+        for stage in ("forward", "logits"):
+            out = run_stage_here(stage, ws, mp)
+            assert out.code == 0, out.stderr
+    finally:
+        mp.undo()
+    return ws
+
+
+def test_forward_records_the_nonfinite_logits(poisoned):
+    logits = load_file(str(poisoned / "artifacts/forward/capture.safetensors"))["logits"][0]
+    assert not torch.isfinite(logits).all()
+    if poisoned.name == "nan_lm_head_row":
+        assert torch.isnan(logits[:, POISONED_ID]).all() and torch.isfinite(logits[:, :POISONED_ID]).all()
+
+
+def test_probs_stops_naming_the_position(poisoned, monkeypatch):
+    before = snapshot(poisoned)
+    line = one_line_error(run_stage_here("probs", poisoned, monkeypatch), "nexttoken probs: error: ",
+                          f"logits at position {LAST} are not finite for ", "NaN/Inf")
+    if poisoned.name == "nan_lm_head_row":
+        assert f"for 1 ids (first: [{POISONED_ID}])" in line
+    assert snapshot(poisoned) == before and staging_left(poisoned) == []
+
+
+def test_trajectories_stop_naming_the_step_and_position(poisoned, monkeypatch):
+    before = snapshot(poisoned)
+    line = one_line_error(run_stage_here("trajectories", poisoned, monkeypatch), "nexttoken trajectories: error: ",
+                          f"step 1: logits at position {LAST} are not finite for ", "no token chosen")
+    if poisoned.name == "nan_lm_head_row":
+        assert f"(first: [{POISONED_ID}])" in line
+    assert snapshot(poisoned) == before and staging_left(poisoned) == []
+
+
+def test_checks_stage_after_a_nonfinite_run(poisoned, tmp_path, monkeypatch):
+    """As DVC leaves it: probs and trajectories failed, so their outputs are gone.
+
+    Today the checks stage needs those outputs and stops with one clear line; recording a
+    failed `logits_finite` check instead is the next test (expected to fail until
+    pipeline/checks.py can run on a partial chain).
+    """
+    ws = copy_ws(poisoned, tmp_path / "ws")
+    for stage in ("probs", "trajectories"):
+        shutil.rmtree(paths.stage_dir(stage, ws))
+    out = run_stage_here("checks", ws, monkeypatch)
+    one_line_error(out, "nexttoken checks: error: ", "artifacts/")
+    assert not paths.stage_dir("checks", ws).exists()
+
+
+@pytest.mark.xfail(strict=True, reason="pipeline/checks.py needs a finite-logits check that runs from forward/logits "
+                                       "alone when probs/trajectories stopped on NaN/Inf (see docs/bad_inputs.md)")
+def test_checks_stage_records_nonfinite_logits(poisoned, tmp_path, monkeypatch):
+    ws = copy_ws(poisoned, tmp_path / "ws")
+    for stage in ("probs", "trajectories"):
+        shutil.rmtree(paths.stage_dir(stage, ws))
+    run_stage_here("checks", ws, monkeypatch)
+    import pyarrow.parquet as pq
+    rows = {r["name"]: r for r in pq.read_table(ws / "artifacts/checks/checks.parquet").to_pylist()}
+    finite = [r for name, r in rows.items() if "finite" in name]
+    assert finite and all(r["verdict"] == "fail" for r in finite)

@@ -1,0 +1,255 @@
+"""`nexttoken audit` on a real tiny_qwen2 run: clean when untouched, and each kind of tampering
+is found and named. Also the revision plumbing (git refs, the DVC cache) on a hand-made repo.
+
+One module workspace runs the chain once (prepare_model and tokenize come from the session's
+tiny workspace); each tampering test works on its own copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import audit, cli, paths, provenance, revisions
+from pipeline.errors import UserError
+from tests.conftest import run_module
+
+CHAIN = ("forward", "logits", "probs", "trajectories", "checks")
+
+
+@pytest.fixture(scope="module")
+def run(tiny_workspace, tmp_path_factory) -> Path:
+    ws = tmp_path_factory.mktemp("audit") / "ws"
+    shutil.copytree(tiny_workspace, ws)
+    for stage in CHAIN:
+        run_module(f"stages.{stage}", ws, check=True)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def other_prompt_run(tiny_workspace, tmp_path_factory) -> Path:
+    """A second run, tokenized for another prompt: a source of plausible but wrong artifacts."""
+    ws = tmp_path_factory.mktemp("audit_other") / "ws"
+    shutil.copytree(tiny_workspace, ws)
+    run_module("pipeline.cli", ws, "compose", "model=tiny_qwen2", "prompt.text=Hello world", check=True)
+    run_module("stages.tokenize", ws, check=True)
+    return ws
+
+
+@pytest.fixture
+def copy(run, tmp_path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "copy"))
+
+
+def findings(root: Path) -> list[str]:
+    return audit.audit_folder(root, "test").findings
+
+
+def manifest(root: Path, stage: str) -> dict:
+    return json.loads(paths.manifest_path(stage, root).read_text())
+
+
+def save_manifest(root: Path, stage: str, m: dict) -> None:
+    paths.manifest_path(stage, root).write_text(json.dumps(m, indent=2) + "\n")
+
+
+def rerecord(root: Path, rel: str, stage: str, section: str) -> None:
+    """Make `stage`'s manifest record the current bytes of `rel` (what a careful forger does)."""
+    m = manifest(root, stage)
+    m[section] = [provenance.file_record(root / rel, root) if r["path"] == rel else r for r in m[section]]
+    save_manifest(root, stage, m)
+
+
+# ---------------------------------------------------------------- clean and tampered runs
+def test_fresh_run_is_clean(run):
+    result = audit.audit_folder(run, "fresh")
+    assert result.clean, result.lines()
+    text = "\n".join(result.lines())
+    assert "re-derived table.parquet, filtered.parquet, summary.json" in text
+    assert "re-ran" in text and "checks from the stored artifacts" in text
+    assert text.splitlines()[-1].startswith("verdict: CLEAN")
+
+
+def test_one_flipped_byte_in_logits_is_named(copy, monkeypatch, capsys):
+    path = paths.artifact(paths.LOGITS, copy)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    monkeypatch.chdir(copy)
+    assert cli.main(["audit"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "FINDING [hashes] artifacts/logits/logits.parquet: sha256" in "\n".join(lines)
+    assert lines[-1].startswith("verdict: FAIL")
+
+
+def test_a_changed_probability_with_matching_hashes_is_caught_by_rederivation(copy):
+    path = paths.artifact(paths.TABLE, copy)
+    table = pq.read_table(path)   # keeps the schema metadata (the run's facts)
+    p = table["p_T1"].to_numpy().copy()
+    top = int(p.argmax())
+    p[top] = np.nextafter(p[top], 2.0)   # one ulp: only a bit-for-bit comparison sees it
+    table = table.set_column(table.schema.get_field_index("p_T1"), "p_T1", pa.array(p))
+    pq.write_table(table, path, compression="zstd", row_group_size=table.num_rows)
+    rel = path.relative_to(copy).as_posix()
+    rerecord(copy, rel, "probs", "outputs")
+    rerecord(copy, rel, "checks", "inputs")   # every hash in every manifest now agrees
+    found = findings(copy)
+    assert found and all(f.startswith("FINDING [re-derive]") for f in found), found
+    assert any("artifacts/probs/table.parquet" in f and "column p_T1" in f and f"token_id={top}" in f
+               for f in found), found
+
+
+def test_an_edited_manifest_config_is_named(copy):
+    m = manifest(copy, "probs")
+    m["config"]["sampling"]["top_p"] = 0.9
+    m["config_sha256"] = provenance.sha256_json(m["config"])   # internally consistent
+    save_manifest(copy, "probs", m)
+    assert "FINDING [config] probs: sampling.top_p recorded 0.9, params.yaml has 1.0" in findings(copy)
+
+
+def test_an_artifact_from_another_run_breaks_the_chain(copy, other_prompt_run):
+    # The other run's whole tokenize folder: its manifest agrees with its own files.
+    shutil.rmtree(paths.stage_dir("tokenize", copy))
+    shutil.copytree(paths.stage_dir("tokenize", other_prompt_run), paths.stage_dir("tokenize", copy))
+    found = findings(copy)
+    assert any(f.startswith("FINDING [chain] forward read artifacts/tokenize/tokens.parquet") for f in found), found
+    assert any(f.startswith("FINDING [config] tokenize: prompt.text recorded 'Hello world'") for f in found), found
+
+
+def test_a_replaced_file_is_traced_to_the_run_that_wrote_it(copy, other_prompt_run):
+    # Only tokens.parquet, with this run's manifest updated to its bytes: the file's own
+    # metadata still says which config wrote it.
+    rel = paths.artifact(paths.TOKENS, copy).relative_to(copy).as_posix()
+    shutil.copy2(other_prompt_run / rel, copy / rel)
+    rerecord(copy, rel, "tokenize", "outputs")
+    found = findings(copy)
+    assert any(f.startswith(f"FINDING [provenance] {rel}: written by a run with config") for f in found), found
+
+
+def test_recorded_environment_is_printed_and_differences_warn(run, monkeypatch):
+    here = provenance.library_versions()
+    monkeypatch.setattr(provenance, "library_versions", lambda: {**here, "torch": "0.0.0-other"})
+    result = audit.Audit("fresh")
+    audit.environment(revisions.load_manifests(run), result)
+    assert result.clean   # a different machine is a warning, never a finding
+    assert any(n.startswith("recorded libraries: python=") for n in result.notes)
+    assert any(w.startswith("WARN libraries.torch: recorded") and "'0.0.0-other'" in w for w in result.warnings)
+
+
+# ---------------------------------------------------------------- bad input: exit 2
+def test_a_manifest_that_is_not_json_is_a_clear_error(copy, monkeypatch, capsys):
+    paths.manifest_path("logits", copy).write_text("{not json")
+    monkeypatch.chdir(copy)
+    assert cli.main(["audit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nexttoken audit: error:") and "logits/manifest.json is not valid JSON" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_workspace_with_no_runs_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / paths.PARAMS).write_text("model: {name: x}\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["audit"]) == 2
+    assert "no runs in" in capsys.readouterr().err
+
+
+def test_an_unknown_revision_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["audit", "--rev", "v9.9"]) == 2                   # not a git repository
+    assert "unknown revision 'v9.9'" in capsys.readouterr().err
+    git(tmp_path, "init", "-q")
+    (tmp_path / "f").write_text("x")
+    git(tmp_path, "add", "f")
+    git(tmp_path, "commit", "-qm", "one")
+    assert cli.main(["audit", "--rev", "no-such-exp"]) == 2
+    assert "neither a git revision nor an experiment name" in capsys.readouterr().err
+    assert cli.main(["diff", "HEAD", "no-such-exp"]) == 2
+    assert cli.main(["audit", "--rev", "HEAD"]) == 2                   # a commit without dvc.lock
+    assert "has no dvc.lock" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- revisions: git + DVC cache
+def git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def test_a_revision_is_read_from_git_and_the_dvc_cache_without_checkout(tmp_path):
+    repo = tmp_path
+    git(repo, "init", "-q")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True, capture_output=True)
+    cache = revisions.cache_dir(repo)
+    files = {"a.json": b'{"a": 1}\n', "sub/b.bin": b"\x00\x01"}
+    listing = [{"md5": _md5(v), "relpath": k} for k, v in sorted(files.items())]
+    blobs = {**{e["md5"]: files[e["relpath"]] for e in listing},
+             revisions.dir_md5(listing): json.dumps(listing, sort_keys=True).encode()}
+    lone = b"metrics\n"
+    blobs[_md5(lone)] = lone
+    for md5, data in blobs.items():
+        (cache / md5[:2]).mkdir(parents=True, exist_ok=True)
+        (cache / md5[:2] / md5[2:]).write_bytes(data)
+    lock = {"schema": "2.0", "stages": {"s": {"cmd": "x", "outs": [
+        {"path": "artifacts/s", "hash": "md5", "md5": revisions.dir_md5(listing)},
+        {"path": "artifacts/t/m.json", "hash": "md5", "md5": _md5(lone)}]}}}
+    (repo / "dvc.lock").write_text(json.dumps(lock))
+    (repo / "params.yaml").write_text("a: 1\n")
+    git(repo, "add", "dvc.lock", "params.yaml")
+    git(repo, "commit", "-qm", "run")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    git(repo, "update-ref", f"refs/exps/{sha[:2]}/{sha[2:]}/tidy-exp", sha)
+    (repo / "params.yaml").write_text("a: 2\n")   # the workspace moves on; the revision must not
+
+    rev = revisions.resolve(repo, "tidy-exp")
+    assert (rev.commit, rev.exp, str(rev)) == (sha, "tidy-exp", f"experiment tidy-exp ({sha[:7]})")
+    with revisions.open_run(repo, rev) as root:
+        assert root != repo and (root / "params.yaml").read_text() == "a: 1\n"
+        assert (root / "artifacts/s/sub/b.bin").read_bytes() == b"\x00\x01"
+        assert (root / "artifacts/t/m.json").read_bytes() == lone
+        assert revisions.dir_md5(revisions.dir_listing(root / "artifacts/s")) == lock["stages"]["s"]["outs"][0]["md5"]
+    assert not root.exists()   # the temporary folder is gone
+
+    (cache / _md5(lone)[:2] / _md5(lone)[2:]).unlink()
+    with pytest.raises(UserError, match="not in the local DVC cache .first: artifacts/t/m.json"):
+        with revisions.open_run(repo, rev):
+            pass
+
+
+def test_json_and_table_differences_are_bit_exact():
+    assert audit.json_difference({"a": [1, 0.1]}, {"a": [1, 0.1]}) is None
+    assert audit.json_difference({"a": [1, 0.1]}, {"a": [1, np.nextafter(0.1, 1)]}).startswith("a.1: stored 0.1")
+    assert audit.json_difference({"a": 1}, {"a": 1.0}) is not None   # int vs float: not the same record
+    t = pa.table({"position": pa.array([3, 3], pa.int32()), "token_id": pa.array([0, 1], pa.int32()),
+                  "p": pa.array([0.0, 0.5])})
+    assert audit.table_difference(t, t) is None
+    neg = t.set_column(2, "p", pa.array([-0.0, 0.5]))
+    assert "column p; first at row 0 (position=3, token_id=0)" in audit.table_difference(t, neg)
+
+
+def test_a_stage_may_read_another_stages_manifest_but_only_as_recorded(tmp_path):
+    # The report stage reads manifests: the record itself, not one of the recorded outputs.
+    for stage in ("probs", "report"):
+        paths.manifest_path(stage, tmp_path).parent.mkdir(parents=True)
+        paths.manifest_path(stage, tmp_path).write_text(f'{{"stage": "{stage}", "outputs": []}}\n')
+    path = paths.manifest_path("probs", tmp_path)
+    read = {"path": "artifacts/probs/manifest.json", "sha256": provenance.sha256_file(path)}
+    manifests = {"probs": {"outputs": []}, "report": {"inputs": [read]}}
+    result = audit.Audit("t")
+    audit.verify_chain(tmp_path, manifests, {}, result)
+    assert result.clean, result.findings
+    path.write_text('{"stage": "probs", "outputs": [], "edited": true}\n')
+    audit.verify_chain(tmp_path, manifests, {}, result)
+    assert result.findings == [f"FINDING [chain] report read artifacts/probs/manifest.json with sha256 "
+                               f"{read['sha256'][:12]}, but probs recorded {provenance.sha256_file(path)[:12]}: "
+                               f"not the same run's artifact"]

@@ -1,0 +1,147 @@
+"""`nexttoken bench`: the structure of bench.json and the measuring helpers. No timing assertions:
+times depend on the machine and its neighbours; only shapes, presence and finiteness are tested."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline import bench, scale
+from pipeline.errors import UserError
+from tests.conftest import run_module
+
+TARGETS = {"capture_vs_plain": 1.10, "parquet_vs_numpy": 3.0, "chain_vs_baseline": 1.2,
+           "capture_vs_nnsight_time": 1.0, "capture_vs_nnsight_peak_rss": 1.0,
+           "scale_time_exponent[tiny_qwen2]": 1.15, "scale_memory_exponent[tiny_qwen2]": 1.15}
+INFORMATION = ("plain_all_vs_plain_last", "parquet_size_vs_bf16", "parquet_vs_npz_compressed",
+               "chain_vs_baseline_cpu_time", "chain_without_checks_vs_baseline", "dvc_repro_vs_in_process",
+               "scale_time_exponent_last[tiny_qwen2]", "scale_plain_forward_time_exponent[tiny_qwen2]")
+
+
+# ---------------------------------------------------------------- helpers (fast)
+def test_alternate_flips_the_order_every_repetition():
+    calls = []
+    times = bench.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert set(times) == {"a", "a.cpu", "b", "b.cpu"} and all(len(t) == 3 for t in times.values())
+
+
+def test_paired_ratio_is_the_median_of_per_pair_ratios():
+    assert bench.paired_ratio({"x": [2.0, 3.0, 100.0], "y": [1.0, 1.0, 10.0]}, "x", "y") == 3.0
+
+
+def test_fit_exponent_recovers_power_laws():
+    xs = [32, 256, 1024, 4096]
+    assert scale.fit_exponent(xs, [5 * x for x in xs]) == pytest.approx(1.0)
+    assert scale.fit_exponent(xs, [x ** 2 for x in xs]) == pytest.approx(2.0)
+    assert math.isnan(scale.fit_exponent([32], [1.0]))
+    assert math.isnan(scale.fit_exponent(xs, [1.0, 0.0, 1.0, 2.0]))     # log of 0: not a fit
+
+
+def test_table_marks_pass_miss_and_information():
+    res = bench.Results()
+    res.ratio("fast", 0.9, 1.1, "x")
+    res.ratio("slow", 2.0, 1.2, "y")
+    res.ratio("size", 0.8, None, "z")
+    text = bench.table(res.ratios)
+    assert "PASS" in text.splitlines()[2] and "MISS" in text.splitlines()[3] and "info" in text.splitlines()[4]
+    assert res.ratios["slow"] == {"value": 2.0, "target": 1.2, "pass": False, "what": "y", "note": ""}
+
+
+def test_write_json_is_atomic(tmp_path):
+    out = tmp_path / "artifacts" / "bench" / "bench.json"
+    bench.write_json(out, {"a": 1})
+    assert json.loads(out.read_text()) == {"a": 1}
+    assert [p.name for p in out.parent.iterdir()] == ["bench.json"]     # no temp file left behind
+
+
+def test_missing_model_names_the_command_to_run(tmp_path):
+    shutil.copy(Path(__file__).resolve().parents[2] / "params.yaml", tmp_path / "params.yaml")
+    with pytest.raises(UserError, match="dvc repro prepare_model"):
+        bench.Workspace.open(tmp_path)
+
+
+def test_a_model_other_than_params_yaml_names_is_refused(tiny_workspace, tmp_path):
+    (tmp_path / "params.yaml").write_text((tiny_workspace / "params.yaml").read_text().replace(
+        "name: tiny_qwen2", "name: some_other_model", 1))
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "prepare_model").symlink_to(tiny_workspace / "artifacts" / "prepare_model")
+    with pytest.raises(UserError, match="tiny_qwen2.*some_other_model"):
+        bench.Workspace.open(tmp_path)
+
+
+def test_unknown_section_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--only 'nope'"):
+        bench.run(tmp_path, quick=True, only="nope")
+
+
+def test_dvc_command_runs_every_stage_after_prepare_model_or_the_named_ones():
+    assert scale.dvc_command(None) == ["dvc", "repro", "--force", "--downstream", "tokenize"]
+    assert scale.dvc_command(("tokenize",)) == ["dvc", "repro", "--force", "--single-item", "tokenize"]
+
+
+# ---------------------------------------------------------------- the quick run (slow: dvc in a temp clone)
+@pytest.fixture(scope="module")
+def quick_result(tiny_workspace, tmp_path_factory) -> tuple[Path, dict, str]:
+    """`nexttoken bench --quick` in a copy of the tiny workspace (the fixture stays read-only)."""
+    ws = tmp_path_factory.mktemp("bench_ws")
+    shutil.copy(tiny_workspace / "params.yaml", ws / "params.yaml")
+    shutil.copytree(tiny_workspace / "artifacts" / "prepare_model", ws / "artifacts" / "prepare_model")
+    proc = run_module("pipeline.cli", ws, "bench", "--quick", check=True, timeout=1800)
+    return ws, json.loads((ws / bench.OUTPUT).read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_bench_records_every_ratio_with_its_target(quick_result):
+    _, result, _ = quick_result
+    ratios = result["ratios"]
+    for name, target in TARGETS.items():
+        if name.startswith("capture_vs_nnsight") and "memory" not in result["sections"]["nnsight"]:
+            continue                      # nnsight not installed: recorded as such
+        assert ratios[name]["target"] == target, name
+        assert math.isfinite(ratios[name]["value"]) and ratios[name]["value"] > 0, name
+        assert ratios[name]["pass"] == (ratios[name]["value"] <= target)
+    for name in INFORMATION:
+        assert ratios[name]["target"] is None and ratios[name]["pass"] is None
+        assert math.isfinite(ratios[name]["value"]) and ratios[name]["value"] > 0, name
+
+
+@pytest.mark.slow
+def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
+    _, result, _ = quick_result
+    s = result["sections"]
+    assert result["quick"] is True and result["model"] == "tiny_qwen2"
+    assert s["capture"]["bit_identical_logits"] is True
+    assert s["logits_io"]["read_back_exact"] is True and "BYTE_STREAM_SPLIT" in s["logits_io"]["encodings"]
+    assert set(s["chain"]["per_stage_s"]) == set(bench.CHAIN_STAGES)
+    assert s["dvc"]["rc"] == 0 and set(s["dvc"]["per_stage"]) == {"tokenize", "forward"}
+    assert s["dvc"]["extra_breakdown"]["python_start_and_imports_s"] > 0
+    assert "available" in s["nnsight"]["transformer_lens"]
+    run = s["scale"]["tiny_qwen2"]["runs"][0]
+    for pos in ("all", "last"):
+        assert {"forward_s", "save_capture_s", "logits_dump_s", "extra_peak_mb", "captured_mb"} <= set(run[pos])
+    assert run["last"]["captured_mb"]["logits"] < run["all"]["captured_mb"]["logits"]
+
+
+@pytest.mark.slow
+def test_quick_bench_prints_ratios_and_the_scale_table(quick_result):
+    ws, result, stdout = quick_result
+    for name, r in result["ratios"].items():
+        assert name in stdout
+    assert "scale tiny_qwen2" in stdout and "exponent" in stdout
+    assert "wrote artifacts/bench/bench.json" in stdout
+    assert not list((ws / "artifacts" / "bench").glob(".bench-*"))
+
+
+@pytest.mark.slow
+def test_one_section_only(tiny_workspace, tmp_path):
+    shutil.copy(tiny_workspace / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(tiny_workspace / "artifacts" / "prepare_model", tmp_path / "artifacts" / "prepare_model")
+    result = bench.run(tmp_path, quick=True, only="logits_io")
+    assert set(result["ratios"]) == {"capture_vs_plain", "plain_all_vs_plain_last", "parquet_vs_numpy",
+                                     "parquet_vs_npz_compressed", "parquet_size_vs_bf16"}
+    assert set(result["sections"]) == {"capture", "logits_io", "workspace"} and result["complete"] is True
