@@ -54,8 +54,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other nexttoken error (exit 2).
+
+    Subcommand parsers are built from the same class, so they inherit this.
+    """
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nexttoken", description=__doc__)
+    p = _Parser(prog="nexttoken", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compose", help="compose conf/ (+ Hydra overrides) into params.yaml")
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny_qwen2 prompt.text=...")
