@@ -173,8 +173,10 @@ def test_hub_from_cache_records_commit_and_blob_hashes(tiny, tmp_path, monkeypat
     assert models.load_tokenizer(snap)(PROMPT, add_special_tokens=False).input_ids == REFERENCE_IDS
 
 
-def test_hub_local_directory_is_used_in_place(tiny, tmp_path):
-    record = models.prepare(_source("qwen2_5_7b", hub_id=str(tiny[0])), tmp_path, False, False)
+def test_hub_local_directory_is_used_in_place(tiny, tmp_path, monkeypatch):
+    # a local directory is named relative to the repository root, where stages run
+    monkeypatch.chdir(tiny[0].parent)
+    record = models.prepare(_source("qwen2_5_7b", hub_id=tiny[0].name), tmp_path, False, False)
     assert record["snapshot_dir"] == str(tiny[0].resolve()) and record["revision"] is None
     assert record["inputs"] == {p.name: _sha(p) for p in sorted(tiny[0].iterdir())}
 
@@ -192,14 +194,15 @@ def test_hub_without_cache_fails_fast_and_says_how(tmp_path, monkeypatch):
     assert "\n" not in message
 
 
-def test_hub_bad_id_and_no_safetensors(tmp_path):
+def test_hub_bad_id_and_no_safetensors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="model.source.hub_id"):
         models.prepare(_source("qwen2_5_7b", hub_id="not a//valid id"), tmp_path, False, False)
     weights = tmp_path.parent / f"{tmp_path.name}-pickled"
     weights.mkdir()
     (weights / "pytorch_model.bin").write_bytes(b"\0")
+    monkeypatch.chdir(tmp_path.parent)
     with pytest.raises(UserError, match="safetensors"):
-        models.prepare(_source("qwen2_5_7b", hub_id=str(weights)), tmp_path, False, False)
+        models.prepare(_source("qwen2_5_7b", hub_id=weights.name), tmp_path, False, False)
 
 
 # ---------------------------------------------------------------- errors
