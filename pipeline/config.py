@@ -184,11 +184,11 @@ def _tiny_architecture(arch: Any) -> None:
     if not isinstance(arch, dict):
         raise bad_value(key, arch, "a mapping of Qwen2Config fields")
     known = TINY_ARCH_INTS + TINY_ARCH_FLOATS
-    for name in sorted(set(arch) - set(known)):
-        raise bad_value(f"{key}.{name}", arch[name], "a known key: " + ", ".join(known))
-    for name in known:
-        if name not in arch:
-            raise UserError(f"{key}.{name} is missing: the tiny_qwen2 source needs " + ", ".join(known))
+    unknown, missing = sorted(set(arch) - set(known)), [k for k in known if k not in arch]
+    if unknown:
+        raise bad_value(f"{key}.{unknown[0]}", arch[unknown[0]], "a known key: " + ", ".join(known))
+    if missing:
+        raise UserError(f"{key}.{missing[0]} is missing: the tiny_qwen2 source needs " + ", ".join(known))
     for name in TINY_ARCH_INTS:
         _int(f"{key}.{name}", arch[name], lo=1)
     for name in TINY_ARCH_FLOATS:

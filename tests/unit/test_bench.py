@@ -107,7 +107,9 @@ def test_quick_bench_records_every_ratio_with_its_target(quick_result):
         assert ratios[name]["pass"] == (ratios[name]["value"] <= target)
     for name in INFORMATION:
         assert ratios[name]["target"] is None and ratios[name]["pass"] is None
-        assert math.isfinite(ratios[name]["value"]) and ratios[name]["value"] > 0, name
+        assert math.isfinite(ratios[name]["value"]), name
+        # A growth exponent may be ~0 (or just below) for a flat curve; a ratio of times may not.
+        assert "exponent" in name or ratios[name]["value"] > 0, name
 
 
 @pytest.mark.slow
