@@ -72,7 +72,7 @@ def test_killed_stage_under_dvc_reruns_to_identical_outputs(clone, point):
         now = data_hashes(clone)
         assert all(baseline.get(k) == v for k, v in now.items()), "a partial or changed file under artifacts/"
         assert not any(k.startswith(f"artifacts/{stage}/") for k in now)    # DVC removed the outputs first
-        status = sh(clone, "dvc", "status", *TARGETS).stdout
+        status = sh(clone, "dvc", "status", "--with-deps", *TARGETS).stdout
         assert f"{stage}:" in status and "up to date" not in status, status
         if sig == signal.SIGKILL:      # no clean-up ran: its staging folder is left ...
             assert staging_left(clone) == [f"{stage}-{pid}"]
@@ -81,7 +81,7 @@ def test_killed_stage_under_dvc_reruns_to_identical_outputs(clone, point):
             assert staging_left(clone) == []
     sh(clone, "dvc", "repro", *TARGETS)
     assert data_hashes(clone) == baseline
-    assert staging_left(clone) == [] and "up to date" in sh(clone, "dvc", "status", *TARGETS).stdout
+    assert staging_left(clone) == [] and "up to date" in sh(clone, "dvc", "status", "--with-deps", *TARGETS).stdout
     sh(clone, "git", "add", "-A")
     sh(clone, "git", "commit", "-qm", f"after {point}", check=False)
 
