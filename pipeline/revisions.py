@@ -33,7 +33,6 @@ RUN_FILES = (paths.PARAMS, DVC_YAML, DVC_LOCK)
 # refs/exps/<baseline sha[:2]>/<baseline sha[2:]>/<name>; DVC's own bookkeeping refs
 # (refs/exps/celery/..., refs/exps/exec/...) do not have this shape.
 _EXP_REF = re.compile(r"^refs/exps/[0-9a-f]{2}/[0-9a-f]{38}/(?P<name>[^/]+)$")
-_CHUNK = 1 << 20
 # Hardware fields whose difference can change numbers (CPU reductions, kernels) or speed.
 HARDWARE_KEYS = ("machine", "cpu_model", "cpu_cores", "torch_threads", "cuda_available", "gpus",
                  "cuda_version", "cudnn_version", "gpu_driver")
@@ -98,11 +97,8 @@ def git_file(repo: Path, commit: str, path: str) -> bytes | None:
 # ---------------------------------------------------------------- DVC hashes and cache
 def md5_file(path: Path) -> str:
     """DVC 3's md5 of a file (`hash: md5`): the plain md5 of its bytes."""
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def dir_listing(folder: Path) -> list[dict[str, str]]:
