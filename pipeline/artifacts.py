@@ -52,7 +52,7 @@ class StageRun:
         A folder records every file its stage produced (not its manifest, which is the
         record of those files, not one of them).
         """
-        path = paths.artifact(item, self.root) if isinstance(item, tuple) else self.root / item
+        path = paths.locate(item, self.root)
         if not path.exists():
             raise UserError(f"input {_rel(path, self.root)} is missing: run the stage that makes it "
                             f"(`dvc repro`)")

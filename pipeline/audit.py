@@ -258,35 +258,11 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit) -> N
 
 
 def probs_outputs(root: Path, params: dict) -> dict[tuple[str, str], Any]:
-    """The probs stage's tables and JSON, recomputed (the same calls as stages/probs.py)."""
-    from pipeline import logits_io, probs
-    probs_cfg, sampling = config.load_section(params, "probs"), config.load_section(params, "sampling")
-    named = probs.filters(probs_cfg, sampling)
-    logits_path = paths.artifact(paths.LOGITS, root)
-    facts = parquet_facts(logits_path)
-    positions = probs.resolve_positions(probs_cfg.positions, facts["n_positions"], facts["positions"])
-    vocab_t = read_parquet(paths.artifact(paths.VOCAB, root), columns=["token_id", "text"])
-    vocab = dict(zip(vocab_t["token_id"].to_pylist(), vocab_t["text"].to_pylist()))
-    tables, filtered, summary = [], {n: [] for n in probs.FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
-    for pos in positions:
-        row = logits_io.read_position(logits_path, pos)
-        probs.check_finite(pos, row)
-        table, by_t = probs.position_table(pos, row, probs_cfg.temperatures)
-        tables.append(table)
-        summary["temperatures"] += probs.temperature_summary(
-            pos, row, by_t, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance, probs_cfg.fp64_sum_tolerance, vocab)
-        for flt in named:
-            rows, entry = probs.filtered_rows(pos, row, flt)
-            for k, v in rows.items():
-                filtered[k] += v
-            summary["filters"].append(entry)
-    last = positions[-1]
-    sampling_filter = next(f for f in summary["filters"] if f["position"] == last and f["filter"] == "sampling")
-    return {paths.TABLE: pa.concat_tables(tables),
-            paths.FILTERED: pa.table(filtered, schema=probs.FILTERED_SCHEMA),
-            paths.PROBS_SUMMARY: {"positions": positions, **summary},
-            paths.PROBS_METRICS: probs.sweep_metrics(last, logits_io.read_position(logits_path, last),
-                                                     sampling_filter, summary["temperatures"])}
+    """The probs stage's tables and JSON, recomputed by the stage's own function."""
+    from pipeline import probs
+    outputs, _ = probs.build(paths.artifact(paths.LOGITS, root), paths.artifact(paths.VOCAB, root),
+                             config.load_section(params, "probs"), config.load_section(params, "sampling"))
+    return outputs
 
 
 def rederive_checks(root: Path, params: dict, result: Audit) -> None:
@@ -311,21 +287,9 @@ def rederive_checks(root: Path, params: dict, result: Audit) -> None:
 
 
 def checks_verdicts(root: Path, params: dict) -> dict[str, tuple[str, float]]:
-    """name -> (verdict, measured), computed with the same calls as stages/checks.py."""
-    from pipeline import checks, models, reference_figures
-    cfg = {name: config.load_section(params, name)
-           for name in ("model", "prompt", "capture", "probs", "sampling", "checks")}
-    cap, model_cfg = cfg["capture"], cfg["model"]
-    device, dtype = models.resolve_device(cap.device), models.resolve_dtype(cap.dtype)
-    references = reference_figures.applicable(model_cfg.reference_figures, model_cfg.tokenizer.family,
-                                              cfg["prompt"].text)
-    source = read_json(paths.artifact(paths.SOURCE, root))
-    snapshot = models.snapshot_dir(paths.stage_dir("prepare_model", root), source)
-    stored = checks.load(lambda item: paths.artifact(item, root))
-    model = models.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
-    tokenizer = models.load_tokenizer(snapshot, model_cfg.trust_remote_code)
-    results = checks.run_all(stored, model, tokenizer, cfg, device, models.eos_ids(model))
-    results += reference_figures.run(stored, model, tokenizer, cfg, results, references)
+    """name -> (verdict, measured), computed by the checks stage's own function."""
+    stage = importlib.import_module("stages.checks")
+    results, _, _ = stage.compute(params, lambda item: paths.locate(item, root), root)
     return {c.name: (c.verdict, c.measured) for c in results}
 
 

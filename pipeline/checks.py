@@ -1,126 +1,52 @@
 """The checks stage's work: re-derive every recorded number from the stored artifacts and model.
 
-Each check is a small function returning a `Check`; it passes when measured <= tolerance
-(NaN, i.e. not measurable, fails). `error` = the pipeline is broken (the stage fails after
-writing its results); `report` = a numerical finding (bf16 KV-cache drift, FP32 sums), shown
-and never failing the run. Earlier stages' own verdicts (facts.json / summary.json booleans)
-are never used as measurements: every number is recomputed here.
+Each check is a small function returning a `pipeline.verdicts.Check` (this module: tokenizer,
+capture, recomputations, probabilities; `pipeline.trajectory_checks`: the decoding steps).
+Earlier stages' own verdicts (facts.json / summary.json booleans) are never used as
+measurements: every number is recomputed here.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
 from pipeline import capture, logits_io, paths, probs, recompute, sampling
 from pipeline.artifacts import parquet_facts, read_json, read_parquet, read_safetensors
-from pipeline.decode import generate_reference
-from pipeline.trajectories import branch_settings
-
-SEVERITIES = ("error", "report")
-_NAME = re.compile(r"^[A-Za-z0-9_]+$")   # DVC metric keys: no spaces, no dots (dots nest)
-SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
-                    ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
-                    ("detail", pa.string())])
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    what: str          # one line: what is compared with what
-    measured: float
-    tolerance: float
-    severity: str      # "error" | "report"
-    detail: str = ""   # where: position / branch / step of the worst case
-
-    def __post_init__(self):
-        if not _NAME.match(self.name):
-            raise ValueError(f"check name {self.name!r}: letters, digits and _ only")
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"check {self.name}: severity {self.severity!r} not in {SEVERITIES}")
-        object.__setattr__(self, "measured", float(self.measured))
-        object.__setattr__(self, "tolerance", float(self.tolerance))
-
-    @property
-    def passed(self) -> bool:
-        return self.measured <= self.tolerance   # False for NaN: not measured is no pass
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.passed else "fail"
-
-
-def mismatches(got: Sequence, want: Sequence) -> int:
-    """Positions that differ, plus the length difference."""
-    return sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
-
-
-def diff_detail(got: Sequence, want: Sequence) -> str:
-    bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if bad is not None:
-        return f"first difference at index {bad}: {got[bad]!r} vs {want[bad]!r}"
-    return "" if len(got) == len(want) else f"lengths {len(got)} vs {len(want)}"
-
-
-def max_abs(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| in float64; equal values (also infinities) count 0, NaN and a shape mismatch inf."""
-    if a.shape != b.shape:
-        return math.inf
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        d = np.where(a == b, 0.0, np.abs(a - b))
-    return float(np.nan_to_num(d, nan=math.inf).max()) if d.size else 0.0
-
-
-# ---------------------------------------------------------------- results
-def to_table(checks: list[Check]) -> pa.Table:
-    names = [c.name for c in checks]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate check names: {sorted({n for n in names if names.count(n) > 1})}")
-    return pa.table({f: [getattr(c, f) for c in checks] for f in SCHEMA.names}, schema=SCHEMA)
-
-
-def _number(x: float) -> float | None:
-    return x if math.isfinite(x) else None   # JSON has no NaN / inf
-
-
-def metrics(checks: list[Check]) -> dict:
-    """metrics.json: a summary and, per check, measured / tolerance / pass / severity."""
-    failed = [c for c in checks if not c.passed]
-    return {"summary": {"checks": len(checks), "passed": len(checks) - len(failed),
-                        "failed_error": sum(c.severity == "error" for c in failed),
-                        "failed_report": sum(c.severity == "report" for c in failed)},
-            "checks": {c.name: {"measured": _number(c.measured), "tolerance": _number(c.tolerance),
-                                "pass": c.passed, "severity": c.severity} for c in checks}}
-
-
-def failed_errors(checks: list[Check]) -> list[str]:
-    return [c.name for c in checks if c.severity == "error" and not c.passed]
+from pipeline.trajectory_checks import generate_parity, greedy_argmax, kv_cache, step1_logits, step_logit_rows
+from pipeline.verdicts import Check, diff_detail, max_abs, mismatches
 
 
 # ---------------------------------------------------------------- stored artifacts
 @dataclass(frozen=True)
 class Stored:
-    """What the checks read: token ids, the capture, where it ran, and the tables' paths."""
+    """What the checks read: token ids, the capture, where it ran, and the tables' paths.
+
+    The probs and trajectories outputs are None when that stage has no output folder (it
+    stopped: e.g. on non-finite logits); their checks are then one failed `<stage>_outputs`.
+    """
 
     token_ids: list[int]
     token_text: list[str]
     tensors: dict[str, torch.Tensor]     # capture.safetensors
     devices: dict[str, dict]             # forward / trajectories -> {"device", "gpu_name"} they ran on
     logits: Path
-    table: Path
-    filtered: Path
-    steps: Path
-    step_logits: Path
+    table: Path | None
+    filtered: Path | None
+    steps: Path | None
+    step_logits: Path | None
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The stages whose outputs are absent, in pipeline order."""
+        return tuple(stage for stage, p in (("probs", self.table), ("trajectories", self.steps)) if p is None)
 
     @property
     def logit_positions(self) -> list[int]:
@@ -133,14 +59,26 @@ class Stored:
         return logits_io.read_position(self.logits, len(self.token_ids) - 1)
 
 
-def load(use: Callable[[tuple[str, str]], Path]) -> Stored:
-    """Read the artifacts through `use` (StageRun.use: records each one as an input)."""
+OPTIONAL_STAGES = ("probs", "trajectories")   # they refuse non-finite logits; forward and logits record them
+
+
+def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
+    """Read the artifacts through `use` (StageRun.use: records each one as an input).
+
+    An OPTIONAL_STAGES stage without an output folder (DVC removes a failed stage's outputs)
+    is recorded as missing; any other absent or partial output stays an error (from `use`).
+    """
+    def optional(item: tuple[str, str]) -> Path | None:
+        return use(item) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() else None
+
     tokens = read_parquet(use(paths.TOKENS), columns=["token_id", "text"])
-    facts, step_logits = read_json(use(paths.FORWARD_FACTS)), use(paths.STEP_LOGITS)
+    facts, step_logits = read_json(use(paths.FORWARD_FACTS)), optional(paths.STEP_LOGITS)
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
-               "trajectories": {"device": parquet_facts(step_logits).get("device"), "gpu_name": None}}
+               "trajectories": {"device": parquet_facts(step_logits).get("device") if step_logits else None,
+                                "gpu_name": None}}
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(), read_safetensors(use(paths.CAPTURE)),
-                  devices, use(paths.LOGITS), use(paths.TABLE), use(paths.FILTERED), use(paths.STEPS), step_logits)
+                  devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
+                  step_logits)
 
 
 def device_record(device: torch.device) -> dict:
@@ -189,6 +127,41 @@ def tokenizer_expected_ids(tokenizer, family: str, expected: list[int] | None, t
         "" if own else " (report: those ids do not decode to prompt.text)")
     return [Check("tokenizer_expected_ids", what, mismatches(stored_ids, expected), 0, "error" if own else "report",
                   diff_detail(stored_ids, expected))]
+
+
+def logits_finite(captured_logits: torch.Tensor, positions: list[int]) -> Check:
+    """Count of NaN / Inf logits in the capture, naming the positions (and first ids) that have them.
+
+    The forward and logits stages record non-finite logits as computed; probs and
+    trajectories refuse them, so this check is where such a run is recorded as failed.
+    """
+    bad = ~torch.isfinite(captured_logits[0])                   # [R, V]
+    rows = bad.any(dim=-1).nonzero().flatten().tolist()
+    shown = rows if len(rows) <= 3 else [rows[0], rows[1], rows[-1]]
+    per_row = [f"position {positions[r]}: {int(bad[r].sum())} ids (first: {bad[r].nonzero().flatten()[:3].tolist()})"
+               for r in shown]
+    detail = f"positions {_ranges([positions[r] for r in rows])} ({len(rows)} of {len(positions)}); " + \
+        "; ".join(per_row) if rows else f"{bad.numel()} values, all finite"
+    return Check("logits_finite", "count of NaN / Inf values among the captured logits (every position and id)",
+                 int(bad.sum()), 0, "error", detail)
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def outputs_missing(stage: str) -> Check:
+    """A stage whose outputs the checks need did not complete: its checks could not run."""
+    return Check(f"{stage}_outputs", f"artifacts/{stage} is there for its checks", math.nan, 0, "error",
+                 f"artifacts/{stage} is missing: the {stage} stage did not complete (see logits_finite), "
+                 f"so its checks did not run")
 
 
 def capture_input_ids(tensors: dict, stored_ids: list[int]) -> Check:
@@ -353,105 +326,25 @@ def _top_p_masses(row: np.ndarray, s: sampling.SamplingSettings, kept: list[int]
     return math.fsum(masses), math.fsum(masses[:-1])
 
 
-# ---------------------------------------------------------------- trajectories
-def step_logit_rows(path: Path) -> dict[tuple[str, bool, int], np.ndarray]:
-    """(branch, kv_cache, step) -> float32 logits row; one row group per step, as written."""
-    out, pf = {}, pq.ParquetFile(path)
-    for g in range(pf.num_row_groups):
-        t = pf.read_row_group(g, columns=["branch", "kv_cache", "step", "token_id", "logit"])
-        ids = t["token_id"].to_numpy()
-        row = np.full(int(ids.max()) + 1, np.nan, np.float32)     # an id missing stays NaN
-        row[ids] = t["logit"].to_numpy()
-        out[(t["branch"][0].as_py(), t["kv_cache"][0].as_py(), t["step"][0].as_py())] = row
-    return out
-
-
-def _run_name(branch: str, kv: bool) -> str:
-    return f"{branch}_kv" if kv else branch
-
-
-def step1_logits(step_rows: dict, last_row: np.ndarray, severity: str) -> list[Check]:
-    return [Check(f"step1_logits_{_run_name(b, kv)}", f"step-1 logits of branch {b} (kv_cache={kv}) == the forward "
-                  "logits at the last prompt position, bit for bit",
-                  max_abs(step_rows.get((b, kv, 1), np.empty(0)), last_row), 0, severity, "step 1")
-            for b, kv in sorted({(b, kv) for b, kv, _ in step_rows})]
-
-
-def greedy_argmax(steps: list[dict], step_rows: dict, last_row: np.ndarray) -> list[Check]:
-    """Greedy step 1 takes argmax of the forward logits, every greedy step the argmax of its own
-    (np.argmax and torch.argmax both return the lowest id among equal maxima)."""
-    greedy, top = [r for r in steps if r["branch"] == "greedy"], int(np.argmax(last_row))
-    if not greedy:
-        return []
-    first = [r for r in greedy if r["step"] == 1 and r["token_id"] != top]
-    own = [r for r in greedy if r["token_id"] != int(np.argmax(step_rows.get(
-        ("greedy", r["kv_cache"], r["step"]), np.full(1, np.nan))))]
-    return [Check("greedy_step1_argmax", "greedy step-1 token == argmax of the forward logits' last row (runs "
-                  "differing)", len(first), 0, "error", f"argmax id {top}"),
-            Check("greedy_tokens_argmax", "every greedy token == argmax of its stored step logits (steps differing)",
-                  len(own), 0, "error", ", ".join(f"{_run_name('greedy', r['kv_cache'])} step {r['step']}"
-                                                   for r in own[:4]))]
-
-
-def kv_cache(steps: list[dict], step_rows: dict, atol: float) -> list[Check]:
-    """KV-cache vs full-prefix run of each branch, step by step up to the first different choice
-    (after it the prefixes differ). Report severity: bf16 may miss atol; shown, never loosened."""
-    out = []
-    for b in sorted({r["branch"] for r in steps}):
-        ids = {kv: {r["step"]: r["token_id"] for r in steps if r["branch"] == b and r["kv_cache"] == kv}
-               for kv in (False, True)}
-        if not ids[False] or not ids[True]:
-            continue
-        diffs, differ = [], 0
-        for s in sorted(set(ids[False]) & set(ids[True])):
-            # a missing row compares as inf (shapes 0 and 1 never match)
-            diffs.append(max_abs(step_rows.get((b, False, s), np.empty(0)), step_rows.get((b, True, s), np.empty(1))))
-            if ids[False][s] != ids[True][s]:
-                differ += 1
-                break
-        out += [Check(f"kv_cache_logits_{b}", "max abs logit diff per step, KV cache vs full prefix "
-                      "(checks.kv_cache_atol)", max(diffs, default=math.nan), atol, "report",
-                      "per step: " + ", ".join(f"{d:g}" for d in diffs)),
-                Check(f"kv_cache_choices_{b}", "steps whose chosen id differs, KV cache vs full prefix",
-                      differ + abs(len(ids[False]) - len(ids[True])), 0, "report", f"{len(diffs)} steps compared")]
-    return out
-
-
-def generate_parity(model, prompt_ids: list[int], steps: list[dict], sampling_cfg, eos_ids: set[int],
-                    device: torch.device) -> list[Check]:
-    """model.generate == the stored ids of each branch (its no-cache run when one was recorded)."""
-    out = []
-    for b in sorted({r["branch"] for r in steps}):
-        kv = not any(r["branch"] == b and not r["kv_cache"] for r in steps)
-        stored = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"])
-                  if (r["branch"], r["kv_cache"]) == (b, kv)]
-        ref = generate_reference(model, prompt_ids, branch_settings(b, sampling_cfg), sampling_cfg.max_new_tokens,
-                                 sampling_cfg.seed, kv_cache=kv, eos_ids=eos_ids)
-        off_cpu = b == "sample" and device.type != "cpu"
-        out.append(Check(f"generate_parity_{b}", f"model.generate after torch.manual_seed(seed) == stored {b} ids "
-                         f"(kv_cache={kv})" + ("; report off CPU: there generate draws from the device RNG, our "
-                                               "loop from a CPU generator" if off_cpu else ""),
-                         mismatches(ref, stored), 0, "report" if off_cpu else "error", diff_detail(ref, stored)))
-    return out
-
-
 # ---------------------------------------------------------------- all of them
 def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, eos_ids: set[int]) -> list[Check]:
-    """Every check, in pipeline order. cfg: the typed sections model, prompt, probs, sampling, checks."""
+    """Every check, in pipeline order. cfg: the typed sections model, prompt, probs, sampling, checks.
+
+    A missing probs or trajectories stage (`Stored.missing`) replaces its checks with one
+    failed `<stage>_outputs` check; the others run as usual.
+    """
     ids, tensors, m, p_cfg, prompt = stored.token_ids, stored.tensors, cfg["model"], cfg["probs"], cfg["prompt"]
     sev_forward = device_severity(stored.devices["forward"], device_record(device))
-    sev_steps = device_severity(stored.devices["trajectories"], stored.devices["forward"])
     mode = "all" if len(stored.logit_positions) == len(ids) else "last"
     rows = {p: logits_io.read_position(stored.logits, p)
             for p in probs.resolve_positions(p_cfg.positions, len(ids), stored.logit_positions)}
-    last, steps, step_rows = stored.last_row(), read_parquet(stored.steps).to_pylist(), \
-        step_logit_rows(stored.step_logits)
-    return [
+    out = [
         tokenizer_retokenize(tokenizer, prompt.text, m.tokenizer.add_special_tokens, ids),
         tokenizer_round_trip(tokenizer, prompt.text, ids),
         *tokenizer_expected_ids(tokenizer, m.tokenizer.family, prompt.expected_ids_for(m.tokenizer.family),
                                 prompt.text, ids),
         capture_input_ids(tensors, ids),
+        logits_finite(tensors[capture.act_name("logits")], stored.logit_positions),
         *logits_file(stored.logits, tensors[capture.act_name("logits")], stored.logit_positions),
         lm_head(model, tensors, sev_forward),
         *layer0_attention(model, tensors, sev_forward),
@@ -459,8 +352,18 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
         *future_attention(tensors),
         *fresh_forward(model, tensors, mode, sev_forward),
         *prob_sums(rows, p_cfg.temperatures, p_cfg.fp64_sum_tolerance, p_cfg.fp32_sum_tolerance),
-        *table_recompute(stored.table, rows, p_cfg.temperatures),
-        *filtered(stored.filtered, rows, probs.filters(p_cfg, cfg["sampling"])),
+    ]
+    if stored.table is None:
+        out.append(outputs_missing("probs"))
+    else:
+        out += [*table_recompute(stored.table, rows, p_cfg.temperatures),
+                *filtered(stored.filtered, rows, probs.filters(p_cfg, cfg["sampling"]))]
+    if stored.steps is None:
+        return out + [outputs_missing("trajectories")]
+    sev_steps = device_severity(stored.devices["trajectories"], stored.devices["forward"])
+    last, steps, step_rows = stored.last_row(), read_parquet(stored.steps).to_pylist(), \
+        step_logit_rows(stored.step_logits)
+    return out + [
         *step1_logits(step_rows, last, sev_steps),
         *greedy_argmax(steps, step_rows, last),
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),

@@ -78,6 +78,7 @@ def _optional_text(key: str, value: Any) -> str | None:
 # C0 controls other than tab, newline and carriage return, DEL, C1 controls, lone surrogates:
 # invisible in a config file, yet each becomes a token the reader of the record cannot see.
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
 
 
@@ -123,11 +124,27 @@ def inside_repo(key: str, value: str, root: Path | str) -> Path:
     return path
 
 
+def prompt_file_path(key: str, value: Any) -> str:
+    """A prompt file's path: relative, under PROMPT_DIR/ (the folder DVC watches), judged from its text."""
+    allowed = f"a file under {PROMPT_DIR}/ inside the repository, relative to its root"
+    repo_relpath(key, value, allowed)
+    parts = PurePosixPath(value.replace("\\", "/")).parts
+    if len(parts) < 2 or parts[0] != PROMPT_DIR:
+        raise bad_value(key, value, f"{allowed} (e.g. {PROMPT_DIR}/mine.txt): DVC re-runs the stages that read "
+                        f"the prompt when a file there changes")
+    return value
+
+
 def read_prompt_file(key: str, value: str, root: Path | str) -> str:
-    """The UTF-8 text of a prompt file inside the repository, validated as a prompt."""
+    """The UTF-8 text of a prompt file under PROMPT_DIR/, validated as a prompt."""
+    prompt_file_path(key, value)
     path = inside_repo(key, value, root)
+    folder = (Path(root) / PROMPT_DIR).resolve()
+    if not path.is_relative_to(folder):
+        raise bad_value(key, value, f"a file under {PROMPT_DIR}/ inside the repository (it resolves to {path}, "
+                        f"outside {folder})")
     if not path.is_file():
-        raise bad_value(key, value, "an existing file inside the repository, relative to its root")
+        raise bad_value(key, value, f"an existing file under {PROMPT_DIR}/ inside the repository, relative to its root")
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -246,12 +263,12 @@ class PromptConfig:
     name: str
     text: str | None = None       # the prompt; from `file` when that is set (then text is null in params)
     expected_token_ids: dict = field(default_factory=dict)
-    file: str | None = None       # a path inside the repository whose UTF-8 text is the prompt
+    file: str | None = None       # a path under prompts/ whose UTF-8 text is the prompt
 
     def __post_init__(self):
         _text("prompt.name", self.name)
         if self.file is not None:
-            repo_relpath("prompt.file", self.file)
+            prompt_file_path("prompt.file", self.file)
         if self.text is None and self.file is None:
             raise bad_value("prompt.text", None, "a non-empty string (or null with prompt.file set)")
         prompt_text("prompt.text", self.text)

@@ -49,5 +49,10 @@ def artifact(item: tuple[str, str], root: Path | str = ".") -> Path:
     return stage_dir(stage, root) / name
 
 
+def locate(item: tuple[str, str] | Path, root: Path | str = ".") -> Path:
+    """An artifact item, or a path relative to the repository (e.g. a stage's folder), under root."""
+    return artifact(item, root) if isinstance(item, tuple) else Path(root) / item
+
+
 def manifest_path(stage: str, root: Path | str = ".") -> Path:
     return stage_dir(stage, root) / MANIFEST

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline import logits_io, paths
+from pipeline.artifacts import parquet_facts, read_parquet
 from pipeline.config import ProbsConfig, SamplingConfig
 from pipeline.errors import UserError, bad_value
 from pipeline.sampling import SamplingSettings, filter_distribution, probability_table, ranks
@@ -147,3 +151,41 @@ def sweep_metrics(position: int, row: np.ndarray, sampling_filter: dict, by_temp
                                                         "sum_error_fp32": e["sum_error_fp32"]}
                          for e in by_temperature if e["position"] == position},
     }
+
+
+# ---------------------------------------------------------------- the stage's outputs
+def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) \
+        -> tuple[dict[tuple[str, str], Any], dict]:
+    """Every output of the probs stage (artifact item -> table or JSON object) and its facts.
+
+    One function for the stage and for `nexttoken audit`, which re-derives a past run's files
+    with these same calls and compares them bit for bit.
+    """
+    named = filters(probs_cfg, sampling_cfg)
+    facts = parquet_facts(logits_path)
+    positions = resolve_positions(probs_cfg.positions, facts["n_positions"], facts["positions"])
+    vocab_t = read_parquet(vocab_path, columns=["token_id", "text"])
+    vocab = dict(zip(vocab_t["token_id"].to_pylist(), vocab_t["text"].to_pylist()))
+    tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
+    for pos in positions:
+        row = logits_io.read_position(logits_path, pos)
+        check_finite(pos, row)
+        table, by_t = position_table(pos, row, probs_cfg.temperatures)
+        tables.append(table)
+        summary["temperatures"] += temperature_summary(
+            pos, row, by_t, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance, probs_cfg.fp64_sum_tolerance, vocab)
+        for flt in named:
+            rows, entry = filtered_rows(pos, row, flt)
+            for k, v in rows.items():
+                kept[k] += v
+            summary["filters"].append(entry)
+    last = positions[-1]
+    sampling_filter = next(f for f in summary["filters"] if f["position"] == last and f["filter"] == "sampling")
+    outputs = {paths.TABLE: pa.concat_tables(tables),
+               paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
+               paths.PROBS_SUMMARY: {"positions": positions, **summary},
+               paths.PROBS_METRICS: sweep_metrics(last, logits_io.read_position(logits_path, last),
+                                                  sampling_filter, summary["temperatures"])}
+    return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
+                     "temperatures": list(probs_cfg.temperatures),
+                     "logits_content_sha256": facts.get("logits_content_sha256")}

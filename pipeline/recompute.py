@@ -23,13 +23,14 @@ from pipeline.capture import act_name, decoder_layers, family
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in float64; equal elements count 0 (also equal infinities), NaN counts inf."""
+    """max |a - b| in float64; equal elements count 0 (also equal infinities, and NaN on both
+    sides: a reproduced NaN is reproduced), NaN on one side counts inf."""
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
     if a.numel() == 0:
         return 0.0
     a64, b64 = a.detach().cpu().double(), b.detach().cpu().double()
-    diff = torch.where(a64 == b64, torch.zeros_like(a64), (a64 - b64).abs())
+    diff = torch.where((a64 == b64) | (a64.isnan() & b64.isnan()), torch.zeros_like(a64), (a64 - b64).abs())
     return float(diff.nan_to_num(nan=float("inf")).max())
 
 

@@ -29,8 +29,9 @@ import yaml
 
 from pipeline import capture, sampling, tokenization
 from pipeline.artifacts import read_parquet
-from pipeline.checks import Check, Stored, diff_detail, mismatches
+from pipeline.checks import Stored
 from pipeline.errors import UserError
+from pipeline.verdicts import Check, diff_detail, mismatches
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 # Tokenizer family of each reference run, in conf/model terms (the files state the model id).
@@ -122,7 +123,7 @@ def gather_run(stored: Stored, model, tokenizer, cfg: dict, results: list[Check]
         kept = sampling.filter_distribution(logits, _filter_settings(key))
         filters[key] = kept.count if key.endswith("_kept_count") else dict(zip(kept.ids.tolist(),
                                                                                kept.prob_after.tolist()))
-    steps = read_parquet(stored.steps).to_pylist()
+    steps = read_parquet(stored.steps).to_pylist() if stored.steps else []   # None: trajectories stopped
     run_steps = {b: sorted((r for r in steps if r["branch"] == b and not r["kv_cache"]), key=lambda r: r["step"])
                  for b in ("sample", "greedy")}
     s = cfg["sampling"]

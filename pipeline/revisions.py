@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from pipeline import paths
+from pipeline import config, paths
 from pipeline.artifacts import read_json
 from pipeline.errors import UserError
 
@@ -87,6 +87,12 @@ def resolve(repo: Path, rev: str) -> Revision:
                         f"(only '{WORKSPACE}' can be read here)")
     raise UserError(f"unknown revision {rev!r}: neither a git revision nor an experiment name "
                     f"(see `git log`, `dvc exp show`)")
+
+
+def git_files_under(repo: Path, commit: str, folder: str) -> tuple[str, ...]:
+    """The files committed under `folder` at `commit` (none when it has no such folder)."""
+    proc = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", folder)
+    return tuple(proc.stdout.decode().splitlines()) if proc.returncode == 0 else ()
 
 
 def git_file(repo: Path, commit: str, path: str) -> bytes | None:
@@ -162,9 +168,10 @@ def open_run(repo: Path, rev: Revision) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="nexttoken-rev-") as tmp:
         root = Path(tmp)
-        for name in RUN_FILES:
+        for name in RUN_FILES + git_files_under(repo, rev.commit, config.PROMPT_DIR):   # prompt.file: as it was
             data = git_file(repo, rev.commit, name)
             if data is not None:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
                 (root / name).write_bytes(data)
         if not (root / DVC_LOCK).exists():
             raise UserError(f"{rev} has no dvc.lock: no run was committed at that revision")

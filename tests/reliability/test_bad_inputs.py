@@ -175,7 +175,8 @@ def range_cases() -> list[Case]:
            "form\x0cfeed", "ok line\nthen \x08 backspace")],
         _r("prompt.file", "prompts/p.txt", "prompt"),                      # text is set too
         *[_r("prompt.file", p, "path", prompt__text=None) for p in
-          ("../p.txt", "/etc/hostname", "~/p.txt", "prompts/../../p.txt", "C:\\p.txt")],
+          ("../p.txt", "/etc/hostname", "~/p.txt", "prompts/../../p.txt", "C:\\p.txt", "conf/prompt/p.txt",
+           "p.txt", "prompts")],
         _r("prompt.expected_token_ids", {"qwen2": [-1]}, shown=[-1], shown_key="prompt.expected_token_ids.qwen2"),
         _r("prompt.expected_token_ids", {"qwen2": [True]}, shown=[True],
            shown_key="prompt.expected_token_ids.qwen2"),
@@ -320,6 +321,9 @@ def model_cases() -> list[Case]:
              check=lambda r: ((r / "prompts/dir").mkdir(parents=True), _prompt_file(r, "dir", None))),
         Case("path:prompt.file a symlink out of the repository", "prompt.file", "prompts/link.txt", "path",
              check=lambda r: _prompt_file(r, "link.txt", None, link="/etc/hostname")),
+        Case("path:prompt.file a symlink to a file outside prompts/", "prompt.file", "prompts/elsewhere.txt", "path",
+             check=lambda r: ((r / "notes.txt").write_text("in the repository, not under prompts/"),
+                              _prompt_file(r, "elsewhere.txt", None, link="../notes.txt"))),
     ]
 
 
@@ -451,7 +455,7 @@ SUBPROCESS = [
         ("capture.dtype='float8' is not allowed: one of bfloat16, float16, float32",)),
     Run("compose prompt.file=../outside.txt", ("nexttoken", "compose", "model=tiny_qwen2",
                                                 "prompt.file=../outside.txt", "prompt.text=null"),
-        ("prompt.file='../outside.txt' is not allowed: a relative path inside the repository",)),
+        ("prompt.file='../outside.txt' is not allowed: a file under prompts/ inside the repository",)),
     Run("compose prompt.text with a control character", ("nexttoken", "compose", "model=tiny_qwen2",
                                                          "prompt.text=bell\x07"),
         ("override='prompt.text=bell\\x07' is not allowed",)),

@@ -85,29 +85,47 @@ def test_trajectories_stop_naming_the_step_and_position(poisoned, monkeypatch):
     assert snapshot(poisoned) == before and staging_left(poisoned) == []
 
 
-def test_checks_stage_after_a_nonfinite_run(poisoned, tmp_path, monkeypatch):
+def test_checks_stage_records_nonfinite_logits(poisoned, tmp_path, monkeypatch):
     """As DVC leaves it: probs and trajectories failed, so their outputs are gone.
 
-    Today the checks stage needs those outputs and stops with one clear line; recording a
-    failed `logits_finite` check instead is the next test (expected to fail until
-    pipeline/checks.py can run on a partial chain).
+    The checks stage still runs what it can: `logits_finite` fails naming the position (and
+    the poisoned id), each missing stage is one failed `<stage>_outputs` check, every check
+    that reads only forward/logits runs (a reproduced NaN is reproduced), and the stage writes
+    its results and exits 1 naming the failed error checks.
     """
     ws = copy_ws(poisoned, tmp_path / "ws")
     for stage in ("probs", "trajectories"):
         shutil.rmtree(paths.stage_dir(stage, ws))
     out = run_stage_here("checks", ws, monkeypatch)
-    one_line_error(out, "nexttoken checks: error: ", "artifacts/")
-    assert not paths.stage_dir("checks", ws).exists()
-
-
-@pytest.mark.xfail(strict=True, reason="pipeline/checks.py needs a finite-logits check that runs from forward/logits "
-                                       "alone when probs/trajectories stopped on NaN/Inf (see docs/bad_inputs.md)")
-def test_checks_stage_records_nonfinite_logits(poisoned, tmp_path, monkeypatch):
-    ws = copy_ws(poisoned, tmp_path / "ws")
-    for stage in ("probs", "trajectories"):
-        shutil.rmtree(paths.stage_dir(stage, ws))
-    run_stage_here("checks", ws, monkeypatch)
+    assert out.code == 1, out.stderr
     import pyarrow.parquet as pq
     rows = {r["name"]: r for r in pq.read_table(ws / "artifacts/checks/checks.parquet").to_pylist()}
-    finite = [r for name, r in rows.items() if "finite" in name]
-    assert finite and all(r["verdict"] == "fail" for r in finite)
+    finite = rows["logits_finite"]
+    assert finite["verdict"] == "fail" and finite["severity"] == "error" and finite["measured"] > 0
+    assert finite["detail"].startswith(f"positions 0-{LAST} ({LAST + 1} of {LAST + 1}); ")
+    if poisoned.name == "nan_lm_head_row":
+        assert finite["measured"] == 25 and f"(first: [{POISONED_ID}])" in finite["detail"]   # one id, 25 positions
+    for stage in ("probs", "trajectories"):
+        missing = rows[f"{stage}_outputs"]
+        assert missing["verdict"] == "fail" and "did not complete" in missing["detail"]
+    assert not any(n.startswith(("probs_table", "filtered_", "step1_", "kv_cache_", "generate_parity"))
+                   for n in rows)
+    for name in ("capture_input_ids", "logits_file_exact", "lm_head_recompute", "capture_transparent",
+                 "repeat_deterministic", "tokenizer_retokenize"):
+        assert rows[name]["verdict"] == "pass", rows[name]
+    failed_line = out.stderr.strip().splitlines()[-1]
+    assert "logits_finite" in failed_line and "probs_outputs" in failed_line
+    manifest = json.loads(paths.manifest_path("checks", ws).read_text())
+    assert manifest["facts"]["missing_stages"] == ["probs", "trajectories"]
+
+
+def test_checks_stage_refuses_a_partial_stage_folder(poisoned, tmp_path, monkeypatch):
+    """Only a whole missing stage folder is a stopped stage; a folder with a file gone is damage."""
+    ws = copy_ws(poisoned, tmp_path / "ws")
+    shutil.rmtree(paths.stage_dir("trajectories", ws))
+    for f in paths.stage_dir("probs", ws).iterdir():
+        if f.name != "table.parquet":
+            f.unlink()
+    out = run_stage_here("checks", ws, monkeypatch)
+    one_line_error(out, "nexttoken checks: error: ", "artifacts/probs/")
+    assert not paths.stage_dir("checks", ws).exists()

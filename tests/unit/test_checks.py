@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline import provenance, checks, config, logits_io, models, paths, probs, reference_figures
+from pipeline import checks, config, models, paths, probs, provenance, reference_figures, trajectory_checks, verdicts
 from tests.conftest import run_module
 
 CHAIN = ("forward", "logits", "probs", "trajectories")
@@ -50,7 +50,7 @@ def cfg(ws) -> dict:
 
 @pytest.fixture(scope="module")
 def stored(ws) -> checks.Stored:
-    return checks.load(lambda item: paths.artifact(item, ws))
+    return checks.load(lambda item: paths.locate(item, ws), ws)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def tokenizer(ws):
     return models.load_tokenizer(ws / "artifacts/prepare_model")
 
 
-def by_name(results: list[checks.Check]) -> dict[str, checks.Check]:
+def by_name(results: list[verdicts.Check]) -> dict[str, verdicts.Check]:
     return {c.name: c for c in results}
 
 
@@ -90,7 +90,7 @@ def tensors_with(stored: checks.Stored, name: str, index: tuple, value: float) -
 def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
     assert clean_run.returncode == 0, clean_run.stderr
     rows = pq.read_table(ws / "artifacts/checks/checks.parquet").to_pylist()
-    assert pq.read_schema(ws / "artifacts/checks/checks.parquet").names == checks.SCHEMA.names
+    assert pq.read_schema(ws / "artifacts/checks/checks.parquet").names == verdicts.SCHEMA.names
     errors = [r for r in rows if r["severity"] == "error"]
     assert errors and all(r["verdict"] == "pass" for r in errors), [r for r in errors if r["verdict"] != "pass"]
     names = [r["name"] for r in rows]
@@ -155,10 +155,10 @@ def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path
     (copy / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True))
     proc = run_module("stages.checks", copy)
     assert proc.returncode == 1 and "error checks failed: logits_file_exact " in proc.stderr, proc.stderr
-    rows = by_name([checks.Check(**{k: r[k] for k in ("name", "what", "measured", "tolerance", "severity",
+    rows = by_name([verdicts.Check(**{k: r[k] for k in ("name", "what", "measured", "tolerance", "severity",
                                                       "detail")})
                     for r in pq.read_table(copy / "artifacts/checks/checks.parquet").to_pylist()])
-    assert checks.failed_errors(list(rows.values())) == ["logits_file_exact"]
+    assert verdicts.failed_errors(list(rows.values())) == ["logits_file_exact"]
     assert rows["logits_file_exact"].measured == 0.25 and "position 3" in rows["logits_file_exact"].detail
     # ids that do not decode to the prompt were written for another text: a report, not an error
     bad = rows["tokenizer_expected_ids"]
@@ -170,22 +170,22 @@ def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path
 
 # ---------------------------------------------------------------- Check and results
 def test_check_verdicts_names_and_metrics():
-    ok = checks.Check("a_1", "w", 0.0, 0.0, "error")
-    nan = checks.Check("b", "w", math.nan, 1.0, "report")
+    ok = verdicts.Check("a_1", "w", 0.0, 0.0, "error")
+    nan = verdicts.Check("b", "w", math.nan, 1.0, "report")
     assert ok.passed and ok.verdict == "pass" and not nan.passed and nan.verdict == "fail"
     with pytest.raises(ValueError):
-        checks.Check("has space", "w", 0, 0, "error")
+        verdicts.Check("has space", "w", 0, 0, "error")
     with pytest.raises(ValueError):
-        checks.Check("dotted.name", "w", 0, 0, "error")
+        verdicts.Check("dotted.name", "w", 0, 0, "error")
     with pytest.raises(ValueError):
-        checks.Check("x", "w", 0, 0, "warning")
-    m = checks.metrics([ok, nan])
+        verdicts.Check("x", "w", 0, 0, "warning")
+    m = verdicts.metrics([ok, nan])
     assert m["summary"] == {"checks": 2, "passed": 1, "failed_error": 0, "failed_report": 1}
     assert m["checks"]["b"]["measured"] is None and json.dumps(m, allow_nan=False)
-    assert checks.failed_errors([ok, nan]) == []
+    assert verdicts.failed_errors([ok, nan]) == []
     with pytest.raises(ValueError):
-        checks.to_table([ok, ok])
-    assert checks.to_table([ok, nan]).column("verdict").to_pylist() == ["pass", "fail"]
+        verdicts.to_table([ok, ok])
+    assert verdicts.to_table([ok, nan]).column("verdict").to_pylist() == ["pass", "fail"]
 
 
 def test_device_severity():
@@ -195,6 +195,38 @@ def test_device_severity():
     h200, other = {"device": "cuda:0", "gpu_name": "NVIDIA H200"}, {"device": "cuda", "gpu_name": "RTX 3090"}
     assert checks.device_severity(h200, other) == "report"
     assert checks.device_severity({"device": "cuda", "gpu_name": None}, other) == "error"   # type only
+
+
+def test_a_reproduced_nan_is_equal_and_a_nan_on_one_side_is_not():
+    """Recompute checks: NaN in both at the same place is reproduced (logits_finite is what
+    fails on it); NaN on one side only, or a different value, is a difference."""
+    from pipeline.recompute import max_abs_diff
+    a = np.array([1.0, np.nan, np.inf, -2.0], np.float32)
+    assert verdicts.max_abs(a, a.copy()) == 0.0
+    assert verdicts.max_abs(a, np.array([1.0, 0.0, np.inf, -2.0], np.float32)) == math.inf
+    assert verdicts.max_abs(a, np.array([1.0, np.nan, np.inf, -1.5], np.float32)) == 0.5
+    assert verdicts.max_abs(a, a[:3]) == math.inf
+    t = torch.from_numpy(a).to(torch.bfloat16)
+    assert max_abs_diff(t, t.clone()) == 0.0
+    assert max_abs_diff(t, torch.tensor([1.0, 1.0, float("inf"), -2.0], dtype=torch.bfloat16)) == math.inf
+
+
+def test_logits_finite_counts_and_names_positions():
+    logits = torch.zeros(1, 3, 10, dtype=torch.bfloat16)
+    clean = checks.logits_finite(logits, [4, 5, 6])
+    assert clean.passed and clean.measured == 0 and clean.severity == "error" and "all finite" in clean.detail
+    logits[0, 1, 7] = float("nan")
+    logits[0, 2, 2:4] = float("inf")
+    bad = checks.logits_finite(logits, [4, 5, 6])
+    assert not bad.passed and bad.measured == 3
+    assert bad.detail == "positions 5-6 (2 of 3); position 5: 1 ids (first: [7]); position 6: 2 ids (first: [2, 3])"
+    assert checks._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and checks._ranges([3]) == "3"
+
+
+def test_a_missing_stage_is_one_failed_error_check():
+    c = checks.outputs_missing("probs")
+    assert c.name == "probs_outputs" and c.severity == "error" and not c.passed
+    assert "artifacts/probs is missing" in c.detail
 
 
 # ---------------------------------------------------------------- tokenizer and capture
@@ -385,10 +417,10 @@ def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stor
 
     def bump(v):
         v[first + 7] += 0.5
-    rows = checks.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
-    got = by_name(checks.step1_logits(rows, stored.last_row(), "error"))
+    rows = trajectory_checks.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
+    got = by_name(trajectory_checks.step1_logits(rows, stored.last_row(), "error"))
     assert got["step1_logits_greedy"].measured == 0.5 and got["step1_logits_greedy_kv"].passed
-    kv = by_name(checks.kv_cache(steps, rows, cfg["checks"].kv_cache_atol))
+    kv = by_name(trajectory_checks.kv_cache(steps, rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_logits_greedy"].measured == 0.5 and not kv["kv_cache_logits_greedy"].passed
     assert kv["kv_cache_logits_greedy"].severity == "report" and kv["kv_cache_logits_sample"].passed
 
@@ -399,26 +431,26 @@ def _with_token(steps: list[dict], branch: str, kv: bool, step: int, token: int)
 
 
 def test_a_changed_greedy_token_fails_argmax_and_generate_parity(model, stored, steps, cfg):
-    rows, last = checks.step_logit_rows(stored.step_logits), stored.last_row()
-    clean = by_name(checks.greedy_argmax(steps, rows, last))
+    rows, last = trajectory_checks.step_logit_rows(stored.step_logits), stored.last_row()
+    clean = by_name(trajectory_checks.greedy_argmax(steps, rows, last))
     assert clean["greedy_step1_argmax"].passed and clean["greedy_tokens_argmax"].passed
     bad1 = _with_token(steps, "greedy", True, 1, 11)
-    assert checks.greedy_argmax(bad1, rows, last)[0].measured == 1
+    assert trajectory_checks.greedy_argmax(bad1, rows, last)[0].measured == 1
     bad3 = _with_token(steps, "greedy", False, 3, 11)
-    got = by_name(checks.greedy_argmax(bad3, rows, last))
+    got = by_name(trajectory_checks.greedy_argmax(bad3, rows, last))
     assert got["greedy_step1_argmax"].passed and got["greedy_tokens_argmax"].measured == 1
     assert "greedy step 3" in got["greedy_tokens_argmax"].detail
-    parity = by_name(checks.generate_parity(model, stored.token_ids, bad3, cfg["sampling"], models.eos_ids(model),
-                                            torch.device("cpu")))
+    parity = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad3, cfg["sampling"],
+                                                       models.eos_ids(model), torch.device("cpu")))
     assert parity["generate_parity_greedy"].measured == 1 and parity["generate_parity_sample"].passed
-    kv = by_name(checks.kv_cache(bad3, rows, cfg["checks"].kv_cache_atol))
+    kv = by_name(trajectory_checks.kv_cache(bad3, rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_choices_greedy"].measured == 1 and "3 steps compared" in kv["kv_cache_choices_greedy"].detail
 
 
 def test_a_changed_sampled_token_fails_generate_parity(model, stored, steps, cfg):
     bad = _with_token(steps, "sample", False, 2, 11)
-    got = by_name(checks.generate_parity(model, stored.token_ids, bad, cfg["sampling"], models.eos_ids(model),
-                                         torch.device("cpu")))
+    got = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad, cfg["sampling"],
+                                                    models.eos_ids(model), torch.device("cpu")))
     assert got["generate_parity_sample"].measured == 1 and got["generate_parity_sample"].severity == "error"
     assert "index 1" in got["generate_parity_sample"].detail
 
@@ -426,8 +458,8 @@ def test_a_changed_sampled_token_fails_generate_parity(model, stored, steps, cfg
 def test_generate_parity_of_the_sample_branch_is_a_report_off_cpu(model, stored, steps, cfg):
     # The device only decides the severity here (the model stays on CPU): on CUDA generate
     # draws from the device RNG, the decode loop from a CPU generator.
-    got = by_name(checks.generate_parity(model, stored.token_ids, steps, cfg["sampling"], models.eos_ids(model),
-                                         torch.device("cuda")))
+    got = by_name(trajectory_checks.generate_parity(model, stored.token_ids, steps, cfg["sampling"],
+                                                    models.eos_ids(model), torch.device("cuda")))
     assert got["generate_parity_sample"].severity == "report" and "device RNG" in got["generate_parity_sample"].what
     assert got["generate_parity_greedy"].severity == "error"
 

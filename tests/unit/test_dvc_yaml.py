@@ -64,3 +64,13 @@ def test_stage_declares_its_code_params_and_outs(stage):
         + [next(iter(p)) if isinstance(p, dict) else p for p in spec.get("plots", [])]
     assert outs == [folder] or f"{folder}/{paths.MANIFEST}" in outs
     assert all(d == folder or d.startswith(folder + "/") for d in declared)
+
+
+@pytest.mark.parametrize("stage", list(DVC))
+def test_prompt_readers_depend_on_the_prompt_folder(stage):
+    """A stage that reads the prompt (its PARAMS has the `prompt` section) depends on prompts/,
+    where `prompt.file` must live: editing the file's text re-runs it (DVC hashes the folder)."""
+    from pipeline import config
+    reads_prompt = "prompt" in importlib.import_module(f"stages.{stage}").PARAMS
+    assert (config.PROMPT_DIR in DVC[stage]["deps"]) == reads_prompt
+    assert (REPO / config.PROMPT_DIR).is_dir()      # DVC refuses a missing dependency
