@@ -205,16 +205,23 @@ def test_a_revision_is_read_from_git_and_the_dvc_cache_without_checkout(tmp_path
         {"path": "artifacts/t/m.json", "hash": "md5", "md5": _md5(lone)}]}}}
     (repo / "dvc.lock").write_text(json.dumps(lock))
     (repo / "params.yaml").write_text("a: 1\n")
-    git(repo, "add", "dvc.lock", "params.yaml")
+    (repo / "prompts/long").mkdir(parents=True)
+    (repo / "prompts/long/q.txt").write_text("the prompt of that run\n")
+    (repo / "notes.txt").write_text("not part of a run\n")
+    git(repo, "add", "dvc.lock", "params.yaml", "prompts", "notes.txt")
     git(repo, "commit", "-qm", "run")
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     git(repo, "update-ref", f"refs/exps/{sha[:2]}/{sha[2:]}/tidy-exp", sha)
     (repo / "params.yaml").write_text("a: 2\n")   # the workspace moves on; the revision must not
+    (repo / "prompts/long/q.txt").write_text("edited since\n")
 
     rev = revisions.resolve(repo, "tidy-exp")
     assert (rev.commit, rev.exp, str(rev)) == (sha, "tidy-exp", f"experiment tidy-exp ({sha[:7]})")
     with revisions.open_run(repo, rev) as root:
         assert root != repo and (root / "params.yaml").read_text() == "a: 1\n"
+        # prompt.file is read under the run's root, as committed (not the workspace's edit)
+        assert (root / "prompts/long/q.txt").read_text() == "the prompt of that run\n"
+        assert not (root / "notes.txt").exists()
         assert (root / "artifacts/s/sub/b.bin").read_bytes() == b"\x00\x01"
         assert (root / "artifacts/t/m.json").read_bytes() == lone
         assert revisions.dir_md5(revisions.dir_listing(root / "artifacts/s")) == lock["stages"]["s"]["outs"][0]["md5"]
