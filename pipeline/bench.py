@@ -232,34 +232,10 @@ def run_chain(root: Path, stages: tuple[str, ...], cache: dict | None = None) ->
 
 def _run_stage(name: str) -> str:
     try:
-        module = importlib.import_module(f"stages.{name}")
-    except ImportError as e:
-        if name != "checks":
-            raise
-        return _checks_without_stage(e)
-    try:
-        module.main()
+        importlib.import_module(f"stages.{name}").main()
     except SystemExit as e:          # the checks stage exits 1 after writing failed error checks
         return f"exited with status {e.code}"
     return ""
-
-
-def _checks_without_stage(err: ImportError) -> str:
-    """stages/checks.py not importable (it is written separately): the pipeline.recompute
-    recomputations on the stored capture stand in for it, and the note says so."""
-    from pipeline import recompute
-    from pipeline.artifacts import read_json, read_safetensors, stage_run
-    params = config.read_params(Path(paths.PARAMS))
-    cap, trust = config.load_section(params, "capture"), config.load_section(params, "model").trust_remote_code
-    with stage_run("checks", {}) as run:
-        snapshot = models.snapshot_dir(paths.stage_dir("prepare_model"), read_json(run.use(paths.SOURCE)))
-        model = models.load_model(snapshot, models.resolve_dtype(cap.dtype), models.resolve_device(cap.device),
-                                  cap.attn_implementation, trust)
-        t = read_safetensors(run.use(paths.CAPTURE))
-        found = {"lm_head": recompute.lm_head_recompute(model, t["final_norm_out"], t["logits"]),
-                 **recompute.layer0_attention_recompute(model, t), **recompute.future_attention_max(t)}
-        run.write_json("recompute.json", {str(k): v for k, v in found.items()})
-    return f"stages.checks not importable ({err}): ran the pipeline.recompute recomputations instead"
 
 
 # ---------------------------------------------------------------- sections
@@ -283,15 +259,33 @@ def bench_capture(ws: Workspace, plan: Plan, res: Results) -> torch.Tensor:
 
 
 def bench_logits_io(logits: torch.Tensor, plan: Plan, res: Results, tmp: Path) -> None:
-    """logits [T, V] (computed dtype): Parquet writer + full read vs numpy save + load of float32."""
+    """logits [T, V] (computed dtype): Parquet writer + full read vs numpy save + load of float32.
+
+    Both sides end with the whole float32 matrix in memory: np.load, and `logits_io.read_matrix`
+    (the logit column of every row group, decoded in parallel; positions from the statistics).
+    Information: the same layout with compression=None (the floor of the long format: what is
+    left of the ratio without the required zstd), write and read separately, a compressed
+    numpy file, and the size against raw bf16.
+    """
     arr = logits.float().numpy()
-    pq_path, np_path = tmp / "logits.parquet", tmp / "logits.npy"
+    pq_path, raw_path, np_path = tmp / "logits.parquet", tmp / "logits_uncompressed.parquet", tmp / "logits.npy"
+    split: dict[str, list[float]] = {"parquet_write": [], "parquet_read": []}
+
+    def write_read(path: Path, compression: str | None, record: bool = False) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits_io.write_logits(path, enumerate(logits), {b"bench": b"1"}, compression=compression)
+        t1 = time.perf_counter()
+        out = logits_io.read_matrix(path)[1]
+        if record:
+            split["parquet_write"].append(t1 - t0)
+            split["parquet_read"].append(time.perf_counter() - t1)
+        return out
 
     def parquet():
-        import pyarrow.parquet as pq
-        logits_io.write_logits(pq_path, enumerate(logits), {b"bench": b"1"})
-        t = pq.read_table(pq_path)
-        return t["logit"].to_numpy().reshape(arr.shape)
+        return write_read(pq_path, "zstd", record=True)
+
+    def parquet_uncompressed():     # the floor: same layout and encodings, no compression
+        return write_read(raw_path, None)
 
     def numpy_io():
         np.save(np_path, arr)
@@ -301,18 +295,25 @@ def bench_logits_io(logits: torch.Tensor, plan: Plan, res: Results, tmp: Path) -
         np.savez_compressed(tmp / "logits.npz", logits=arr)
         return np.load(tmp / "logits.npz")["logits"]
 
-    times = alternate({"parquet": parquet, "numpy": numpy_io}, plan.reps_io)
+    times = alternate({"parquet": parquet, "numpy": numpy_io, "parquet_uncompressed": parquet_uncompressed},
+                      plan.reps_io)
     # One pair only: zlib takes seconds per call, and this ratio is context, not a target.
     times |= {f"{k}_vs_npz": v for k, v in alternate({"parquet": parquet, "npz": numpy_compressed}, 1, 0).items()}
-    exact = bool(np.array_equal(parquet(), arr))
+    positions, stored = logits_io.read_matrix(pq_path)
+    exact = bool(np.array_equal(stored, arr)) and positions == list(range(arr.shape[0])) and \
+        bool(np.array_equal(logits_io.read_matrix(raw_path)[1], arr))
     raw_bf16 = arr.size * 2
     res.sections["logits_io"] = {"shape": list(arr.shape), "read_back_exact": exact,
                                  "parquet_bytes": pq_path.stat().st_size, "npy_bytes": np_path.stat().st_size,
+                                 "uncompressed_parquet_bytes": raw_path.stat().st_size,
                                  "npz_bytes": (tmp / "logits.npz").stat().st_size,
                                  "raw_bf16_bytes": raw_bf16, "encodings": sorted(logits_io.logit_encodings(pq_path)),
-                                 **summary(times)}
+                                 **summary(times), **summary(split)}
     res.ratio("parquet_vs_numpy", paired_ratio(times, "parquet", "numpy"), 3.0,
               "logits.parquet write + full read / numpy save + load (float32)")
+    res.ratio("parquet_uncompressed_vs_numpy", paired_ratio(times, "parquet_uncompressed", "numpy"), None,
+              "the same Parquet layout with compression=None, write + full read / numpy save + load",
+              "information: the floor of the long format; parquet_vs_numpy minus this is what zstd costs")
     res.ratio("parquet_vs_npz_compressed", paired_ratio(times, "parquet_vs_npz", "npz_vs_npz"), None,
               "logits.parquet write + read / numpy savez_compressed + load", "information: a compressed numpy file")
     res.ratio("parquet_size_vs_bf16", pq_path.stat().st_size / raw_bf16, None,

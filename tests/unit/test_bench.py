@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline import bench, scale
 from pipeline.errors import UserError
@@ -18,6 +19,7 @@ TARGETS = {"capture_vs_plain": 1.10, "parquet_vs_numpy": 3.0, "chain_vs_baseline
            "capture_vs_nnsight_time": 1.0, "capture_vs_nnsight_peak_rss": 1.0,
            "scale_time_exponent[tiny_qwen2]": 1.15, "scale_memory_exponent[tiny_qwen2]": 1.15}
 INFORMATION = ("plain_all_vs_plain_last", "parquet_size_vs_bf16", "parquet_vs_npz_compressed",
+               "parquet_uncompressed_vs_numpy",
                "chain_vs_baseline_cpu_time", "chain_without_checks_vs_baseline", "dvc_repro_vs_in_process",
                "scale_time_exponent_last[tiny_qwen2]", "scale_plain_forward_time_exponent[tiny_qwen2]")
 
@@ -79,6 +81,21 @@ def test_unknown_section_is_refused(tmp_path):
         bench.run(tmp_path, quick=True, only="nope")
 
 
+def test_logits_io_section_measures_the_zstd_file_and_its_uncompressed_floor(tmp_path):
+    logits = (torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    res = bench.Results()
+    bench.bench_logits_io(logits, bench.Plan.make(quick=True), res, tmp_path)
+    s = res.sections["logits_io"]
+    assert s["read_back_exact"] is True and s["shape"] == [4, 3000] and "BYTE_STREAM_SPLIT" in s["encodings"]
+    # the floor is the same layout without compression: bigger, never smaller than the zstd file
+    assert s["uncompressed_parquet_bytes"] > s["parquet_bytes"]
+    for name in ("parquet", "numpy", "parquet_uncompressed", "parquet_write", "parquet_read"):
+        assert s[name]["median_s"] > 0, name
+    assert res.ratios["parquet_vs_numpy"]["target"] == 3.0
+    floor = res.ratios["parquet_uncompressed_vs_numpy"]
+    assert floor["target"] is None and floor["pass"] is None and floor["value"] > 0 and "zstd" in floor["note"]
+
+
 def test_dvc_command_runs_every_stage_after_prepare_model_or_the_named_ones():
     assert scale.dvc_command(None) == ["dvc", "repro", "--force", "--downstream", "tokenize"]
     assert scale.dvc_command(("tokenize",)) == ["dvc", "repro", "--force", "--single-item", "tokenize"]
@@ -119,6 +136,7 @@ def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
     assert result["quick"] is True and result["model"] == "tiny_qwen2"
     assert s["capture"]["bit_identical_logits"] is True
     assert s["logits_io"]["read_back_exact"] is True and "BYTE_STREAM_SPLIT" in s["logits_io"]["encodings"]
+    assert s["logits_io"]["uncompressed_parquet_bytes"] > s["logits_io"]["parquet_bytes"]
     assert set(s["chain"]["per_stage_s"]) == set(bench.CHAIN_STAGES)
     assert s["dvc"]["rc"] == 0 and set(s["dvc"]["per_stage"]) == {"tokenize", "forward"}
     assert s["dvc"]["extra_breakdown"]["python_start_and_imports_s"] > 0
@@ -145,5 +163,6 @@ def test_one_section_only(tiny_workspace, tmp_path):
     shutil.copytree(tiny_workspace / "artifacts" / "prepare_model", tmp_path / "artifacts" / "prepare_model")
     result = bench.run(tmp_path, quick=True, only="logits_io")
     assert set(result["ratios"]) == {"capture_vs_plain", "plain_all_vs_plain_last", "parquet_vs_numpy",
-                                     "parquet_vs_npz_compressed", "parquet_size_vs_bf16"}
+                                     "parquet_vs_npz_compressed", "parquet_size_vs_bf16",
+                                     "parquet_uncompressed_vs_numpy"}
     assert set(result["sections"]) == {"capture", "logits_io", "workspace"} and result["complete"] is True
