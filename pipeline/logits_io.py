@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline import progress
 from pipeline.artifacts import read_parquet, test_pause
 from pipeline.errors import UserError
 
@@ -91,11 +92,13 @@ def _row_table(position: int, row: torch.Tensor, schema: pa.Schema, extra: dict 
 
 def write_logits(path: Path, rows: Iterable[tuple[int, torch.Tensor]], metadata: dict[bytes, bytes],
                  extra_schema: list[tuple[str, pa.DataType]] | None = None,
-                 extra_values: Iterable[dict] | None = None, compression: str | None = "zstd") -> int:
+                 extra_values: Iterable[dict] | None = None, compression: str | None = "zstd",
+                 total: int | None = None) -> int:
     """Stream (position, logits row [V]) pairs to `path`; returns the number of rows written.
 
     `extra_schema`/`extra_values` add leading constant columns per row group (e.g. branch,
-    kv_cache, step for trajectory logits). Every column is NOT NULL. `compression=None` is
+    kv_cache, step for trajectory logits); `total` (the number of rows) draws a progress bar on a
+    terminal. Every column is NOT NULL. `compression=None` is
     for the bench's uncompressed floor only.
     """
     schema = pa.schema([*(pa.field(n, t, nullable=False) for n, t in extra_schema or []),
@@ -103,7 +106,7 @@ def write_logits(path: Path, rows: Iterable[tuple[int, torch.Tensor]], metadata:
     extras = iter(extra_values) if extra_values is not None else None
     total, token_ids = 0, None
     with pq.ParquetWriter(path, schema, **writer_options(compression)) as writer:
-        for position, row in rows:
+        for position, row in progress.bar(rows, total, f"write {path.name}", "position"):
             extra = next(extras) if extras is not None else None
             table = _row_table(position, row, schema, extra, token_ids)
             token_ids = table["token_id"].chunk(0)

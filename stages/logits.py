@@ -20,7 +20,7 @@ def main() -> None:
         run.model = {k: source.get(k) for k in ("name", "kind", "revision")}
         run.facts = forward.logits_facts(facts, logits)
         logits_io.write_logits(run.out(paths.LOGITS[1]), forward.logit_rows(facts, logits),
-                               run.parquet_metadata())
+                               run.parquet_metadata(), total=logits.shape[0])
         tokenizer = models.load_tokenizer(models.snapshot_dir(prepared, source))
         run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(facts["output_size"])))
 
