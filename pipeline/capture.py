@@ -171,12 +171,23 @@ def capture_names(model: nn.Module, spec: CaptureSpec) -> list[str]:
     return order + [act_name("final_norm_out"), act_name("logits")]
 
 
-def _store(t: torch.Tensor) -> torch.Tensor:
-    # A copy, so later in-place work in the model can never change what was recorded; the
-    # dtype is kept (bf16 stays bf16, bit-exact). Made outside inference mode so callers get
-    # ordinary tensors (inference tensors refuse later use in autograd-tracked code).
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    # Made outside inference mode so callers get ordinary tensors (inference tensors refuse
+    # in-place edits and use in autograd-tracked code); the dtype is kept, bit-exact.
     with torch.inference_mode(False):
         return t.detach().to(device="cpu", copy=True).contiguous()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _keep(t: torch.Tensor, taken: set[int], copy: bool = False) -> torch.Tensor:
+    """t itself (detached) where that is safe to hand out, else a CPU copy (see `_Recorder`)."""
+    t = t.detach()
+    if copy or t.device.type != "cpu" or t.is_inference() or not t.is_contiguous() or _storage(t) in taken:
+        return _copy(t)
+    return t
 
 
 def _first(output):
@@ -184,18 +195,40 @@ def _first(output):
 
 
 class _Recorder:
-    """Collects tensors by name during one forward pass."""
+    """Collects tensors by name during one forward pass.
 
-    def __init__(self, attn_layer_of: dict[int, int], attn_layers: tuple[int, ...], base_impl: str):
+    Keeps the tensor the model computed, not a copy (the pass runs under no_grad, so these
+    are ordinary tensors): nothing is held twice, and the logits [1, T, V] (the largest
+    tensor by far) are not duplicated. A copy is made only where keeping the tensor itself
+    would alias: off the CPU; an inference tensor (the caller's inference_mode); a
+    non-contiguous view; storage the model owns (a parameter or buffer); storage already
+    recorded under another name (resid_post of layer i IS resid_pre of layer i+1, and
+    `embed` the input of layer 0), so every returned tensor owns its storage. In-place work
+    after the hook would change a kept tensor: `changed` finds it by the version counters,
+    and `run_capture` then records the pass again copying everything, as it happens.
+    """
+
+    def __init__(self, attn_layer_of: dict[int, int], attn_layers: tuple[int, ...], base_impl: str,
+                 owned: set[int], copy: bool):
         self.tensors: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
         self.attn_layer_of = attn_layer_of      # id(attention module) -> layer index
         self.attn_layers = attn_layers
         self.base_impl = base_impl
+        self.taken = set(owned)                 # storages a kept tensor must not share
+        self.copy = copy
 
     def put(self, name: str, t: torch.Tensor) -> None:
         if name in self.tensors:
             raise RuntimeError(f"{name} captured twice: one forward pass expected")
-        self.tensors[name] = _store(t)
+        t = _keep(t, self.taken, self.copy)
+        self.taken.add(_storage(t))
+        self.tensors[name] = t
+        self.versions[name] = t._version
+
+    def changed(self) -> list[str]:
+        """Names whose tensor was modified in place after it was recorded."""
+        return [name for name, t in self.tensors.items() if t._version != self.versions[name]]
 
     def attention(self, module, query, key, mask, z, weights) -> None:
         layer = self.attn_layer_of[id(module)]
@@ -309,7 +342,10 @@ def _hooks(plan):
 
 
 def _forward(model: nn.Module, input_ids: torch.Tensor, positions: str):
-    """The one forward call both the capture and the plain run make (same arguments)."""
+    """The one forward call both the capture and the plain run make (same arguments, same
+    grad mode). no_grad, not inference_mode: the outputs are ordinary tensors the caller can
+    keep as they are (no copy to escape inference mode); the kernels, hence the bits, are
+    the same either way."""
     if positions not in POSITIONS:
         raise bad_value("capture.positions", positions, " or ".join(POSITIONS))
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
@@ -318,38 +354,51 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: str):
     model.eval()
     # use_cache=False: one prefill pass needs no cache; logits_to_keep=1 computes only the
     # last row of logits (HF slices the LM-head input, the final norm still sees every position).
-    return model(input_ids=input_ids.to(device), use_cache=False,
-                 logits_to_keep=1 if positions == "last" else 0)
+    with torch.no_grad():
+        return model(input_ids=input_ids.to(device), use_cache=False,
+                     logits_to_keep=1 if positions == "last" else 0)
+
+
+def _model_storages(model: nn.Module) -> set[int]:
+    return {_storage(t) for t in (*model.parameters(), *model.buffers())}
 
 
 def plain_forward_logits(model: nn.Module, input_ids: torch.Tensor, positions: str) -> torch.Tensor:
     """Logits of a forward pass with no hooks at all: [1, T or 1, V], CPU, computed dtype."""
-    with torch.inference_mode():
-        return _store(_forward(model, input_ids, positions).logits)
+    return _keep(_forward(model, input_ids, positions).logits, set())
 
 
 def run_capture(model: nn.Module, input_ids: torch.Tensor, spec: CaptureSpec) -> dict[str, torch.Tensor]:
-    """One forward pass; every activation in `capture_names(model, spec)` order, on CPU."""
+    """One forward pass; every activation in `capture_names(model, spec)` order, on CPU.
+
+    Each tensor owns its storage and holds the exact values the model computed at that point
+    (see `_Recorder`).
+    """
     base_impl = model.config._attn_implementation
     if base_impl != "eager":
         raise bad_value("capture.attn_implementation", base_impl,
                         "eager (attention weights and the layer-0 recompute need it)")
-    names = family(model)
-    layers = decoder_layers(model)
-    attn_modules = [layer.get_submodule(names.attn) for layer in layers]
-    expected = capture_names(model, spec)
-    recorder = _Recorder({id(m): i for i, m in enumerate(attn_modules)},
-                         spec.resolve_layers(len(layers)), base_impl)
-    with torch.inference_mode(), _hooks(_hook_plan(model, recorder)), \
-            _recording_attention_impl(model, recorder):
-        out = _forward(model, input_ids, spec.positions)
-    # Logits come from the model output, not an lm_head hook: Gemma softcaps after lm_head.
-    recorder.put(act_name("logits"), out.logits)
-    got = recorder.tensors
+    recorder = _record(model, input_ids, spec, base_impl, copy=False)
+    if recorder.changed():          # the model edited a recorded tensor in place: copy as it goes
+        recorder = _record(model, input_ids, spec, base_impl, copy=True)
+    got, expected = recorder.tensors, capture_names(model, spec)
     if set(got) != set(expected):
         raise RuntimeError(f"capture mismatch: missing {sorted(set(expected) - set(got))}, "
                            f"unexpected {sorted(set(got) - set(expected))}")
     return {name: got[name] for name in expected}
+
+
+def _record(model: nn.Module, input_ids: torch.Tensor, spec: CaptureSpec, base_impl: str, copy: bool) -> _Recorder:
+    names = family(model)
+    layers = decoder_layers(model)
+    attn_modules = [layer.get_submodule(names.attn) for layer in layers]
+    recorder = _Recorder({id(m): i for i, m in enumerate(attn_modules)},
+                         spec.resolve_layers(len(layers)), base_impl, _model_storages(model), copy)
+    with _hooks(_hook_plan(model, recorder)), _recording_attention_impl(model, recorder):
+        out = _forward(model, input_ids, spec.positions)
+    # Logits come from the model output, not an lm_head hook: Gemma softcaps after lm_head.
+    recorder.put(act_name("logits"), out.logits)
+    return recorder
 
 
 def model_facts(model: nn.Module, tokenizer_len: int) -> dict:

@@ -8,10 +8,12 @@ runs generate itself so the two can be compared token for token.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
+from pipeline import progress
 from pipeline.errors import UserError, bad_value
 from pipeline.sampling import SamplingSettings, choose, next_token_probs
 
@@ -48,6 +50,49 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+@dataclass(frozen=True, eq=False)
+class Prefill:
+    """Step 1's forward pass over the prompt, computed once and shared by every branch that
+    starts from it (same prompt, same kv_cache): the pass is deterministic, so each branch
+    recomputing it would get these very bits again."""
+
+    prompt_ids: tuple[int, ...]
+    kv_cache: bool
+    logits: torch.Tensor  # [vocab], model dtype, the last prompt position's row (on CPU)
+    cache: object | None  # the model's cache after the prompt (kv_cache=True); branches extend copies
+
+
+LOGITS_TO_KEEP = {"all": 0, "last": 1}   # capture.positions -> the forward's logits_to_keep
+
+
+def prefill(model: torch.nn.Module, prompt_ids: list[int], kv_cache: bool, positions: str = "all") -> Prefill:
+    """The whole prompt in one pass, as step 1 of a branch.
+
+    The logits of the positions the forward stage's capture computed (`capture.positions`:
+    every position by default, logits_to_keep=0, unlike later steps): the same call as the
+    capture, so the last row is the captured row bit for bit on any device. A 1-row LM-head matmul gave the same bits on CPU in bf16 (measured for
+    tiny_qwen2 and gemma3_270m) but is not promised to: in float32 it can differ by an ulp
+    on CPU (see test_capture's positions=last test), GPU GEMMs pick kernels by shape, and
+    the checks compare step 1 with the capture at tolerance 0.
+    """
+    _check(prompt_ids, 0)
+    if positions not in LOGITS_TO_KEEP:
+        raise bad_value("capture.positions", positions, f"one of {', '.join(LOGITS_TO_KEEP)}")
+    keep = LOGITS_TO_KEEP[positions]
+    model.eval()
+    ids = [int(i) for i in prompt_ids]
+    with torch.inference_mode():
+        if kv_cache:
+            # transformers 5.24 names the cache `cache` (`past_key_values` is deprecated).
+            out = model(input_ids=torch.tensor([ids], device=_device(model)), cache=None, use_cache=True,
+                        logits_to_keep=keep)
+        else:
+            out = model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=False, logits_to_keep=keep)
+        # Copy the row: keeping a view would pin the whole [1, T, vocab] logits.
+        logits = out.logits[0, -1].to("cpu", copy=True)
+    return Prefill(tuple(ids), kv_cache, logits, out.cache if kv_cache else None)
+
+
 def run_branch(
     model: torch.nn.Module,
     prompt_ids: list[int],
@@ -56,31 +101,45 @@ def run_branch(
     seed: int,
     kv_cache: bool,
     eos_ids: set[int],
+    shared: Prefill | None = None,
+    positions: str = "all",
 ) -> list[Step]:
     """Generate up to max_new_tokens after prompt_ids; stop early after an id in eos_ids.
 
     kv_cache=False re-runs the whole prefix every step (the reference path); kv_cache=True
-    runs the prompt once and then feeds one token at a time with the cache.
+    runs the prompt once and then feeds one token at a time with the cache. Step 1 is
+    `prefill` (or `shared`, that pass done once for several branches) with the capture's
+    `positions`; every later step computes the logits of the last position only
+    (logits_to_keep=1, as `generate` does).
     """
     _check(prompt_ids, max_new_tokens)
+    ids = [int(i) for i in prompt_ids]
+    if shared is not None and (shared.kv_cache != kv_cache or list(shared.prompt_ids) != ids):
+        raise ValueError(f"shared prefill (kv_cache={shared.kv_cache}, {len(shared.prompt_ids)} prompt ids) is not "
+                         f"this branch's (kv_cache={kv_cache}, {len(ids)} prompt ids)")
     model.eval()
     device = _device(model)
     generator = torch.Generator().manual_seed(seed)  # CPU: replays torch.manual_seed(seed)
-    ids = [int(i) for i in prompt_ids]
     steps: list[Step] = []
     cache = None
     with torch.inference_mode():
-        for step in range(1, max_new_tokens + 1):
-            if kv_cache:
-                # transformers 5.24 names the cache `cache` (`past_key_values` is deprecated).
-                fed = ids if cache is None else ids[-1:]
-                out = model(input_ids=torch.tensor([fed], device=device), cache=cache, use_cache=True)
-                cache = out.cache
+        for step in progress.bar(range(1, max_new_tokens + 1), max_new_tokens,
+                                 f"decode {'kv-cache' if kv_cache else 'full-prefix'}", "token"):
+            if step == 1:
+                if shared is None:
+                    first = prefill(model, ids, kv_cache, positions)
+                    logits, cache = first.logits, first.cache
+                else:   # read, never extended: this branch continues from its own copies
+                    logits, cache = shared.logits.clone(), copy.deepcopy(shared.cache)
             else:
-                out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-            # Copy the row: keeping a view would pin the whole [1, pos, vocab] logits.
-            logits = out.logits[0, -1].to("cpu", copy=True)
-            del out
+                if kv_cache:
+                    out = model(input_ids=torch.tensor([ids[-1:]], device=device), cache=cache, use_cache=True,
+                                logits_to_keep=1)
+                    cache = out.cache
+                else:
+                    out = model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+                logits = out.logits[0, -1].to("cpu", copy=True)
+                del out
             _check_finite(logits, step, len(ids) - 1)
             token = choose(logits, settings, generator)
             prob = float(next_token_probs(logits, settings)[token])

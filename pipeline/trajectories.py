@@ -9,14 +9,13 @@ compare its logits.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
-import numpy as np
 import pyarrow as pa
 import torch
 
 from pipeline.config import SamplingConfig
-from pipeline.decode import Step, run_branch
+from pipeline.decode import Step, prefill, run_branch
+from pipeline.errors import bad_value
 from pipeline.sampling import SamplingSettings, next_token_probs, ranks
 
 STEPS_SCHEMA = pa.schema([
@@ -42,12 +41,28 @@ class Run:
     steps: list[Step]
 
 
-def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int]) -> list[Run]:
+def check_room(prompt_len: int, max_new_tokens: int, max_positions: int | None) -> None:
+    """The last step feeds prompt + max_new_tokens - 1 tokens: it must fit the model's context."""
+    if max_positions is not None and prompt_len + max_new_tokens - 1 > max_positions:
+        raise bad_value("sampling.max_new_tokens", max_new_tokens,
+                        f"at most {max_positions - prompt_len + 1} for this {prompt_len}-token prompt (the model's "
+                        f"max_position_embeddings is {max_positions})")
+
+
+def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int],
+            positions: str = "all") -> list[Run]:
+    """Every (branch, kv_cache) run. The prompt pass (step 1) is done once per cache mode and
+    shared by the branches; the cached and the full-prefix runs keep their own prompt passes,
+    so the checks still compare two computations at step 1. `positions`: the capture's
+    (`capture.positions`), so step 1 is the forward stage's call."""
+    shared = {kv: prefill(model, prompt_ids, kv, positions) for kv in dict.fromkeys(sampling.kv_cache)} \
+        if sampling.max_new_tokens > 0 and len(sampling.branches) > 1 else {}
     runs = []
     for branch in sampling.branches:
         settings = branch_settings(branch, sampling)
         for kv in sampling.kv_cache:
-            steps = run_branch(model, prompt_ids, settings, sampling.max_new_tokens, sampling.seed, kv, eos_ids)
+            steps = run_branch(model, prompt_ids, settings, sampling.max_new_tokens, sampling.seed, kv, eos_ids,
+                               shared=shared.get(kv), positions=positions)
             runs.append(Run(branch, kv, settings, steps))
     return runs
 

@@ -82,10 +82,13 @@ def kv_cache(steps: list[dict], step_rows: dict, atol: float) -> list[Check]:
 
 def generate_parity(model, prompt_ids: list[int], steps: list[dict], sampling_cfg, eos_ids: set[int],
                     device: torch.device) -> list[Check]:
-    """model.generate == the stored ids of each branch (its no-cache run when one was recorded)."""
+    """model.generate == the stored ids of each branch: its KV-cache run, as generate runs by
+    default (a full re-forward per step costs the checks stage twice the decoding), or its
+    no-cache run when only that was recorded. The two runs are compared with each other
+    step by step in `kv_cache`."""
     out = []
     for b in sorted({r["branch"] for r in steps}):
-        kv = not any(r["branch"] == b and not r["kv_cache"] for r in steps)
+        kv = any(r["branch"] == b and r["kv_cache"] for r in steps)
         stored = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"])
                   if (r["branch"], r["kv_cache"]) == (b, kv)]
         ref = generate_reference(model, prompt_ids, branch_settings(b, sampling_cfg), sampling_cfg.max_new_tokens,

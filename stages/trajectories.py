@@ -9,7 +9,7 @@ from pipeline.artifacts import read_json, read_parquet, stage_main, stage_run
 
 STAGE = "trajectories"
 PARAMS = ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
-          "capture.attn_implementation", "sampling")
+          "capture.attn_implementation", "capture.positions", "sampling")
 
 
 def main() -> None:
@@ -23,9 +23,10 @@ def main() -> None:
         run.use(paths.stage_dir("prepare_model"))
         ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
         snapshot = models.snapshot_dir(paths.stage_dir("prepare_model"), source)
+        trajectories.check_room(len(ids), sampling.max_new_tokens, models.max_positions(snapshot))
         model = models.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
         tokenizer = models.load_tokenizer(snapshot)
-        runs = trajectories.run_all(model, ids, sampling, models.eos_ids(model))
+        runs = trajectories.run_all(model, ids, sampling, models.eos_ids(model), cap.positions)
         run.model = {k: source.get(k) for k in ("name", "kind", "revision")}
         run.seeds["sample"] = sampling.seed
         run.facts = {"device": str(device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}

@@ -17,11 +17,9 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from pipeline import capture, compose, config, models, paths, probs, provenance
+from pipeline import capture, compose, config, models, paths, probs, provenance, trajectories
 from pipeline.errors import UserError
 from tests.conftest import REPO, run_module
 from tests.reliability.conftest import copy_ws, one_line_error, python_env, snapshot
@@ -290,6 +288,8 @@ def model_cases() -> list[Case]:
              check=lambda r: _position(r, -26, list(range(25)))),
         Case("model:probs.positions=[0] with capture.positions=last", "probs.positions", 0, "model",
              check=lambda r: _position(r, 0, [24])),
+        Case("model:sampling.max_new_tokens=32745 (25-token prompt, context 32768)", "sampling.max_new_tokens",
+             32745, "model", check=lambda r: trajectories.check_room(25, 32745, 32768)),
         Case("model:capture.device=cuda:99 (no such GPU)", "capture.device", "cuda:99", "model", check=_device),
         Case("name:probs.extra_filters duplicate name", "probs.extra_filters", ["sampling", "top_k_2", "top_k_2"],
              "name", check=lambda r: _duplicate_filter(r, "top_k_2")),

@@ -146,6 +146,60 @@ def test_capture_leaves_model_untouched(run, input_ids):
     assert cap._ACTIVE.get() is None
 
 
+def test_logits_are_kept_not_copied(qwen2_bf16, input_ids):
+    # The logits [1, T, V] are the largest tensor by far: capture holds the model's own output,
+    # not a second copy of it.
+    seen = []
+    handle = qwen2_bf16.register_forward_hook(lambda m, a, out: seen.append(out.logits.untyped_storage().data_ptr()))
+    try:
+        c = run_capture(qwen2_bf16, input_ids, CaptureSpec((0,), "all"))
+    finally:
+        handle.remove()
+    assert seen == [c["logits"].untyped_storage().data_ptr()]
+
+
+def test_every_tensor_owns_its_storage(run):
+    # resid_post of layer i is the very tensor layer i+1 reads (resid_pre), and embed is layer 0's
+    # input: kept once, copied for the second name, so no name aliases another or a weight.
+    model, c = run
+    storages = [t.untyped_storage().data_ptr() for t in c.values()]
+    assert len(set(storages)) == len(storages)
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    assert not weights & set(storages)
+    for i in range(1, model.config.num_hidden_layers):
+        assert torch.equal(c[act_name("resid_pre", i)], c[act_name("resid_post", i - 1)])
+    assert torch.equal(c["embed"], c["blocks.0.resid_pre"])
+    from safetensors.torch import load, save
+    assert all(torch.equal(v, c[k]) for k, v in load(save(c)).items())
+
+
+def test_in_place_edit_after_recording_is_not_seen(input_ids):
+    # A model that edits an activation in place after it was recorded: the capture still holds
+    # the value at the recording point (it notices by the version counter and records again
+    # copying), and still equals a plain forward of that same model.
+    model = _build("qwen2", torch.float32)
+    last = model.config.num_hidden_layers - 1
+    handle = model.model.norm.register_forward_pre_hook(lambda m, args: args[0].mul_(2.0))
+    try:
+        c = run_capture(model, input_ids, CaptureSpec((0,), "all"))
+        plain = plain_forward_logits(model, input_ids, "all")
+    finally:
+        handle.remove()
+    assert residual_adds_recompute(c, last) == {"resid_mid": 0.0, "resid_post": 0.0}
+    assert torch.equal(c["logits"], plain)
+    assert not torch.equal(c["logits"], plain_forward_logits(model, input_ids, "all"))   # the edit mattered
+
+
+def test_capture_inside_inference_mode(qwen2_bf16, input_ids):
+    spec = CaptureSpec((0,), "all")
+    with torch.inference_mode():
+        inside = run_capture(qwen2_bf16, input_ids, spec)
+    outside = run_capture(qwen2_bf16, input_ids, spec)
+    assert list(inside) == list(outside)
+    for name, t in inside.items():
+        assert not t.is_inference() and torch.equal(t, outside[name]), name
+
+
 def test_hooks_removed_on_error(qwen2_bf16):
     bad_ids = torch.tensor([[VOCAB + 5]])  # out of the embedding table: fails inside the forward
     with pytest.raises(IndexError):

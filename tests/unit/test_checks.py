@@ -440,7 +440,8 @@ def test_a_changed_greedy_token_fails_argmax_and_generate_parity(model, stored, 
     got = by_name(trajectory_checks.greedy_argmax(bad3, rows, last))
     assert got["greedy_step1_argmax"].passed and got["greedy_tokens_argmax"].measured == 1
     assert "greedy step 3" in got["greedy_tokens_argmax"].detail
-    parity = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad3, cfg["sampling"],
+    bad3_kv = _with_token(steps, "greedy", True, 3, 11)
+    parity = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad3_kv, cfg["sampling"],
                                                        models.eos_ids(model), torch.device("cpu")))
     assert parity["generate_parity_greedy"].measured == 1 and parity["generate_parity_sample"].passed
     kv = by_name(trajectory_checks.kv_cache(bad3, rows, cfg["checks"].kv_cache_atol))
@@ -448,7 +449,11 @@ def test_a_changed_greedy_token_fails_argmax_and_generate_parity(model, stored, 
 
 
 def test_a_changed_sampled_token_fails_generate_parity(model, stored, steps, cfg):
-    bad = _with_token(steps, "sample", False, 2, 11)
+    bad = _with_token(steps, "sample", True, 2, 11)          # the KV-cache run: what generate does by default
+    no_cache_changed = _with_token(steps, "sample", False, 2, 11)   # kv_cache_choices finds that one
+    assert by_name(trajectory_checks.generate_parity(model, stored.token_ids, no_cache_changed, cfg["sampling"],
+                                                     models.eos_ids(model), torch.device("cpu")))[
+        "generate_parity_sample"].passed
     got = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad, cfg["sampling"],
                                                     models.eos_ids(model), torch.device("cpu")))
     assert got["generate_parity_sample"].measured == 1 and got["generate_parity_sample"].severity == "error"

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from pipeline.decode import generate_reference, run_branch
+from pipeline import trajectories
+from pipeline.config import SamplingConfig
+from pipeline.decode import generate_reference, prefill, run_branch
 from pipeline.errors import UserError
 from pipeline.sampling import SamplingSettings, next_token_probs
 
@@ -167,3 +169,90 @@ def test_zero_and_bad_max_new_tokens(models):
     assert generate_reference(model, PROMPT, GREEDY, 0, 0, False) == []
     with pytest.raises(UserError, match="sampling.max_new_tokens"):
         run_branch(model, PROMPT, GREEDY, -1, 0, False, set())
+
+
+class _Calls:
+    """Records the logits_to_keep and the number of fed tokens of every forward of `model`."""
+
+    def __init__(self, model):
+        self.calls: list[tuple[int, int]] = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.calls.append((kwargs.get("logits_to_keep", 0), kwargs["input_ids"].shape[1]))
+
+    def __enter__(self):
+        return self.calls
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_step_one_computes_every_row_later_steps_only_the_last(models, kv_cache):
+    # Step 1 makes the capture's call (all rows: its last row is the captured row bit for bit
+    # on any device); later steps need one row only, as generate computes them.
+    model = models[torch.bfloat16]
+    with _Calls(model) as calls:
+        run_branch(model, PROMPT, SamplingSettings(1.0), 3, 0, kv_cache, set())
+    fed = [len(PROMPT), 1, 1] if kv_cache else [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]
+    assert calls == [(0, fed[0]), (1, fed[1]), (1, fed[2])]
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_step_one_follows_capture_positions(models, dtype, kv_cache):
+    """capture.positions=last computes one row (logits_to_keep=1): step 1 makes that same call,
+    so its logits are the captured row bit for bit, whatever a 1-row matmul rounds to."""
+    from pipeline import capture
+    model = models[dtype]
+    with _Calls(model) as calls:
+        steps = run_branch(model, PROMPT, SamplingSettings(1.0), 2, 0, kv_cache, set(), positions="last")
+    assert calls[0] == (1, len(PROMPT))
+    captured = capture.plain_forward_logits(model, torch.tensor([PROMPT]), "last")[0, -1]
+    assert torch.equal(steps[0].logits, captured)
+    with pytest.raises(UserError, match="capture.positions='some' is not allowed"):
+        prefill(model, PROMPT, kv_cache, "some")
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shared_prefill_changes_nothing_and_is_not_consumed(models, dtype, kv_cache):
+    model = models[dtype]
+    shared = prefill(model, PROMPT, kv_cache)
+    logits_before = shared.logits.clone()
+    for s, seed in ((SamplingSettings(1.0, 5), 2), (GREEDY, 0), (SamplingSettings(1.0, 5), 2)):
+        alone = run_branch(model, PROMPT, s, N, seed, kv_cache, set())
+        with _Calls(model) as calls:
+            reused = run_branch(model, PROMPT, s, N, seed, kv_cache, set(), shared=shared)
+        assert all(keep == 1 for keep, _ in calls) and len(calls) == N - 1   # no prompt pass of its own
+        assert [(a.step, a.prefix_len, a.token_id, a.prob, a.stop_reason) for a in alone] == \
+            [(b.step, b.prefix_len, b.token_id, b.prob, b.stop_reason) for b in reused]
+        assert all(torch.equal(a.logits, b.logits) for a, b in zip(alone, reused))
+        assert reused[0].logits is not shared.logits
+    assert torch.equal(shared.logits, logits_before)
+    if kv_cache:   # each branch extended its own copy of the cache
+        assert shared.cache.get_seq_length() == len(PROMPT)
+
+
+def test_shared_prefill_must_match_the_branch(models):
+    model = models[torch.float32]
+    with pytest.raises(ValueError, match="shared prefill"):
+        run_branch(model, PROMPT, GREEDY, 2, 0, True, set(), shared=prefill(model, PROMPT, False))
+    with pytest.raises(ValueError, match="shared prefill"):
+        run_branch(model, PROMPT[:-1], GREEDY, 2, 0, False, set(), shared=prefill(model, PROMPT, False))
+
+
+def test_run_all_does_one_prompt_pass_per_cache_mode(models):
+    model = models[torch.bfloat16]
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, seed=3, max_new_tokens=3,
+                         branches=("sample", "greedy"), kv_cache=(False, True), top_n=5)
+    with _Calls(model) as calls:
+        runs = trajectories.run_all(model, PROMPT, cfg, set())
+    assert [(keep, fed) for keep, fed in calls if keep == 0] == [(0, len(PROMPT))] * 2
+    assert [(r.branch, r.kv_cache) for r in runs] == [("sample", False), ("sample", True),
+                                                      ("greedy", False), ("greedy", True)]
+    for r in runs:
+        alone = run_branch(model, PROMPT, r.settings, 3, 3, r.kv_cache, set())
+        assert tokens(r.steps) == tokens(alone)
+        assert all(torch.equal(a.logits, b.logits) for a, b in zip(alone, r.steps))
