@@ -27,6 +27,7 @@ repro: setup
 
 # The test suite: unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone).
 test: setup
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
 	$(RUN) python -m pytest -q
 
 # Unit and integration tests only (skips the slow end-to-end runs).
@@ -36,6 +37,7 @@ test-fast: setup
 # Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
 # ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.
 bench: setup
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
 	$(RUN) nexttoken bench
 
 clean-venv:

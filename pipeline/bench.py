@@ -366,32 +366,49 @@ def bench_chain(ws: Workspace, plan: Plan, res: Results, tmp: Path) -> None:
 
 
 def nnsight_contender(model, input_ids: torch.Tensor, attention_layers: tuple[int, ...]) -> Callable[[], dict]:
-    """nnsight saving what a user compares: embed, every layer's output (the residual stream),
-    attention weights of the given layers, the final norm output and the logits."""
+    """nnsight saving the tensors capture records at module boundaries, under capture's names:
+    embed, every layer's resid_pre / attn_out / resid_mid / mlp_out / resid_post, attention
+    weights of the given layers, layer 0's ln1 output and q/k/v projections (and q/k norms),
+    the final norm output and the logits. Not reachable from a module (they live inside the
+    attention function), so capture-only: layer 0's q/k after RoPE, its mask and z."""
     from nnsight import NNsight
     names = capture.family(model)
     lm = NNsight(model)
 
-    def envoy(path: str):
-        node = lm
+    def envoy(node, path: str):
         for part in path.split("."):
             node = getattr(node, part)
         return node
 
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
     n_layers = len(capture.decoder_layers(model))
+    layer0_proj = [(kind, path) for kind, path in (("attn.q", names.q_proj), ("attn.k", names.k_proj),
+                                                   ("attn.v", names.v_proj), ("attn.q_norm_out", names.q_norm),
+                                                   ("attn.k_norm_out", names.k_norm)) if path is not None]
 
     def run() -> dict:
         saved: dict = {}
-        with torch.inference_mode(), lm.trace(input_ids, use_cache=False):
-            saved["embed"] = envoy(names.embed).output.save()
+        act = capture.act_name
+        with torch.inference_mode(), lm.trace(input_ids, use_cache=False):   # in execution order
+            saved[act("embed")] = envoy(lm, names.embed).output.save()
             for i in range(n_layers):
-                layer = envoy(names.layers)[i]
-                if i in attention_layers:      # execution order: attention runs inside the layer
-                    saved[f"blocks.{i}.attn_weights"] = getattr(layer, names.attn).output[1].save()
-                out = layer.output
-                saved[f"blocks.{i}.resid_post"] = (out[0] if isinstance(out, tuple) else out).save()
-            saved["final_norm_out"] = envoy(names.final_norm).output.save()
-            saved["logits"] = lm.output.logits.save()
+                layer = envoy(lm, names.layers)[i]
+                saved[act("resid_pre", i)] = layer.input.save()
+                attn = envoy(layer, names.attn)
+                if i == 0:
+                    saved[act("ln1_out", 0)] = envoy(layer, names.ln1).output.save()
+                    for kind, path in layer0_proj:
+                        saved[act(kind, 0)] = envoy(attn, path).output.save()
+                if i in attention_layers:
+                    saved[act("attn_weights", i)] = attn.output[1].save()
+                saved[act("attn_out", i)] = first(envoy(layer, names.attn_out).output).save()
+                saved[act("resid_mid", i)] = envoy(layer, names.resid_mid_reader).input.save()
+                saved[act("mlp_out", i)] = first(envoy(layer, names.mlp_out).output).save()
+                saved[act("resid_post", i)] = first(layer.output).save()
+            saved[act("final_norm_out")] = envoy(lm, names.final_norm).output.save()
+            saved[act("logits")] = lm.output.logits.save()
         return saved
 
     return run
@@ -410,15 +427,18 @@ def bench_nnsight(ws: Workspace, plan: Plan, res: Results) -> None:
         saved = run_nn()
         cap = capture.run_capture(ws.model, ids, ws.spec())
         same = torch.equal(saved["logits"], cap["logits"])
+        differ = sorted(k for k, v in saved.items() if not (k in cap and torch.equal(v, cap[k])))
         times = alternate({"capture": lambda: capture.run_capture(ws.model, ids, ws.spec()), "nnsight": run_nn},
                           plan.reps_forward)
         mem = {k: scale.child(ws.root, {"kind": "memory", "contender": k}) for k in ("capture", "nnsight")}
         section.update({"version": nnsight.__version__, "model": ws.name, "n_tokens": ids.shape[1],
                         "same_logits": bool(same), "saved_by_nnsight": len(saved), "saved_by_capture": len(cap),
+                        "nnsight_tensors_differing_from_capture": differ,
+                        "capture_only": sorted(set(cap) - set(saved)),
                         "memory": mem, **summary(times)})
         res.ratio("capture_vs_nnsight_time", paired_ratio(times, "capture", "nnsight"), 1.0,
-                  "run_capture (everything it records) / nnsight trace saving embed, resid per layer, "
-                  "attention of layers " + str(list(layers)) + ", final norm, logits")
+                  f"run_capture (all {len(cap)} tensors) / nnsight trace saving the {len(saved)} of them that "
+                  "modules expose (attention weights of layers " + str(list(layers)) + ")")
         res.ratio("capture_vs_nnsight_peak_rss", mem["capture"]["extra_peak_mb"] / mem["nnsight"]["extra_peak_mb"],
                   1.0, "peak RSS above the loaded model during one pass, fresh process each",
                   f"absolute peaks {mem['capture']['peak_mb']:.0f} vs {mem['nnsight']['peak_mb']:.0f} MB")

@@ -102,6 +102,24 @@ def test_dvc_command_runs_every_stage_after_prepare_model_or_the_named_ones():
 
 
 # ---------------------------------------------------------------- the quick run (slow: dvc in a temp clone)
+ATTENTION_FUNCTION_ONLY = ["blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn.q_rot", "blocks.0.attn.z"]
+
+
+def test_nnsight_saves_the_same_tensors_as_capture(tiny_workspace):
+    """The contender is fair: every tensor it saves is capture's, bit for bit, under capture's
+    name; capture records only the attention function's internals beyond it."""
+    pytest.importorskip("nnsight", reason="nnsight is the `bench` extra: pip install -e '.[bench]'")
+    import torch
+
+    from pipeline import capture, models
+    model = models.load_model(tiny_workspace / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    ids, layers = torch.tensor([[9707, 1879, 11, 1052, 374, 264]]), (0, 1)
+    saved = bench.nnsight_contender(model, ids, layers)()
+    cap = capture.run_capture(model, ids, capture.CaptureSpec(list(layers), "all"))
+    assert sorted(set(cap) - set(saved)) == ATTENTION_FUNCTION_ONLY and set(saved) <= set(cap)
+    assert [k for k, v in saved.items() if not torch.equal(v, cap[k])] == []
+
+
 @pytest.fixture(scope="module")
 def quick_result(tiny_workspace, tmp_path_factory) -> tuple[Path, dict, str]:
     """`nexttoken bench --quick` in a copy of the tiny workspace (the fixture stays read-only)."""
@@ -141,6 +159,8 @@ def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
     assert s["dvc"]["rc"] == 0 and set(s["dvc"]["per_stage"]) == {"tokenize", "forward"}
     assert s["dvc"]["extra_breakdown"]["python_start_and_imports_s"] > 0
     assert "available" in s["nnsight"]["transformer_lens"]
+    if "memory" in s["nnsight"]:          # nnsight installed (`.[bench]`, as `make test` does)
+        assert s["nnsight"]["same_logits"] is True and s["nnsight"]["nnsight_tensors_differing_from_capture"] == []
     run = s["scale"]["tiny_qwen2"]["runs"][0]
     for pos in ("all", "last"):
         assert {"forward_s", "save_capture_s", "logits_dump_s", "extra_peak_mb", "captured_mb"} <= set(run[pos])
