@@ -140,4 +140,4 @@ def logits_facts(facts: dict, logits: torch.Tensor) -> dict:
     raw = logits.contiguous().view(torch.uint8) if logits.dtype != torch.float32 else logits.contiguous()
     return {"dtype": facts["compute_dtype"], "device": facts["device"], "output_size": facts["output_size"],
             "n_positions": facts["n_positions"], "tokenizer_len": facts["tokenizer_len"], "positions": facts["logit_positions"],
-            "logits_content_sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest()}
+            "logits_content_sha256": hashlib.sha256(raw.numpy()).hexdigest()}   # hashes the buffer: no copy

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import paths
+from pipeline import paths, worktree
 
 TL_PYTHON_ENV = "NEXTTOKEN_BENCH_TL_PYTHON"   # an interpreter with transformer_lens, if not this one
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}   # for the tools run in clones and workspaces
 
 
 # ---------------------------------------------------------------- processes and memory
@@ -34,14 +35,15 @@ def child(cwd: Path, spec: dict, python: str | None = None, timeout: int = 1800)
     if python:   # another venv: let it import this checkout's pipeline
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                           env.get("PYTHONPATH")]))
-    t0 = time.perf_counter()
+    load_before, t0 = os.getloadavg(), time.perf_counter()
     proc = subprocess.run([python or sys.executable, "-m", "pipeline.scale", json.dumps(spec)], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"bench child {spec} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {**json.loads(lines[-1]), "process_wall_s": round(wall, 3)}
+    return {**json.loads(lines[-1]), "process_wall_s": round(wall, 3),
+            "loadavg_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())}}
 
 
 def _status_kb(field: str) -> int:
@@ -82,7 +84,7 @@ def peak_mb() -> float:
 
 def fit_exponent(xs: list[float], ys: list[float]) -> float:
     """Slope of log y over log x, least squares: the growth exponent (1 = linear)."""
-    if len(xs) < 2 or min(ys) <= 0:
+    if len(xs) < 2 or not all(math.isfinite(y) and y > 0 for y in ys):
         return math.nan
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
@@ -125,6 +127,7 @@ def _scale(ws, spec: dict) -> dict:
     clean), then the default capture (all positions). Each: forward with capture, the forward
     stage's capture.safetensors, the logits Parquet; time and peak RSS above the loaded model."""
     from pipeline import capture
+    code = code_digest()        # the code this child imported (others may edit the tree between children)
     t0 = time.perf_counter()
     ws.load()
     load_s = time.perf_counter() - t0
@@ -133,29 +136,43 @@ def _scale(ws, spec: dict) -> dict:
         _forward_and_dump(ws, _prompt_ids(ws, 8), "all", Path(d))   # warm-up: imports, pools, kernels
     passes = {pos: _measured_pass(ws, ids, pos) for pos in ("last", "all")}
     # Times: the fastest of `reps` passes (one slow moment of a shared machine is not growth);
-    # memory: the first pass. Then the model's own cost at this length, for comparison.
+    # memory: the first pass. Then the model's own cost at this length, for comparison. CPU time
+    # (all threads) beside wall time: on a shared machine it moves far less with the others' load.
     for pos, first in passes.items():
-        times = [first["time_s"]] + [_measured_pass(ws, ids, pos)["time_s"] for _ in range(spec.get("reps", 1) - 1)]
-        first.update(time_s=min(times), time_runs_s=times)
-    plain = []
+        more = [_measured_pass(ws, ids, pos) for _ in range(spec.get("reps", 1) - 1)]
+        times, cpus = [first["time_s"]] + [r["time_s"] for r in more], [first["cpu_s"]] + [r["cpu_s"] for r in more]
+        first.update(time_s=min(times), time_runs_s=times, cpu_s=min(cpus), cpu_runs_s=cpus)
+    plain, plain_cpu = [], []
     for _ in range(spec.get("reps", 1)):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         capture.plain_forward_logits(ws.model, ids, "all")
         plain.append(time.perf_counter() - t)
-    return {"length": ids.shape[1], "load_s": load_s, "plain_forward_s": min(plain), **passes}
+        plain_cpu.append(time.process_time() - c)
+    return {"length": ids.shape[1], "code_sha256": code, "load_s": load_s, "plain_forward_s": min(plain),
+            "plain_forward_cpu_s": min(plain_cpu), **passes}
+
+
+def code_digest() -> str:
+    """sha256 over this package's .py files (name and bytes, in name order)."""
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _measured_pass(ws, ids, positions: str) -> dict:
     from pipeline import capture
     release_freed()
     base = rss_mb()
-    phases, peaks = {}, {}
+    phases, peaks, cpu = {}, {}, {}
     with tempfile.TemporaryDirectory() as d:
         def phase(name, fn):
             reset_peak()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             result = fn()
             phases[f"{name}_s"], peaks[f"{name}_mb"] = time.perf_counter() - t, peak_mb() - base
+            cpu[f"{name}_cpu_s"] = time.process_time() - c
             return result
         tensors = phase("forward", lambda: capture.run_capture(ws.model, ids, ws.spec(positions)))
         phase("save_capture", lambda: _save(tensors, ids, Path(d)))
@@ -163,7 +180,7 @@ def _measured_pass(ws, ids, positions: str) -> dict:
     sizes = {k: v.numel() * v.element_size() / 2**20 for k, v in tensors.items()}
     attn = sum(v for k, v in sizes.items() if k.endswith("attn_weights"))
     logits = sizes[capture.act_name("logits")]
-    return {"rss_loaded_mb": base, **phases, "time_s": sum(phases.values()), **peaks,
+    return {"rss_loaded_mb": base, **phases, "time_s": sum(phases.values()), **cpu, "cpu_s": sum(cpu.values()), **peaks,
             "extra_peak_mb": max(peaks.values()),
             "captured_mb": {"logits": logits, "attn_weights": attn, "other": sum(sizes.values()) - attn - logits}}
 
@@ -249,12 +266,33 @@ def _imports(ws, spec: dict) -> dict:
     return {"import_torch_transformers_s": time.perf_counter() - t0}
 
 
+def _table(spec: dict) -> dict:
+    """`python -m pipeline.scale '{"kind": "table", "lengths": [...], "reps": N}'` in a workspace:
+    its scale runs and fits (as `nexttoken bench --only scale` records them), with the load average,
+    the code's commit and the machine; the table is printed to stderr."""
+    from pipeline import provenance
+    from pipeline.bench import Workspace
+    ws = Workspace.open(Path.cwd())
+    load, code = os.getloadavg(), {"pipeline": str(Path(__file__).resolve().parent),
+                                   **provenance.git_state(worktree.ROOT), "sha256": code_digest()}
+    result = measure_scale(ws.root, spec["lengths"], spec.get("reps", 1), ws.cfg["capture"].dtype)
+    code["same_in_every_child"] = all(r.get("code_sha256") == code["sha256"] for r in result["runs"])
+    out = {"model": ws.name, "workspace": str(ws.root), **result,
+           "loadavg_1_5_15": {"start": list(load), "end": list(os.getloadavg())},
+           "code": code, "hardware": provenance.hardware()}
+    print(scale_table({ws.name: result}), file=sys.stderr)
+    return out
+
+
 KINDS = {"memory": _memory, "scale": _scale, "chain": _chain, "tl": _transformer_lens, "imports": _imports}
 
 
 def _main(spec: dict) -> None:
     if spec["kind"] == "imports":    # before anything else imports torch
         print(json.dumps(_imports(None, spec)))
+        return
+    if spec["kind"] == "table":      # the parent of the per-length children: loads no model itself
+        print(json.dumps(_table(spec), default=str))
         return
     from pipeline.bench import Workspace
     ws = Workspace.open(Path.cwd())
@@ -268,20 +306,10 @@ def tiny_workspace(ws, tmp: Path) -> Path:
         return ws.root
     dest = tmp / "tiny_ws"
     if not paths.artifact(paths.SOURCE, dest).exists():
-        repo = Path(__file__).resolve().parents[1]
-        shutil.copytree(repo / "conf", dest / "conf", dirs_exist_ok=True)
-        _run([sys.executable, "-m", "pipeline.cli", "compose", "model=tiny_qwen2"], dest)
-        _run([sys.executable, "-m", "stages.prepare_model"], dest)
+        shutil.copytree(worktree.ROOT / "conf", dest / "conf", dirs_exist_ok=True)
+        worktree.sh(dest, sys.executable, "-m", "pipeline.cli", "compose", "model=tiny_qwen2", env=OFFLINE)
+        worktree.sh(dest, sys.executable, "-m", "stages.prepare_model", env=OFFLINE)
     return dest
-
-
-def _run(cmd: list[str], cwd: Path) -> str:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return proc.stdout
 
 
 def bench_scale(ws, plan, res, tmp: Path) -> None:
@@ -291,14 +319,8 @@ def bench_scale(ws, plan, res, tmp: Path) -> None:
         name = ws.name if key == "workspace" else key
         if name in section or not lengths:     # quick mode: the workspace model is tiny_qwen2 already
             continue
-        runs = [child(where, {"kind": "scale", "length": n, "reps": 1 if plan.quick else 2}) for n in lengths]
-        fits = {pos: {"time_exponent": fit_exponent(lengths, [r[pos]["time_s"] for r in runs]),
-                      "memory_exponent": fit_exponent(lengths, [r[pos]["extra_peak_mb"] for r in runs]),
-                      "memory_exponent_absolute_peak": fit_exponent(
-                          lengths, [r[pos]["rss_loaded_mb"] + r[pos]["extra_peak_mb"] for r in runs])}
-                for pos in ("all", "last")}
-        fits["plain_forward_time_exponent"] = fit_exponent(lengths, [r["plain_forward_s"] for r in runs])
-        section[name] = {"lengths": list(lengths), "dtype": ws.cfg["capture"].dtype, "runs": runs, "fits": fits}
+        section[name] = measure_scale(where, lengths, 1 if plan.quick else 2, ws.cfg["capture"].dtype)
+        fits = section[name]["fits"]
         for kind in ("time", "memory"):
             res.ratio(f"scale_{kind}_exponent[{name}]", fits["all"][f"{kind}_exponent"], 1.15,
                       f"log-log slope of {kind} (forward + capture file + logits.parquet) over lengths "
@@ -308,42 +330,61 @@ def bench_scale(ws, plan, res, tmp: Path) -> None:
                   "information")
         for kind in ("time", "memory"):
             res.ratio(f"scale_{kind}_exponent_last[{name}]", fits["last"][f"{kind}_exponent"], None,
-                      f"the same with capture.positions=last (logits_to_keep=1)", "information")
+                      "the same with capture.positions=last (logits_to_keep=1)", "information")
+
+
+def measure_scale(where: Path, lengths, reps: int, dtype: str) -> dict:
+    """The scale runs of the workspace `where`, one fresh child process per length, and their fits."""
+    lengths = list(lengths)
+    # A long prompt on a slow CPU takes long (gemma3_270m in bf16 on AVX2: most of an hour at 4096):
+    # the timeout is only a guard against a hung child.
+    runs = []
+    for n in lengths:
+        runs.append(child(where, {"kind": "scale", "length": n, "reps": reps}, timeout=4 * 3600))
+        print(f"[scale] T={n}: {json.dumps(runs[-1], default=str)}", file=sys.stderr, flush=True)   # kept if a longer one fails
+    out = {"lengths": lengths, "dtype": dtype, "reps": reps, "runs": runs, "fits": scale_fits(lengths, runs)}
+    if len(lengths) >= 3:   # fixed overhead dominates the shortest length: the slope without it too
+        out["fits_without_shortest"] = {"lengths": lengths[1:], **scale_fits(lengths[1:], runs[1:])}
+    return out
+
+
+def scale_fits(lengths: list[int], runs: list[dict]) -> dict:
+    """Growth exponents (log-log slopes) of time, CPU time and memory over `lengths`, per positions."""
+    def fit(values):
+        return fit_exponent(lengths, values)
+    fits = {pos: {"time_exponent": fit([r[pos]["time_s"] for r in runs]),
+                  "cpu_time_exponent": fit([r[pos].get("cpu_s", math.nan) for r in runs]),
+                  "memory_exponent": fit([r[pos]["extra_peak_mb"] for r in runs]),
+                  "memory_exponent_absolute_peak": fit([r[pos]["rss_loaded_mb"] + r[pos]["extra_peak_mb"] for r in runs])}
+            for pos in ("all", "last")}
+    fits["plain_forward_time_exponent"] = fit([r["plain_forward_s"] for r in runs])
+    fits["plain_forward_cpu_time_exponent"] = fit([r.get("plain_forward_cpu_s", math.nan) for r in runs])
+    return fits
 
 
 def scale_table(section: dict) -> str:
-    """Per model and length: time and extra peak memory, all positions and last only, and the fits."""
+    """Per model and length: time (wall and CPU) and extra peak memory, all positions and last only, and the fits."""
     lines = []
     for name, s in section.items():
         if not isinstance(s, dict) or "runs" not in s:
             continue
         lines += [f"scale {name} ({s['dtype']}): forward + capture.safetensors + logits.parquet, fresh process per length",
-                  f"{'T':>8} {'all: s':>8} {'all: +MB':>9} {'last: s':>8} {'last: +MB':>9} {'plain fwd s':>11}"
-                  "  dominant capture (all)"]
+                  f"{'T':>8} {'all: s':>8} {'all: cpu':>8} {'all: +MB':>9} {'last: s':>8} {'last: +MB':>9} "
+                  f"{'plain fwd s':>11}  dominant capture (all)"]
         for r in s["runs"]:
             a, l = r["all"], r["last"]
             top = max(a["captured_mb"], key=a["captured_mb"].get)
-            lines.append(f"{r['length']:>8} {a['time_s']:>8.2f} {a['extra_peak_mb']:>9.0f} {l['time_s']:>8.2f} "
-                         f"{l['extra_peak_mb']:>9.0f} {r['plain_forward_s']:>11.2f}  {top} {a['captured_mb'][top]:.0f} MB")
-        f = s["fits"]
-        lines.append(f"{'exponent':>8} {f['all']['time_exponent']:>8.2f} {f['all']['memory_exponent']:>9.2f} "
-                     f"{f['last']['time_exponent']:>8.2f} {f['last']['memory_exponent']:>9.2f} "
-                     f"{f['plain_forward_time_exponent']:>11.2f}")
+            lines.append(f"{r['length']:>8} {a['time_s']:>8.2f} {a.get('cpu_s', math.nan):>8.2f} "
+                         f"{a['extra_peak_mb']:>9.0f} {l['time_s']:>8.2f} {l['extra_peak_mb']:>9.0f} "
+                         f"{r['plain_forward_s']:>11.2f}  {top} {a['captured_mb'][top]:.0f} MB")
+        for label, f in (("exponent", s["fits"]), (f"from {s['lengths'][1] if len(s['lengths']) > 1 else ''}",
+                                                    s.get("fits_without_shortest"))):
+            if f:
+                lines.append(f"{label:>8} {f['all']['time_exponent']:>8.2f} "
+                             f"{f['all'].get('cpu_time_exponent', math.nan):>8.2f} {f['all']['memory_exponent']:>9.2f} "
+                             f"{f['last']['time_exponent']:>8.2f} {f['last']['memory_exponent']:>9.2f} "
+                             f"{f['plain_forward_time_exponent']:>11.2f}")
     return "\n".join(lines)
-
-
-def clone_worktree(repo: Path, dest: Path) -> Path:
-    """Tracked + untracked-not-ignored files of the working tree, committed in a fresh repo."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, capture_output=True,
-                           check=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        if (repo / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(repo / rel, dest / rel)
-    ident = ["-c", "user.name=nexttoken bench", "-c", "user.email=bench@nexttoken.invalid"]
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", *ident, "commit", "-qm", "bench clone"]):
-        _run(cmd, dest)
-    return dest
 
 
 def dvc_command(stages: tuple[str, ...] | None) -> list[str]:
@@ -355,8 +396,7 @@ def dvc_command(stages: tuple[str, ...] | None) -> list[str]:
 
 def _timed_dvc(clone: Path, cmd: list[str]) -> dict:
     """Run dvc; stage boundaries are timed from its own "Running stage" lines, read as they come."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "DVC_NO_ANALYTICS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env = worktree.tool_env(PYTHONUNBUFFERED="1", **OFFLINE)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=clone, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -374,11 +414,10 @@ def _timed_dvc(clone: Path, cmd: list[str]) -> dict:
 
 def bench_dvc(ws, plan, res, tmp: Path) -> None:
     import yaml
-    repo = Path(__file__).resolve().parents[1]
-    clone = clone_worktree(repo, tmp / "clone")
-    _run([sys.executable, "-m", "pipeline.cli", "compose", "model=tiny_qwen2"], clone)
+    clone = worktree.clone_worktree(tmp / "clone")
+    worktree.sh(clone, sys.executable, "-m", "pipeline.cli", "compose", "model=tiny_qwen2", env=OFFLINE)
     shutil.copytree(paths.stage_dir("prepare_model", tiny_workspace(ws, tmp)), paths.stage_dir("prepare_model", clone))
-    _run(["dvc", "commit", "--force", "prepare_model"], clone)
+    worktree.sh(clone, "dvc", "commit", "--force", "prepare_model", env=OFFLINE)
     stages = plan.dvc_stages or tuple(s for s in yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
                                       if s != "prepare_model")
     from pipeline import bench

@@ -1,47 +1,21 @@
 """End to end: `dvc repro` and `dvc exp run` in a temporary git clone of this working tree.
 
-The clone holds the tracked and untracked-but-not-ignored files (what a commit of the
-current tree would hold), with its own git history and DVC cache, on tiny_qwen2.
+The clone (pipeline/worktree.py) holds the tracked and untracked-but-not-ignored files (what a
+commit of the current tree would hold), with its own git history and DVC cache, on tiny_qwen2.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pipeline import provenance
+from pipeline.worktree import clone_worktree, sh
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def sh(cwd: Path, *cmd: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "DVC_NO_ANALYTICS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def clone_worktree(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    sh(dest, "git", "init", "-q")
-    sh(dest, "git", "add", "-A")
-    sh(dest, "git", "commit", "-qm", "clone of the working tree")
-    return dest
 
 
 @pytest.fixture(scope="module")

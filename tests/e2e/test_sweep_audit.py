@@ -1,6 +1,6 @@
 """End to end: a 3 x 2 sampling sweep on tiny_qwen2 through DVC's queue, then sweep, audit, diff.
 
-In a temporary git clone of this working tree (as tests/e2e/test_dvc_repro.py makes one):
+In a temporary git clone of this working tree (pipeline/worktree.py, as tests/e2e/test_dvc_repro.py uses):
 `dvc repro`, commit, queue six experiments and run them with two workers. The forward pass
 must come from the cache in every experiment, and `nexttoken sweep / audit --rev / diff`
 must work on experiments that were never checked out.
@@ -9,60 +9,21 @@ must work on experiments that were never checked out.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
 from pipeline import revisions, sweep
+from pipeline.worktree import clone_worktree, sh, wait_for_queue
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 TEMPERATURES, TOP_PS = (0.5, 1.0, 2.0), (0.9, 1.0)
 SWEEP = ("-S", "model=tiny_qwen2", "-S", "sampling.temperature=0.5,1.0,2.0", "-S", "sampling.top_p=0.9,1.0")
 FORWARD_REUSED = ("Stage 'forward' didn't change, skipping", "Stage 'forward' is cached - skipping run")
 QUEUE_TIMEOUT_S = 1500
-
-
-def sh(cwd: Path, *cmd: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
-    # The queue's workers run stages with `python` from PATH: this venv's must come first.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "DVC_NO_ANALYTICS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def clone_worktree(dest: Path) -> Path:
-    """Tracked + untracked-not-ignored files of this working tree, committed in a new repo."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        if (REPO / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, dest / rel)
-    sh(dest, "git", "init", "-q")
-    sh(dest, "git", "add", "-A")
-    sh(dest, "git", "commit", "-qm", "clone of the working tree")
-    return dest
-
-
-def wait_for_queue(repo: Path) -> str:
-    deadline = time.monotonic() + QUEUE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        status = sh(repo, "dvc", "queue", "status").stdout
-        if not re.search(r"\b(Queued|Running)\b", status) and "0 active" in status:
-            return status
-        time.sleep(10)
-    raise AssertionError(f"the queue did not finish in {QUEUE_TIMEOUT_S} s:\n{status}")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +37,7 @@ def swept(tmp_path_factory):
     try:
         sh(repo, "dvc", "exp", "run", "--queue", *SWEEP)
         sh(repo, "dvc", "queue", "start", "-j", "2")
-        status = wait_for_queue(repo)
+        status = wait_for_queue(repo, QUEUE_TIMEOUT_S, poll_s=10)
         print(f"\nbaseline + 6 queued experiments: {time.monotonic() - started:.0f} s\n{status}")
         yield repo
     finally:   # never leave celery workers behind, whatever happened

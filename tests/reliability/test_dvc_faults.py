@@ -11,19 +11,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.test_dvc_repro import clone_worktree
+from pipeline import worktree
+from pipeline.worktree import clone_worktree
 from tests.reliability.conftest import data_hashes, is_data_file, staging_left
 from tests.reliability.test_interrupted import POINTS, partial_file, start_paused
 
@@ -32,15 +31,7 @@ SEEDS = (1, 2)   # two experiments that re-run the trajectories stage (sampling.
 # The data stages (prepare_model .. trajectories): checks and report re-verify and render them,
 # at a cost these tests do not need.
 TARGETS = ("probs", "trajectories")
-
-
-def sh(cwd: Path, *cmd: str, check: bool = True, timeout: int = 1200) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "DVC_NO_ANALYTICS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+sh = functools.partial(worktree.sh, timeout=1200)
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +99,6 @@ def _outputs(repo: Path, commit: str) -> tuple[int, dict[str, str]]:
     return seed, {k: v for k, v in files.items() if is_data_file(k)}
 
 
-def _wait_for_queue(repo: Path, timeout: float = 1200) -> str:
-    deadline = time.monotonic() + timeout
-    status = ""
-    while time.monotonic() < deadline:
-        status = sh(repo, "dvc", "queue", "status").stdout
-        if not re.search(r"\b(Queued|Running)\b", status) and "0 active" in status:
-            return status
-        time.sleep(3)
-    raise AssertionError(f"the queue did not finish in {timeout} s:\n{status}")
-
-
 def test_two_experiments_at_once_equal_the_same_run_one_after_the_other(clone):
     sh(clone, "git", "add", "-A")
     sh(clone, "git", "commit", "-qm", "baseline for the queue", check=False)
@@ -128,7 +108,7 @@ def test_two_experiments_at_once_equal_the_same_run_one_after_the_other(clone):
             sh(clone, "dvc", "exp", "run", "--queue", "-S", "model=tiny_qwen2", "-S", f"sampling.seed={seed}",
                "trajectories")
         sh(clone, "dvc", "queue", "start", "-j", "2")
-        status = _wait_for_queue(clone)
+        status = worktree.wait_for_queue(clone, 1200)
     finally:
         sh(clone, "dvc", "queue", "stop", "--kill", check=False)
     assert "Failed" not in status, status
