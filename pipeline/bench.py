@@ -384,9 +384,7 @@ def nnsight_contender(model, input_ids: torch.Tensor, attention_layers: tuple[in
         return out[0] if isinstance(out, tuple) else out
 
     n_layers = len(capture.decoder_layers(model))
-    layer0_proj = [(kind, path) for kind, path in (("attn.q", names.q_proj), ("attn.k", names.k_proj),
-                                                   ("attn.v", names.v_proj), ("attn.q_norm_out", names.q_norm),
-                                                   ("attn.k_norm_out", names.k_norm)) if path is not None]
+    layer0_proj = capture.layer0_projections(names)
 
     def run() -> dict:
         saved: dict = {}

@@ -319,11 +319,17 @@ def _hook_plan(model: nn.Module, recorder: _Recorder) -> list[tuple[nn.Module, s
         ]
     layer0, attn0 = decoder_layers(model)[0], decoder_layers(model)[0].get_submodule(names.attn)
     plan.append((layer0.get_submodule(names.ln1), "post", post(act_name("ln1_out", 0))))
-    for kind, path in (("attn.q", names.q_proj), ("attn.k", names.k_proj), ("attn.v", names.v_proj),
-                       ("attn.q_norm_out", names.q_norm), ("attn.k_norm_out", names.k_norm)):
-        if path is not None:
-            plan.append((attn0.get_submodule(path), "post", post(act_name(kind, 0))))
+    for kind, path in layer0_projections(names):
+        plan.append((attn0.get_submodule(path), "post", post(act_name(kind, 0))))
     return plan
+
+
+def layer0_projections(names: ModuleNames) -> list[tuple[str, str]]:
+    """(capture kind, module path inside the attention) of layer 0's q/k/v projections and
+    q/k norms, in execution order; the norms only where the family has them."""
+    return [(kind, path) for kind, path in (("attn.q", names.q_proj), ("attn.k", names.k_proj),
+                                            ("attn.v", names.v_proj), ("attn.q_norm_out", names.q_norm),
+                                            ("attn.k_norm_out", names.k_norm)) if path is not None]
 
 
 @contextlib.contextmanager
