@@ -25,20 +25,22 @@ repro: setup
 	$(RUN) nexttoken compose --check
 	$(RUN) dvc repro
 
-# The test suite: unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone).
+# The test suite: ruff (lint), then unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone).
 test: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
+	$(RUN) ruff check .
 	$(RUN) python -m pytest -q
 
 # Unit and integration tests only (skips the slow end-to-end runs).
 test-fast: setup
+	$(RUN) ruff check .
 	$(RUN) python -m pytest -q -m "not slow"
 
 # Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
 # ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.
 bench: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
-	$(RUN) nexttoken bench
+	$(RUN) python -m bench
 
 clean-venv:
 	rm -rf $(VENV)

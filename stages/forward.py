@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import config, forward, paths
-from pipeline.artifacts import read_parquet, stage_main, stage_run
+from pipeline.config import registry, schema
+from pipeline.model import forward
+from pipeline.store import paths
+from pipeline.store.artifacts import read_parquet, stage_main, stage_run
 
 STAGE = "forward"
-PARAMS = ("model.name", "model.trust_remote_code", "capture")
 
 
 def main() -> None:
-    params = config.read_params(Path(paths.PARAMS))
-    model_cfg = config.load_section(params, "model")
-    cap = config.load_section(params, "capture")
+    params = schema.read_params(Path(paths.PARAMS))
+    model_cfg = schema.load_section(params, "model")
+    cap = schema.load_section(params, "capture")
     plan = forward.plan(cap, paths.stage_dir("prepare_model"))   # every check before any load or write
-    with stage_run(STAGE, config.subset(params, PARAMS)) as run:
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         run.use(paths.stage_dir("prepare_model"))
         ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
         result = forward.run(plan, ids, trust_remote_code=model_cfg.trust_remote_code)

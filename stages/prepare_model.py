@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import config, models, paths
-from pipeline.artifacts import stage_main, stage_run
+from pipeline.config import registry, schema
+from pipeline.model import snapshot
+from pipeline.store import paths
+from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "prepare_model"
-PARAMS = ("model.name", "model.source", "model.trust_remote_code")
 
 
 def main() -> None:
-    params = config.read_params(Path(paths.PARAMS))
-    model = config.load_section(params, "model")
-    source = models.ModelSource(**params["model"]["source"])
-    with stage_run(STAGE, config.subset(params, PARAMS)) as run:
-        record = models.prepare(source, run.staging, trust_remote_code=model.trust_remote_code,
+    params = schema.read_params(Path(paths.PARAMS))
+    model = schema.load_section(params, "model")
+    source = snapshot.ModelSource(**params["model"]["source"])
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+        record = snapshot.prepare(source, run.staging, trust_remote_code=model.trust_remote_code,
                                 progress=True)
         record = {"name": model.name, "trust_remote_code": model.trust_remote_code, **record}
         run.model = record

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import config, paths, probs
-from pipeline.artifacts import stage_main, stage_run
+from pipeline.config import registry, schema
+from pipeline.numerics import probs
+from pipeline.store import paths
+from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "probs"
-PARAMS = ("probs", "sampling.temperature", "sampling.top_k", "sampling.top_p")
 
 
 def main() -> None:
-    params = config.read_params(Path(paths.PARAMS))
-    probs_cfg, sampling = config.load_section(params, "probs"), config.load_section(params, "sampling")
+    params = schema.read_params(Path(paths.PARAMS))
+    probs_cfg, sampling = schema.load_section(params, "probs"), schema.load_section(params, "sampling")
     probs.filters(probs_cfg, sampling)                  # a bad value fails before any work
-    with stage_run(STAGE, config.subset(params, PARAMS)) as run:
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         outputs, facts = probs.build(run.use(paths.LOGITS), run.use(paths.VOCAB), probs_cfg, sampling)
         run.model = facts["model"]
         run.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}

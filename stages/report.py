@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from pipeline import paths, plots, report
-from pipeline.artifacts import stage_main, stage_run
+from pipeline.report import plots, render
+from pipeline.store import paths
+from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "report"
-PARAMS: tuple[str, ...] = ()   # everything it shows comes from the artifacts (and their manifests)
 
 
 def main() -> None:
     with stage_run(STAGE, {}) as run:
-        inputs = report.load(run.use)
+        inputs = render.load(run.use)
         run.model = inputs.manifests.get("forward", {}).get("model")
         font = plots.fonts()
         run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None}
-        figures = report.draw(inputs, run.out, font)
-        run.out(paths.REPORT[1]).write_text(report.render(inputs, figures, font), encoding="utf-8")
+        figures = render.draw(inputs, run.out, font)
+        run.out(paths.REPORT[1]).write_text(render.render(inputs, figures, font), encoding="utf-8")
 
 
 if __name__ == "__main__":

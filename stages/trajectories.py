@@ -4,30 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import config, logits_io, models, paths, trajectories
-from pipeline.artifacts import read_json, read_parquet, stage_main, stage_run
+from pipeline.config import registry, schema
+from pipeline.model import loader, trajectories
+from pipeline.store import logits_io, paths, provenance
+from pipeline.store.artifacts import read_json, read_parquet, stage_main, stage_run
 
 STAGE = "trajectories"
-PARAMS = ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
-          "capture.attn_implementation", "capture.positions", "sampling")
 
 
 def main() -> None:
-    params = config.read_params(Path(paths.PARAMS))
-    model_cfg = config.load_section(params, "model")
-    cap = config.load_section(params, "capture")
-    sampling = config.load_section(params, "sampling")
-    device, dtype = models.resolve_device(cap.device), models.resolve_dtype(cap.dtype)
-    with stage_run(STAGE, config.subset(params, PARAMS)) as run:
+    params = schema.read_params(Path(paths.PARAMS))
+    model_cfg = schema.load_section(params, "model")
+    cap = schema.load_section(params, "capture")
+    sampling = schema.load_section(params, "sampling")
+    device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         source = read_json(run.use(paths.SOURCE))
         run.use(paths.stage_dir("prepare_model"))
         ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
-        snapshot = models.snapshot_dir(paths.stage_dir("prepare_model"), source)
-        trajectories.check_room(len(ids), sampling.max_new_tokens, models.max_positions(snapshot))
-        model = models.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
-        tokenizer = models.load_tokenizer(snapshot)
-        runs = trajectories.run_all(model, ids, sampling, models.eos_ids(model), cap.positions)
-        run.model = {k: source.get(k) for k in ("name", "kind", "revision")}
+        snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model"), source)
+        trajectories.check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
+        model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
+        tokenizer = loader.load_tokenizer(snapshot)
+        runs = trajectories.run_all(model, ids, sampling, loader.eos_ids(model), cap.positions)
+        run.model = provenance.model_record(source)
         run.seeds["sample"] = sampling.seed
         run.facts = {"device": str(device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
         run.write_parquet(paths.STEPS[1], trajectories.steps_table(runs, tokenizer, sampling.top_n),

@@ -37,7 +37,7 @@ def make_workspace(dest: Path, overrides: list[str]) -> Path:
     """A directory with conf/ and a params.yaml composed from it (no git, no DVC)."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(REPO / "conf", dest / "conf", dirs_exist_ok=True)
-    run_module("pipeline.cli", dest, "compose", *overrides, check=True)
+    run_module("pipeline.tools.cli", dest, "compose", *overrides, check=True)
     return dest
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import provenance
-from pipeline.worktree import clone_worktree, sh
+from pipeline.store import provenance
+from tests.helpers.worktree import clone_worktree, sh
 
 pytestmark = pytest.mark.slow
 

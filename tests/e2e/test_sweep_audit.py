@@ -16,8 +16,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from pipeline import revisions, sweep
-from pipeline.worktree import clone_worktree, sh, wait_for_queue
+from pipeline.tools import revisions, sweep
+from tests.helpers.worktree import clone_worktree, sh, wait_for_queue
 
 pytestmark = pytest.mark.slow
 TEMPERATURES, TOP_PS = (0.5, 1.0, 2.0), (0.9, 1.0)

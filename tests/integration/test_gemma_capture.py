@@ -23,8 +23,9 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from pipeline import artifacts, capture, logits_io, models
-from pipeline.recompute import lm_head_recompute
+from pipeline.checks.recompute import lm_head_recompute
+from pipeline.model import capture, loader
+from pipeline.store import artifacts, logits_io
 from tests.conftest import make_workspace, run_module
 
 pytestmark = pytest.mark.slow
@@ -89,8 +90,8 @@ def token_ids(ws) -> list[int]:
 @pytest.fixture(scope="module")
 def model(ws):
     prepared = ws / "artifacts/prepare_model"
-    snapshot = models.snapshot_dir(prepared, json.loads((prepared / "source.json").read_text()))
-    return models.load_model(snapshot, torch.bfloat16, "cpu", "eager", False)
+    snapshot = loader.snapshot_dir(prepared, json.loads((prepared / "source.json").read_text()))
+    return loader.load_model(snapshot, torch.bfloat16, "cpu", "eager", False)
 
 
 def _documented_names() -> list[str]:

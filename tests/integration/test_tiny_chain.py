@@ -16,8 +16,9 @@ import pytest
 import torch
 import yaml
 
-from pipeline import artifacts, capture, decode, logits_io, models, provenance
-from pipeline.sampling import SamplingSettings
+from pipeline.model import capture, decode, loader
+from pipeline.numerics.sampling import SamplingSettings
+from pipeline.store import artifacts, logits_io, provenance
 from tests.conftest import run_module
 
 REFERENCE = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipeline/reference/seed_article.yaml")
@@ -85,7 +86,7 @@ def test_capture_names_and_shapes(ws):
     assert facts["output_size"] == V and facts["tokenizer_len"] == 151669
     # capture changes nothing: a plain forward (no hooks) gives the stored logits bit for bit;
     # the checks stage establishes this (capture_transparent, repeat_deterministic), not facts.json
-    model = models.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
     assert torch.equal(capture.plain_forward_logits(model, t["input_ids"], "all"), t["logits"])
     assert not {"capture_transparent", "repeat_identical"} & set(facts)
 
@@ -93,8 +94,8 @@ def test_capture_names_and_shapes(ws):
 def test_lm_head_recompute_is_exact(ws):
     t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
     snapshot = ws / "artifacts/prepare_model"
-    model = models.load_model(snapshot, torch.bfloat16, "cpu", "eager", False)
-    from pipeline.recompute import lm_head_recompute
+    model = loader.load_model(snapshot, torch.bfloat16, "cpu", "eager", False)
+    from pipeline.checks.recompute import lm_head_recompute
     assert lm_head_recompute(model, t["final_norm_out"], t["logits"]) == 0.0
 
 
@@ -159,7 +160,7 @@ def _steps(ws):
 
 def test_trajectories_match_generate(ws):
     steps = _steps(ws)
-    model = models.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
     ids = pq.read_table(ws / "artifacts/tokenize/tokens.parquet")["token_id"].to_pylist()
     sample = steps[(steps.branch == "sample") & ~steps.kv_cache]["token_id"].tolist()
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache]["token_id"].tolist()
@@ -181,7 +182,7 @@ def test_step_one_uses_the_forward_logits(ws):
 
 def test_text_so_far_is_decoded_not_joined(ws):
     steps = _steps(ws)
-    tok = models.load_tokenizer(ws / "artifacts/prepare_model")
-    for (branch, kv), g in steps.groupby(["branch", "kv_cache"]):
+    tok = loader.load_tokenizer(ws / "artifacts/prepare_model")
+    for _, g in steps.groupby(["branch", "kv_cache"]):
         ids = g.sort_values("step")["token_id"].tolist()
         assert g.sort_values("step")["text_so_far"].iloc[-1] == tok.decode(ids)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import paths, provenance
+from pipeline.store import paths, provenance
 from tests.conftest import run_module
 
 CHAIN = ("forward", "logits", "probs", "trajectories")
@@ -98,7 +98,7 @@ def run_stage_here(stage: str, ws: Path, monkeypatch) -> Outcome:
     """
     import importlib
 
-    from pipeline.artifacts import stage_main
+    from pipeline.store.artifacts import stage_main
     module = importlib.import_module(f"stages.{stage}")
     monkeypatch.chdir(ws)
     out, err = io.StringIO(), io.StringIO()

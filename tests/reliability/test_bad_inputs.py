@@ -6,7 +6,7 @@ the real conf/ (tiny_qwen2): for every key, values of the wrong type (generated 
 type of its value), then out-of-range values, unknown names, unknown and missing keys,
 paths that leave the repository, and prompts that are empty, not UTF-8, full of control
 characters or longer than the model's context. Most cases go through the validators
-directly (`config.load_section`, and the library checks stages make against the model);
+directly (`schema.load_section`, and the library checks stages make against the model);
 a representative subset runs the real `nexttoken` CLI and stages as subprocesses in a
 workspace with a complete run, whose files must come out byte-identical.
 docs/bad_inputs.md lists the matrix; a test keeps it in step.
@@ -20,15 +20,19 @@ import math
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 
-from pipeline import capture, compose, config, models, paths, probs, provenance, trajectories
+from pipeline.config import compose, schema
 from pipeline.errors import UserError
+from pipeline.model import capture, loader, trajectories
+from pipeline.numerics import probs
+from pipeline.store import paths, provenance
 from tests.conftest import REPO, run_module
 from tests.reliability.conftest import copy_ws, one_line_error, python_env, snapshot
 
@@ -111,7 +115,7 @@ def _message_key(key: str, params: dict) -> str:
 
 def type_cases(params: dict) -> list[Case]:
     cases = []
-    for section in config.SECTIONS:
+    for section in schema.SECTIONS:
         for key, value in _leaves(params[section], section):
             for bad in _wrong_types(key, value):
                 shown = bad
@@ -241,29 +245,29 @@ def _position(root: Path, pos: int, available: list[int]) -> None:
 
 
 def _device(root: Path) -> None:
-    models.resolve_device("cuda:99")
+    loader.resolve_device("cuda:99")
 
 
 def _duplicate_filter(root: Path, name: str) -> None:
     p = set_key(base_params(), "probs.extra_filters[1].name", name)
-    probs.filters(config.load_section(p, "probs"), config.load_section(p, "sampling"))
+    probs.filters(schema.load_section(p, "probs"), schema.load_section(p, "sampling"))
 
 
 def _reference_name(root: Path) -> None:
-    from pipeline import reference_figures
-    reference_figures.load_reference("nope")
+    from pipeline.checks import reference
+    reference.load_reference("nope")
 
 
 def _no_section(root: Path) -> None:
     p = base_params()
     del p["sampling"]
-    config.load_section(p, "sampling")
+    schema.load_section(p, "sampling")
 
 
 def _params_file(root: Path, text: str | None) -> None:
     if text is not None:
         (root / "params.yaml").write_text(text)
-    config.read_params(root / "params.yaml")
+    schema.read_params(root / "params.yaml")
 
 
 def _prompt_file(root: Path, name: str, data: bytes | None, link: str | None = None) -> None:
@@ -273,7 +277,7 @@ def _prompt_file(root: Path, name: str, data: bytes | None, link: str | None = N
     elif data is not None:
         (root / "prompts" / name).write_bytes(data)
     p = set_key(set_key(base_params(), "prompt.file", f"prompts/{name}"), "prompt.text", None)
-    config.load_section(p, "prompt", root)
+    schema.load_section(p, "prompt", root)
 
 
 def model_cases() -> list[Case]:
@@ -362,18 +366,18 @@ def test_bad_input_is_named(case, tmp_path):
             params = BASE
             for key, value in case.change.items():
                 params = set_key(params, key, value)
-            for section in config.SECTIONS:
-                config.load_section(params, section, root)
+            for section in schema.SECTIONS:
+                schema.load_section(params, section, root)
     _expect(case, str(err.value))
     if case.kind == "path":
         assert "inside the repository" in str(err.value) or "plain name" in str(err.value), err.value
 
 
 def test_matrix_covers_every_key_of_every_section():
-    keys = {k for s in config.SECTIONS for k, _ in _leaves(BASE[s], s)}
+    keys = {k for s in schema.SECTIONS for k, _ in _leaves(BASE[s], s)}
     covered = {k for c in MATRIX if c.change for k in c.change}
     assert keys - covered == set()
-    assert set(config.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks"}
+    assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks"}
 
 
 def test_base_is_the_composition_of_conf(tmp_path):
@@ -385,7 +389,7 @@ def test_good_prompt_file_is_read_and_its_text_used(tmp_path):
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts/p.txt").write_text("Hello\tworld\r\n问题", encoding="utf-8")
     p = set_key(set_key(BASE, "prompt.file", "prompts/p.txt"), "prompt.text", None)
-    prompt = config.load_section(p, "prompt", tmp_path)
+    prompt = schema.load_section(p, "prompt", tmp_path)
     assert prompt.text == "Hello\tworld\r\n问题" and prompt.file == "prompts/p.txt"
 
 
@@ -485,13 +489,13 @@ SUBPROCESS = [
         ("sampling.top_p=0 is not allowed: a number in (0.0, 1.0]",), params={"sampling.top_p": 0}),
 ]
 
-# argparse's own errors (pipeline/cli.py prints them as one line too).
+# argparse's own errors (pipeline/tools/cli.py prints them as one line too).
 CLI_USAGE = [
     Run("nexttoken (no command)", ("nexttoken",), ("required: command",)),
     Run("nexttoken nope", ("nexttoken", "nope"), ("invalid choice: 'nope'",)),
     Run("compose --nope", ("nexttoken", "compose", "--nope"), ("unrecognized arguments: --nope",)),
-    Run("bench --lengths abc", ("nexttoken", "bench", "--lengths", "abc"),
-        ("argument --lengths: invalid int value: 'abc'",)),
+    Run("bench outside a checkout", ("nexttoken", "bench", "--lengths", "abc"),
+        ("nexttoken bench runs in a checkout of the nexttoken repository",)),
     Run("diff with one revision", ("nexttoken", "diff", "HEAD"), ("required: rev_b",)),
 ]
 

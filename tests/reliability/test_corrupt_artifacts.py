@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml
 
-from pipeline import paths
-from tests.reliability.conftest import (copy_ws, one_line_error, python_env, run_stage_here, snapshot,
-                                        staging_left, truncate)
+from pipeline.store import paths
+from tests.reliability.conftest import (
+    copy_ws,
+    one_line_error,
+    python_env,
+    run_stage_here,
+    snapshot,
+    staging_left,
+    truncate,
+)
 
 
 def _no_manifest(ws: Path, stage: str) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline import forward, provenance
+from pipeline.model import forward
+from pipeline.store import provenance
 
 
 def test_the_same_capture_is_written_to_the_same_bytes(tmp_path):

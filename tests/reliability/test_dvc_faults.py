@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import worktree
-from pipeline.worktree import clone_worktree
+from tests.helpers import worktree
+from tests.helpers.worktree import clone_worktree
 from tests.reliability.conftest import data_hashes, is_data_file, staging_left
 from tests.reliability.test_interrupted import POINTS, partial_file, start_paused
 

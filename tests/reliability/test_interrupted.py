@@ -1,7 +1,7 @@
 """Interrupted stages: killed while writing capture.safetensors or logits.parquet, nothing is lost.
 
-The test-only hook `artifacts.test_pause` (NEXTTOKEN_TEST_PAUSE=<point>) stops the writer
-halfway through the file; the test then kills the stage (SIGKILL: no clean-up at all;
+The tests' own hook (`tests/helpers/pause.py`, which wraps the writer before running the
+stage) stops the writer halfway through the file; the test then kills the stage (SIGKILL: no clean-up at all;
 SIGINT: Ctrl-C). artifacts/ must still hold the previous complete run, byte for byte; a
 stale staging folder left by SIGKILL is removed by the next run of that stage, whose outputs
 equal the uninterrupted ones. The same under DVC (`dvc status`, `dvc repro`) is in
@@ -19,33 +19,32 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import artifacts, paths
+from pipeline.store import artifacts, paths
 from tests.conftest import run_module
+from tests.helpers import pause
 from tests.reliability.conftest import copy_ws, data_hashes, snapshot, staging_left
 
-# point -> (stage, the file being written, in the staging folder)
-POINTS = {"forward.capture": ("forward", "capture.safetensors"), "logits.rows": ("logits", "logits.parquet")}
+POINTS = pause.POINTS   # point -> (stage, the file being written, in the staging folder)
 
 
 def start_paused(ws: Path, point: str, cmd: list[str] | None = None) -> tuple[subprocess.Popen, int]:
     """Start the stage (or cmd) with the writer set to pause at `point`; return it and the stage's pid."""
     stage = POINTS[point][0]
-    marker = ws / Path(paths.STAGING).parent / f"test-pause-{point}"
-    marker.unlink(missing_ok=True)
-    env = {**os.environ, artifacts.TEST_PAUSE_ENV: point,
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    m = pause.marker(point, ws)
+    m.unlink(missing_ok=True)
+    env = pause.env(point, {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     proc = subprocess.Popen(cmd or [sys.executable, "-m", f"stages.{stage}"], cwd=ws, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
-    while not marker.exists() or not marker.read_text():
+    while not m.exists() or not m.read_text():
         if proc.poll() is not None:
             raise AssertionError(f"{stage} ended before the pause ({proc.returncode}):\n{proc.communicate()}")
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"{stage} never reached {point}")
         time.sleep(0.2)
-    pid = int(marker.read_text())
-    marker.unlink()
+    pid = int(m.read_text())
+    m.unlink()
     return proc, pid
 
 
@@ -55,15 +54,6 @@ def partial_file(ws: Path, point: str, pid: int) -> Path:
     path = ws / paths.STAGING / f"{stage}-{pid}" / name
     assert path.is_file() and path.stat().st_size > 0, f"no partial {name} in staging"
     return path
-
-
-def test_pause_hook_does_nothing_unless_asked(monkeypatch):
-    monkeypatch.delenv(artifacts.TEST_PAUSE_ENV, raising=False)
-    start = time.monotonic()
-    artifacts.test_pause("forward.capture")
-    monkeypatch.setenv(artifacts.TEST_PAUSE_ENV, "logits.rows")
-    artifacts.test_pause("forward.capture")
-    assert time.monotonic() - start < 1
 
 
 def test_stale_staging_of_a_killed_run_is_removed_by_the_next_run(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline import paths, provenance
+from pipeline.store import paths, provenance
 from tests.reliability.conftest import copy_ws, one_line_error, run_stage_here, snapshot, staging_left
 
 POISONED_ID = 100          # one vocabulary row of the LM head

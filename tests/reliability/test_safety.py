@@ -26,8 +26,10 @@ import pytest
 import torch
 import yaml
 
-from pipeline import config, models, paths
+from pipeline.config import schema
 from pipeline.errors import UserError
+from pipeline.model import loader, snapshot
+from pipeline.store import paths
 from tests.conftest import REPO, make_workspace
 from tests.reliability.conftest import python_env
 
@@ -52,14 +54,14 @@ def _is_true(node) -> bool:
 def test_trust_remote_code_is_off_in_every_model_config():
     for path in sorted((REPO / "conf/model").glob("*.yaml")):
         assert yaml.safe_load(path.read_text())["trust_remote_code"] is False, path.name
-    assert config.ModelConfig.__dataclass_fields__["trust_remote_code"].default is False
+    assert schema.ModelConfig.__dataclass_fields__["trust_remote_code"].default is False
 
 
 def test_code_never_turns_trust_remote_code_on_by_itself():
     found = [f"{p.name}:{node.lineno}" for p in CODE for node, name, _, kw in _calls(p)
              if "trust_remote_code" in kw and _is_true(kw["trust_remote_code"])]
     assert found == []
-    for fn in (models.load_tokenizer, models.max_positions, models.num_layers):
+    for fn in (loader.load_tokenizer, loader.max_positions, loader.num_layers):
         assert fn.__defaults__[-1] is False, fn.__name__
 
 
@@ -98,9 +100,10 @@ def test_a_snapshot_holding_only_a_pickle_is_refused(chain_ws, tmp_path):
     class Payload:
         def __reduce__(self):
             return (open, (str(marker), "w"))
-    torch.save({"model.embed_tokens.weight": Payload()}, snap / "pytorch_model.bin", _use_new_zipfile_serialization=True)
+    torch.save({"model.embed_tokens.weight": Payload()}, snap / "pytorch_model.bin",
+               _use_new_zipfile_serialization=True)
     with pytest.raises(UserError, match="safetensors"):
-        models.load_model(snap, torch.float32, "cpu", "eager", False)
+        loader.load_model(snap, torch.float32, "cpu", "eager", False)
     assert not marker.exists()
 
 
@@ -111,7 +114,7 @@ def test_a_local_hub_model_without_safetensors_is_refused(tmp_path, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(UserError, match=r"no \*\.safetensors weights .*never pickle"):
-        models.prepare(models.ModelSource(kind="hub", hub_id="models/pickled"), out, False, False)
+        snapshot.prepare(snapshot.ModelSource(kind="hub", hub_id="models/pickled"), out, False, False)
 
 
 def test_prepared_snapshots_hold_no_pickle(chain_ws):
@@ -131,11 +134,11 @@ def test_local_model_directory_outside_the_repository_is_refused(chain_ws, tmp_p
         out = tmp_path / f"out-{abs(hash(hub_id))}"
         out.mkdir()
         with pytest.raises(UserError, match=r"model\.source\.hub_id=.* is not allowed: .*inside the repository"):
-            models.prepare(models.ModelSource(kind="hub", hub_id=hub_id), out, False, False)
+            snapshot.prepare(snapshot.ModelSource(kind="hub", hub_id=hub_id), out, False, False)
     shutil.copytree(outside, repo / "models/inside")                  # the control: inside, it works
     out = tmp_path / "out-inside"
     out.mkdir()
-    record = models.prepare(models.ModelSource(kind="hub", hub_id="models/inside"), out, False, False)
+    record = snapshot.prepare(snapshot.ModelSource(kind="hub", hub_id="models/inside"), out, False, False)
     assert record["snapshot_dir"] == str((repo / "models/inside").resolve())
 
 
@@ -189,11 +192,11 @@ def test_hub_model_is_looked_up_in_the_cache_only_unless_allowed(tmp_path, monke
         raise LocalEntryNotFoundError("not cached")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.chdir(tmp_path)
-    source = models.ModelSource(kind="hub", hub_id="Qwen/Qwen2.5-7B", revision="main")
-    monkeypatch.delenv(models.ALLOW_DOWNLOAD_ENV, raising=False)
+    source = snapshot.ModelSource(kind="hub", hub_id="Qwen/Qwen2.5-7B", revision="main")
+    monkeypatch.delenv(snapshot.ALLOW_DOWNLOAD_ENV, raising=False)
     with pytest.raises(UserError, match="downloads are off"):
-        models.prepare(source, tmp_path, False, False)
-    monkeypatch.setenv(models.ALLOW_DOWNLOAD_ENV, "1")
+        snapshot.prepare(source, tmp_path, False, False)
+    monkeypatch.setenv(snapshot.ALLOW_DOWNLOAD_ENV, "1")
     with pytest.raises(UserError, match="could not be reached"):
-        models.prepare(source, tmp_path, False, False)
+        snapshot.prepare(source, tmp_path, False, False)
     assert seen == [True, False]

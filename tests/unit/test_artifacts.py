@@ -7,8 +7,8 @@ import json
 import pyarrow as pa
 import pytest
 
-from pipeline import artifacts, paths, provenance
 from pipeline.errors import UserError
+from pipeline.store import artifacts, paths, provenance
 
 MANIFEST_FIELDS = {"schema_version", "stage", "config", "config_sha256", "seeds", "model", "facts", "inputs",
                    "outputs", "libraries", "hardware", "determinism", "git", "python_executable", "command",
@@ -29,7 +29,7 @@ def test_manifest_records_every_field_and_true_hashes(tmp_path):
         run.write_parquet("t.parquet", _table())
         run.write_json("s.json", {"k": 1})
     m = json.loads((tmp_path / "artifacts/tokenize/manifest.json").read_text())
-    assert MANIFEST_FIELDS <= set(m)
+    assert set(m) >= MANIFEST_FIELDS
     assert m["stage"] == "tokenize" and m["seeds"] == {"sample": 7}
     assert m["inputs"] == [provenance.file_record(src / "source.json", tmp_path)]
     assert {o["path"] for o in m["outputs"]} == {"artifacts/tokenize/t.parquet", "artifacts/tokenize/s.json"}
@@ -46,24 +46,23 @@ def test_manifest_records_every_field_and_true_hashes(tmp_path):
 def test_failed_stage_leaves_previous_output_and_no_staging(tmp_path):
     with artifacts.stage_run("tokenize", {}, tmp_path) as run:
         run.write_json("s.json", {"v": 1})
-    with pytest.raises(RuntimeError):
-        with artifacts.stage_run("tokenize", {}, tmp_path) as run:
-            run.write_json("s.json", {"v": 2})
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        run.write_json("s.json", {"v": 2})
+        raise RuntimeError("boom")
     assert json.loads((tmp_path / "artifacts/tokenize/s.json").read_text()) == {"v": 1}
     assert not any((tmp_path / paths.STAGING).iterdir())
 
 
 def test_missing_input_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="artifacts/prepare_model/source.json is missing"):
-        with artifacts.stage_run("tokenize", {}, tmp_path) as run:
-            run.use(paths.SOURCE)
+    with pytest.raises(UserError, match="artifacts/prepare_model/source.json is missing"), \
+            artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        run.use(paths.SOURCE)
     assert not (tmp_path / "artifacts/tokenize").exists()
 
 
 def test_parquet_writes_are_deterministic(tmp_path):
     hashes = []
-    for i in range(2):
+    for _ in range(2):
         with artifacts.stage_run("tokenize", {"c": 1}, tmp_path) as run:
             run.write_parquet("t.parquet", _table())
         hashes.append(provenance.sha256_file(tmp_path / "artifacts/tokenize/t.parquet"))

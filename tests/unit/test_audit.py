@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import audit, cli, paths, provenance, revisions
 from pipeline.errors import UserError
+from pipeline.store import paths, provenance
+from pipeline.tools import audit, cli, revisions
 from tests.conftest import run_module
 
 CHAIN = ("forward", "logits", "probs", "trajectories", "checks")
@@ -40,7 +41,7 @@ def other_prompt_run(tiny_workspace, tmp_path_factory) -> Path:
     """A second run, tokenized for another prompt: a source of plausible but wrong artifacts."""
     ws = tmp_path_factory.mktemp("audit_other") / "ws"
     shutil.copytree(tiny_workspace, ws)
-    run_module("pipeline.cli", ws, "compose", "model=tiny_qwen2", "prompt.text=Hello world", check=True)
+    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", "prompt.text=Hello world", check=True)
     run_module("stages.tokenize", ws, check=True)
     return ws
 
@@ -228,9 +229,9 @@ def test_a_revision_is_read_from_git_and_the_dvc_cache_without_checkout(tmp_path
     assert not root.exists()   # the temporary folder is gone
 
     (cache / _md5(lone)[:2] / _md5(lone)[2:]).unlink()
-    with pytest.raises(UserError, match="not in the local DVC cache .first: artifacts/t/m.json"):
-        with revisions.open_run(repo, rev):
-            pass
+    with pytest.raises(UserError, match="not in the local DVC cache .first: artifacts/t/m.json"), \
+            revisions.open_run(repo, rev):
+        pass
 
 
 def test_json_and_table_differences_are_bit_exact():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import bench, scale
+from bench import bench, scale
 from pipeline.errors import UserError
 from tests.conftest import run_module
 
@@ -111,8 +111,8 @@ def test_nnsight_saves_the_same_tensors_as_capture(tiny_workspace):
     pytest.importorskip("nnsight", reason="nnsight is the `bench` extra: pip install -e '.[bench]'")
     import torch
 
-    from pipeline import capture, models
-    model = models.load_model(tiny_workspace / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    from pipeline.model import capture, loader
+    model = loader.load_model(tiny_workspace / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
     ids, layers = torch.tensor([[9707, 1879, 11, 1052, 374, 264]]), (0, 1)
     saved = bench.nnsight_contender(model, ids, layers)()
     cap = capture.run_capture(model, ids, capture.CaptureSpec(list(layers), "all"))
@@ -126,7 +126,7 @@ def quick_result(tiny_workspace, tmp_path_factory) -> tuple[Path, dict, str]:
     ws = tmp_path_factory.mktemp("bench_ws")
     shutil.copy(tiny_workspace / "params.yaml", ws / "params.yaml")
     shutil.copytree(tiny_workspace / "artifacts" / "prepare_model", ws / "artifacts" / "prepare_model")
-    proc = run_module("pipeline.cli", ws, "bench", "--quick", check=True, timeout=1800)
+    proc = run_module("pipeline.tools.cli", ws, "bench", "--quick", check=True, timeout=1800)
     return ws, json.loads((ws / bench.OUTPUT).read_text()), proc.stdout
 
 
@@ -170,7 +170,7 @@ def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
 @pytest.mark.slow
 def test_quick_bench_prints_ratios_and_the_scale_table(quick_result):
     ws, result, stdout = quick_result
-    for name, r in result["ratios"].items():
+    for name in result["ratios"]:
         assert name in stdout
     assert "scale tiny_qwen2" in stdout and "exponent" in stdout
     assert "wrote artifacts/bench/bench.json" in stdout

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from pipeline import capture as cap
-from pipeline.capture import CaptureSpec, act_name, capture_names, model_facts, plain_forward_logits, run_capture
+from pipeline.checks.recompute import (
+    future_attention_max,
+    layer0_attention_recompute,
+    lm_head_recompute,
+    max_abs_diff,
+    residual_adds_recompute,
+)
 from pipeline.errors import UserError
-from pipeline.recompute import (future_attention_max, layer0_attention_recompute, lm_head_recompute,
-                                max_abs_diff, residual_adds_recompute)
+from pipeline.model import capture as cap
+from pipeline.model.capture import CaptureSpec, act_name, capture_names, model_facts, plain_forward_logits, run_capture
 
 T = 9          # longer than the Gemma sliding window, so the window really masks something
 WINDOW = 4

@@ -19,7 +19,11 @@ import pytest
 import torch
 import yaml
 
-from pipeline import checks, config, models, paths, probs, provenance, reference_figures, trajectory_checks, verdicts
+from pipeline.checks import reference, suite, trajectory, verdicts
+from pipeline.config import schema
+from pipeline.model import loader
+from pipeline.numerics import probs
+from pipeline.store import paths, provenance
 from tests.conftest import run_module
 
 CHAIN = ("forward", "logits", "probs", "trajectories")
@@ -44,23 +48,23 @@ def clean_run(ws):
 
 @pytest.fixture(scope="module")
 def cfg(ws) -> dict:
-    params = config.read_params(ws / paths.PARAMS)
-    return {n: config.load_section(params, n) for n in ("model", "prompt", "capture", "probs", "sampling", "checks")}
+    params = schema.read_params(ws / paths.PARAMS)
+    return {n: schema.load_section(params, n) for n in ("model", "prompt", "capture", "probs", "sampling", "checks")}
 
 
 @pytest.fixture(scope="module")
-def stored(ws) -> checks.Stored:
-    return checks.load(lambda item: paths.locate(item, ws), ws)
+def stored(ws) -> suite.Stored:
+    return suite.load(lambda item: paths.locate(item, ws), ws)
 
 
 @pytest.fixture(scope="module")
 def model(ws):
-    return models.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    return loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(ws):
-    return models.load_tokenizer(ws / "artifacts/prepare_model")
+    return loader.load_tokenizer(ws / "artifacts/prepare_model")
 
 
 def by_name(results: list[verdicts.Check]) -> dict[str, verdicts.Check]:
@@ -79,7 +83,7 @@ def rewrite(src: Path, dst: Path, column: str, edit) -> Path:
     return dst
 
 
-def tensors_with(stored: checks.Stored, name: str, index: tuple, value: float) -> dict:
+def tensors_with(stored: suite.Stored, name: str, index: tuple, value: float) -> dict:
     out = dict(stored.tensors)
     out[name] = stored.tensors[name].clone()
     out[name][index] = value
@@ -130,8 +134,8 @@ def test_clean_run_measures_the_fp32_sums_and_the_kv_cache(ws, clean_run):
 
 
 def test_checks_stage_params_are_in_params_yaml(ws):
-    from stages.checks import PARAMS
-    assert config.subset(config.read_params(ws / paths.PARAMS), PARAMS)
+    from pipeline.config import registry
+    assert schema.subset(schema.read_params(ws / paths.PARAMS), registry.PARAMS["checks"])
 
 
 def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path):
@@ -190,17 +194,17 @@ def test_check_verdicts_names_and_metrics():
 
 def test_device_severity():
     cpu = {"device": "cpu", "gpu_name": None}
-    assert checks.device_severity(cpu, checks.device_record(torch.device("cpu"))) == "error"
-    assert checks.device_severity({"device": "cuda", "gpu_name": "NVIDIA H200"}, cpu) == "report"
+    assert suite.device_severity(cpu, suite.device_record(torch.device("cpu"))) == "error"
+    assert suite.device_severity({"device": "cuda", "gpu_name": "NVIDIA H200"}, cpu) == "report"
     h200, other = {"device": "cuda:0", "gpu_name": "NVIDIA H200"}, {"device": "cuda", "gpu_name": "RTX 3090"}
-    assert checks.device_severity(h200, other) == "report"
-    assert checks.device_severity({"device": "cuda", "gpu_name": None}, other) == "error"   # type only
+    assert suite.device_severity(h200, other) == "report"
+    assert suite.device_severity({"device": "cuda", "gpu_name": None}, other) == "error"   # type only
 
 
 def test_a_reproduced_nan_is_equal_and_a_nan_on_one_side_is_not():
     """Recompute checks: NaN in both at the same place is reproduced (logits_finite is what
     fails on it); NaN on one side only, or a different value, is a difference."""
-    from pipeline.recompute import max_abs_diff
+    from pipeline.checks.recompute import max_abs_diff
     a = np.array([1.0, np.nan, np.inf, -2.0], np.float32)
     assert verdicts.max_abs(a, a.copy()) == 0.0
     assert verdicts.max_abs(a, np.array([1.0, 0.0, np.inf, -2.0], np.float32)) == math.inf
@@ -213,18 +217,18 @@ def test_a_reproduced_nan_is_equal_and_a_nan_on_one_side_is_not():
 
 def test_logits_finite_counts_and_names_positions():
     logits = torch.zeros(1, 3, 10, dtype=torch.bfloat16)
-    clean = checks.logits_finite(logits, [4, 5, 6])
+    clean = suite.logits_finite(logits, [4, 5, 6])
     assert clean.passed and clean.measured == 0 and clean.severity == "error" and "all finite" in clean.detail
     logits[0, 1, 7] = float("nan")
     logits[0, 2, 2:4] = float("inf")
-    bad = checks.logits_finite(logits, [4, 5, 6])
+    bad = suite.logits_finite(logits, [4, 5, 6])
     assert not bad.passed and bad.measured == 3
     assert bad.detail == "positions 5-6 (2 of 3); position 5: 1 ids (first: [7]); position 6: 2 ids (first: [2, 3])"
-    assert checks._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and checks._ranges([3]) == "3"
+    assert suite._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and suite._ranges([3]) == "3"
 
 
 def test_a_missing_stage_is_one_failed_error_check():
-    c = checks.outputs_missing("probs")
+    c = suite.outputs_missing("probs")
     assert c.name == "probs_outputs" and c.severity == "error" and not c.passed
     assert "artifacts/probs is missing" in c.detail
 
@@ -233,32 +237,32 @@ def test_a_missing_stage_is_one_failed_error_check():
 def test_tokenizer_checks_fail_on_wrong_ids(tokenizer, stored, cfg):
     text, ids = cfg["prompt"].text, stored.token_ids
     wrong = ids[:5] + [ids[5] + 1] + ids[6:]
-    assert checks.tokenizer_retokenize(tokenizer, text, False, ids).passed
-    bad = checks.tokenizer_retokenize(tokenizer, text, False, wrong)
+    assert suite.tokenizer_retokenize(tokenizer, text, False, ids).passed
+    bad = suite.tokenizer_retokenize(tokenizer, text, False, wrong)
     assert not bad.passed and bad.measured == 1 and "index 5" in bad.detail
-    assert checks.tokenizer_retokenize(tokenizer, text, False, ids[:-1]).measured == 1   # one id short
-    assert checks.tokenizer_round_trip(tokenizer, text, ids).passed
-    assert checks.tokenizer_round_trip(tokenizer, text + "x", ids).measured == 1
-    assert not checks.tokenizer_round_trip(tokenizer, text, wrong).passed
+    assert suite.tokenizer_retokenize(tokenizer, text, False, ids[:-1]).measured == 1   # one id short
+    assert suite.tokenizer_round_trip(tokenizer, text, ids).passed
+    assert suite.tokenizer_round_trip(tokenizer, text + "x", ids).measured == 1
+    assert not suite.tokenizer_round_trip(tokenizer, text, wrong).passed
     expected = cfg["prompt"].expected_ids_for("qwen2")
-    ok = checks.tokenizer_expected_ids(tokenizer, "qwen2", expected, text, ids)[0]
+    ok = suite.tokenizer_expected_ids(tokenizer, "qwen2", expected, text, ids)[0]
     assert ok.passed and ok.severity == "error"
     # The same text in other pieces ("LM" as "L" + "M"): the tokenizer would have changed: an error
     resplit = expected[:4] + tokenizer.convert_tokens_to_ids(["L", "M"]) + expected[5:]
-    bad = checks.tokenizer_expected_ids(tokenizer, "qwen2", resplit, text, ids)[0]
+    bad = suite.tokenizer_expected_ids(tokenizer, "qwen2", resplit, text, ids)[0]
     assert not bad.passed and bad.severity == "error" and bad.measured == 22 and "index 4" in bad.detail
     # Ids of another text (stale after a prompt.text override): reported, not an error
-    stale = checks.tokenizer_expected_ids(tokenizer, "qwen2", expected, "Hello world", [9707, 1879])[0]
+    stale = suite.tokenizer_expected_ids(tokenizer, "qwen2", expected, "Hello world", [9707, 1879])[0]
     assert not stale.passed and stale.severity == "report" and stale.measured == 25
-    assert checks.tokenizer_expected_ids(tokenizer, "gemma3", None, text, ids) == []
-    assert checks.capture_input_ids(stored.tensors, wrong).measured == 1
+    assert suite.tokenizer_expected_ids(tokenizer, "gemma3", None, text, ids) == []
+    assert suite.capture_input_ids(stored.tensors, wrong).measured == 1
 
 
 def test_one_flipped_logit_in_logits_parquet_fails_logits_file_exact(stored, tmp_path):
     def flip(v):
         v[24 * V + 9315] += 0.5
     bad = rewrite(stored.logits, tmp_path / "logits.parquet", "logit", flip)
-    got = by_name(checks.logits_file(bad, stored.tensors["logits"], stored.logit_positions))
+    got = by_name(suite.logits_file(bad, stored.tensors["logits"], stored.logit_positions))
     assert got["logits_file_exact"].measured == 0.5 and "position 24" in got["logits_file_exact"].detail
     assert got["logits_file_rows"].passed
 
@@ -267,7 +271,7 @@ def test_missing_position_in_logits_parquet_fails_logits_file_rows(stored, tmp_p
     table = pq.read_table(stored.logits)
     short = tmp_path / "logits.parquet"
     pq.write_table(table.slice(0, 24 * V), short, row_group_size=V)
-    got = by_name(checks.logits_file(short, stored.tensors["logits"], stored.logit_positions))
+    got = by_name(suite.logits_file(short, stored.tensors["logits"], stored.logit_positions))
     assert got["logits_file_rows"].measured == V + 1 and got["logits_file_exact"].passed
 
 
@@ -282,7 +286,7 @@ def test_missing_position_in_logits_parquet_fails_logits_file_rows(stored, tmp_p
     ("blocks.0.attn_out", (0, 3, 5), "layer0_attention_attn_out"),
 ])
 def test_each_layer0_attention_step_can_fail(model, stored, name, index, check):
-    got = checks.layer0_attention(model, tensors_with(stored, name, index, 7.0), "error")
+    got = suite.layer0_attention(model, tensors_with(stored, name, index, 7.0), "error")
     names = [c.name for c in got]
     bad = got[names.index(check)]
     assert not bad.passed and bad.measured > 0, bad
@@ -293,34 +297,34 @@ def test_each_layer0_attention_step_can_fail(model, stored, name, index, check):
 def test_changed_attn_out_fails_layer0_attention_and_the_residual_add(model, stored):
     old = float(stored.tensors["blocks.0.attn_out"][0, 3, 5])
     tensors = tensors_with(stored, "blocks.0.attn_out", (0, 3, 5), old + 1.0)
-    assert checks.layer0_attention(model, tensors, "error")[-1].measured == pytest.approx(1.0, abs=0.02)
-    adds = by_name(checks.residual_adds(tensors, 2))
+    assert suite.layer0_attention(model, tensors, "error")[-1].measured == pytest.approx(1.0, abs=0.02)
+    adds = by_name(suite.residual_adds(tensors, 2))
     assert not adds["residual_adds_layer0"].passed and adds["residual_adds_layer1"].passed
     assert "resid_mid" in adds["residual_adds_layer0"].detail
 
 
 def test_changed_mlp_out_of_the_last_layer_fails_its_residual_add(stored):
     tensors = tensors_with(stored, "blocks.1.mlp_out", (0, 24, 0), 100.0)
-    adds = by_name(checks.residual_adds(tensors, 2))
+    adds = by_name(suite.residual_adds(tensors, 2))
     assert not adds["residual_adds_layer1"].passed and adds["residual_adds_layer0"].passed
 
 
 def test_changed_final_norm_out_fails_the_lm_head_recompute(model, stored):
     tensors = tensors_with(stored, "final_norm_out", (0, 24, 7), 3.0)
-    bad = checks.lm_head(model, tensors, "error")
+    bad = suite.lm_head(model, tensors, "error")
     assert bad.name == "lm_head_recompute" and bad.measured > 0 and not bad.passed
-    assert checks.lm_head(model, stored.tensors, "error").measured == 0.0
+    assert suite.lm_head(model, stored.tensors, "error").measured == 0.0
 
 
 def test_weight_on_a_future_position_fails_future_attention(stored):
     tensors = tensors_with(stored, "blocks.1.attn_weights", (0, 2, 4, 9), 0.25)
-    got = by_name(checks.future_attention(tensors))
+    got = by_name(suite.future_attention(tensors))
     assert got["future_attention_layer1"].measured == 0.25 and got["future_attention_layer0"].passed
 
 
 def test_changed_stored_logits_fail_capture_transparency(model, stored):
     tensors = tensors_with(stored, "logits", (0, 24, 100), 99.0)
-    got = by_name(checks.fresh_forward(model, tensors, "all", "error"))
+    got = by_name(suite.fresh_forward(model, tensors, "all", "error"))
     assert not got["capture_transparent"].passed and got["repeat_deterministic"].passed
 
 
@@ -332,7 +336,7 @@ def test_a_nondeterministic_model_fails_repeat_determinism(model, stored):
         return output + (len(calls) - 1)
     handle = model.lm_head.register_forward_hook(drift)
     try:
-        got = by_name(checks.fresh_forward(model, stored.tensors, "all", "error"))
+        got = by_name(suite.fresh_forward(model, stored.tensors, "all", "error"))
     finally:
         handle.remove()
     assert got["capture_transparent"].passed and not got["repeat_deterministic"].passed
@@ -348,10 +352,10 @@ def rows(stored) -> dict[int, np.ndarray]:
 def test_non_finite_logits_fail_the_fp64_and_fp32_sums(rows):
     row = rows[24].copy()
     row[5] = np.nan
-    got = by_name(checks.prob_sums({24: row}, (1.0,), 1e-12, 2e-6))
+    got = by_name(suite.prob_sums({24: row}, (1.0,), 1e-12, 2e-6))
     assert math.isnan(got["probs_fp64_sum_T1"].measured) and not got["probs_fp64_sum_T1"].passed
     assert got["probs_fp64_sum_T1"].severity == "error" and got["probs_fp32_sum_T1"].severity == "report"
-    clean = by_name(checks.prob_sums(rows, (1.0,), 1e-12, 0.0))
+    clean = by_name(suite.prob_sums(rows, (1.0,), 1e-12, 0.0))
     assert clean["probs_fp64_sum_T1"].passed and not clean["probs_fp32_sum_T1"].passed   # FP32 is never exact
 
 
@@ -361,7 +365,7 @@ def test_a_changed_probability_in_table_parquet_fails_the_table_recompute(stored
     def bump(v):          # the top id: far from its neighbours, so the order stays intact
         v[top] -= 1e-9
     bad = rewrite(stored.table, tmp_path / "table.parquet", "p_T1", bump)
-    got = by_name(checks.table_recompute(bad, rows, (0.5, 1.0, 2.0)))
+    got = by_name(suite.table_recompute(bad, rows, (0.5, 1.0, 2.0)))
     assert got["probs_table_recompute"].measured == pytest.approx(1e-9, rel=1e-6)
     assert "p_T1" in got["probs_table_recompute"].detail and got["probs_keep_logit_order"].passed
 
@@ -371,7 +375,7 @@ def test_a_probability_out_of_logit_order_fails_keep_logit_order(stored, rows, t
 
     def swap(v):
         v[lowest] = 0.9
-    got = by_name(checks.table_recompute(rewrite(stored.table, tmp_path / "t.parquet", "p_T2", swap), rows,
+    got = by_name(suite.table_recompute(rewrite(stored.table, tmp_path / "t.parquet", "p_T2", swap), rows,
                                          (0.5, 1.0, 2.0)))
     assert got["probs_keep_logit_order"].measured >= 1 and "p_T2" in got["probs_keep_logit_order"].detail
 
@@ -383,7 +387,7 @@ def test_a_changed_kept_probability_fails_filtered_recompute_and_sum(stored, row
     def bump(v):
         v[k2] += 1e-9
     bad = rewrite(stored.filtered, tmp_path / "f.parquet", "prob_after", bump)
-    got = by_name(checks.filtered(bad, rows, probs.filters(cfg["probs"], cfg["sampling"])))
+    got = by_name(suite.filtered(bad, rows, probs.filters(cfg["probs"], cfg["sampling"])))
     assert got["filtered_sets_recompute"].measured == 1 and "top_k_2@24" in got["filtered_sets_recompute"].detail
     assert got["filtered_renormalised_sum"].measured == pytest.approx(1e-9, rel=1e-3)
     assert got["top_p_minimality"].passed
@@ -398,7 +402,7 @@ def test_a_top_p_set_with_an_extra_id_is_not_minimal(stored, rows, cfg, tmp_path
     row.update(token_id=[extra], kept_rank=[len(p9) + 1])
     bad = tmp_path / "f.parquet"
     pq.write_table(pa.concat_tables([table, pa.table(row, schema=table.schema)]), bad)
-    got = by_name(checks.filtered(bad, rows, probs.filters(cfg["probs"], cfg["sampling"])))
+    got = by_name(suite.filtered(bad, rows, probs.filters(cfg["probs"], cfg["sampling"])))
     assert got["top_p_minimality"].measured == 1 and "top_p_0.9@24" in got["top_p_minimality"].detail
     assert not got["filtered_sets_recompute"].passed
 
@@ -417,10 +421,10 @@ def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stor
 
     def bump(v):
         v[first + 7] += 0.5
-    rows = trajectory_checks.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
-    got = by_name(trajectory_checks.step1_logits(rows, stored.last_row(), "error"))
+    rows = trajectory.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
+    got = by_name(trajectory.step1_logits(rows, stored.last_row(), "error"))
     assert got["step1_logits_greedy"].measured == 0.5 and got["step1_logits_greedy_kv"].passed
-    kv = by_name(trajectory_checks.kv_cache(steps, rows, cfg["checks"].kv_cache_atol))
+    kv = by_name(trajectory.kv_cache(steps, rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_logits_greedy"].measured == 0.5 and not kv["kv_cache_logits_greedy"].passed
     assert kv["kv_cache_logits_greedy"].severity == "report" and kv["kv_cache_logits_sample"].passed
 
@@ -431,31 +435,31 @@ def _with_token(steps: list[dict], branch: str, kv: bool, step: int, token: int)
 
 
 def test_a_changed_greedy_token_fails_argmax_and_generate_parity(model, stored, steps, cfg):
-    rows, last = trajectory_checks.step_logit_rows(stored.step_logits), stored.last_row()
-    clean = by_name(trajectory_checks.greedy_argmax(steps, rows, last))
+    rows, last = trajectory.step_logit_rows(stored.step_logits), stored.last_row()
+    clean = by_name(trajectory.greedy_argmax(steps, rows, last))
     assert clean["greedy_step1_argmax"].passed and clean["greedy_tokens_argmax"].passed
     bad1 = _with_token(steps, "greedy", True, 1, 11)
-    assert trajectory_checks.greedy_argmax(bad1, rows, last)[0].measured == 1
+    assert trajectory.greedy_argmax(bad1, rows, last)[0].measured == 1
     bad3 = _with_token(steps, "greedy", False, 3, 11)
-    got = by_name(trajectory_checks.greedy_argmax(bad3, rows, last))
+    got = by_name(trajectory.greedy_argmax(bad3, rows, last))
     assert got["greedy_step1_argmax"].passed and got["greedy_tokens_argmax"].measured == 1
     assert "greedy step 3" in got["greedy_tokens_argmax"].detail
     bad3_kv = _with_token(steps, "greedy", True, 3, 11)
-    parity = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad3_kv, cfg["sampling"],
-                                                       models.eos_ids(model), torch.device("cpu")))
+    parity = by_name(trajectory.generate_parity(model, stored.token_ids, bad3_kv, cfg["sampling"],
+                                                       loader.eos_ids(model), torch.device("cpu")))
     assert parity["generate_parity_greedy"].measured == 1 and parity["generate_parity_sample"].passed
-    kv = by_name(trajectory_checks.kv_cache(bad3, rows, cfg["checks"].kv_cache_atol))
+    kv = by_name(trajectory.kv_cache(bad3, rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_choices_greedy"].measured == 1 and "3 steps compared" in kv["kv_cache_choices_greedy"].detail
 
 
 def test_a_changed_sampled_token_fails_generate_parity(model, stored, steps, cfg):
     bad = _with_token(steps, "sample", True, 2, 11)          # the KV-cache run: what generate does by default
     no_cache_changed = _with_token(steps, "sample", False, 2, 11)   # kv_cache_choices finds that one
-    assert by_name(trajectory_checks.generate_parity(model, stored.token_ids, no_cache_changed, cfg["sampling"],
-                                                     models.eos_ids(model), torch.device("cpu")))[
+    assert by_name(trajectory.generate_parity(model, stored.token_ids, no_cache_changed, cfg["sampling"],
+                                                     loader.eos_ids(model), torch.device("cpu")))[
         "generate_parity_sample"].passed
-    got = by_name(trajectory_checks.generate_parity(model, stored.token_ids, bad, cfg["sampling"],
-                                                    models.eos_ids(model), torch.device("cpu")))
+    got = by_name(trajectory.generate_parity(model, stored.token_ids, bad, cfg["sampling"],
+                                                    loader.eos_ids(model), torch.device("cpu")))
     assert got["generate_parity_sample"].measured == 1 and got["generate_parity_sample"].severity == "error"
     assert "index 1" in got["generate_parity_sample"].detail
 
@@ -463,15 +467,15 @@ def test_a_changed_sampled_token_fails_generate_parity(model, stored, steps, cfg
 def test_generate_parity_of_the_sample_branch_is_a_report_off_cpu(model, stored, steps, cfg):
     # The device only decides the severity here (the model stays on CPU): on CUDA generate
     # draws from the device RNG, the decode loop from a CPU generator.
-    got = by_name(trajectory_checks.generate_parity(model, stored.token_ids, steps, cfg["sampling"],
-                                                    models.eos_ids(model), torch.device("cuda")))
+    got = by_name(trajectory.generate_parity(model, stored.token_ids, steps, cfg["sampling"],
+                                                    loader.eos_ids(model), torch.device("cuda")))
     assert got["generate_parity_sample"].severity == "report" and "device RNG" in got["generate_parity_sample"].what
     assert got["generate_parity_greedy"].severity == "error"
 
 
 # ---------------------------------------------------------------- reference figures on real artifacts
 def test_tokenizer_part_of_the_reference_runs_and_passes_for_tiny_qwen2(stored, model, tokenizer, cfg):
-    got = by_name(reference_figures.run(stored, model, tokenizer, cfg, []))
+    got = by_name(reference.run(stored, model, tokenizer, cfg, []))
     assert set(got) == {"ref_prompt", "ref_token_ids", "ref_pieces", "ref_byte_split"}
     assert all(c.passed for c in got.values())
 
@@ -479,12 +483,12 @@ def test_tokenizer_part_of_the_reference_runs_and_passes_for_tiny_qwen2(stored, 
 def test_full_reference_comparison_runs_on_tiny_artifacts(stored, model, tokenizer, cfg, ws):
     # tiny_qwen2 is not the reference model: the run figures are gathered and compared, and
     # the model-size figures fail (as errors), naming what differs.
-    ref = reference_figures.load_reference("seed_article")
-    results = checks.run_all(stored, model, tokenizer, cfg, torch.device("cpu"), models.eos_ids(model))
+    ref = reference.load_reference("seed_article")
+    results = suite.run_all(stored, model, tokenizer, cfg, torch.device("cpu"), loader.eos_ids(model))
     measured = {"prompt": cfg["prompt"].text,
-                "tokenize": reference_figures.gather_tokenizer(stored.token_ids, stored.token_text, tokenizer, " 就"),
-                **reference_figures.gather_run(stored, model, tokenizer, cfg, results, ref)}
-    got = by_name(reference_figures.compare(measured, ref, "all"))
+                "tokenize": reference.gather_tokenizer(stored.token_ids, stored.token_text, tokenizer, " 就"),
+                **reference.gather_run(stored, model, tokenizer, cfg, results, ref)}
+    got = by_name(reference.compare(measured, ref, "all"))
     assert got["ref_shape_num_hidden_layers"].detail == "got 2, reference 28" and not got["ref_tokenizer_len"].passed
     assert got["ref_shape_logits"].passed and got["ref_lm_head_recompute"].passed and got["ref_token_ids"].passed
     assert measured["filters"]["top_p_0.9_kept_count"] == pq.read_table(stored.filtered).to_pandas().query(

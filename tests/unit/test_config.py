@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import compose, config
+from pipeline.config import compose, schema
 from pipeline.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,8 +22,8 @@ def test_groups_are_the_designed_ones():
                                           for p in sorted((REPO / "conf" / g).glob("*.yaml"))])
 def test_every_group_option_composes_and_validates(tmp_path, group, option):
     params = compose.compose_to(tmp_path / "params.yaml", [f"{group}={option}"], REPO)
-    for section in config.SECTIONS:
-        assert config.load_section(params, section) is not None
+    for section in schema.SECTIONS:
+        assert schema.load_section(params, section) is not None
     assert params[group] == yaml.safe_load((REPO / "conf" / group / f"{option}.yaml").read_text())
 
 
@@ -71,13 +71,13 @@ def test_bad_values_are_named(section, key, value, match):
     params = _params()
     params[section][key] = value
     with pytest.raises(UserError, match=match):
-        config.load_section(params, section)
+        schema.load_section(params, section)
 
 
 def test_subset_takes_exactly_the_named_keys():
     params = _params()
-    sub = config.subset(params, ("model.name", "model.tokenizer", "prompt"))
+    sub = schema.subset(params, ("model.name", "model.tokenizer", "prompt"))
     assert sub == {"model": {"name": params["model"]["name"], "tokenizer": params["model"]["tokenizer"]},
                    "prompt": params["prompt"]}
     with pytest.raises(UserError, match="model.nope"):
-        config.subset(params, ("model.nope",))
+        schema.subset(params, ("model.nope",))

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from pipeline import trajectories
-from pipeline.config import SamplingConfig
-from pipeline.decode import generate_reference, prefill, run_branch
+from pipeline.config.schema import SamplingConfig
 from pipeline.errors import UserError
-from pipeline.sampling import SamplingSettings, next_token_probs
+from pipeline.model import trajectories
+from pipeline.model.decode import generate_reference, prefill, run_branch
+from pipeline.numerics.sampling import SamplingSettings, next_token_probs
 
 PROMPT = [11, 7, 300, 42, 5]
 N = 5
@@ -204,7 +204,7 @@ def test_step_one_computes_every_row_later_steps_only_the_last(models, kv_cache)
 def test_step_one_follows_capture_positions(models, dtype, kv_cache):
     """capture.positions=last computes one row (logits_to_keep=1): step 1 makes that same call,
     so its logits are the captured row bit for bit, whatever a 1-row matmul rounds to."""
-    from pipeline import capture
+    from pipeline.model import capture
     model = models[dtype]
     with _Calls(model) as calls:
         steps = run_branch(model, PROMPT, SamplingSettings(1.0), 2, 0, kv_cache, set(), positions="last")

@@ -2,34 +2,34 @@
 
 Code deps: the stage module plus every pipeline/ module it imports, transitively (found by
 reading the imports, not by hand), so editing library code invalidates exactly the stages
-that run it. Outs: the stage's fixed folder from pipeline/paths.py.
+that run it. Params: `pipeline.config.registry.PARAMS`. Outs: the stage's fixed folder from pipeline/store/paths.py.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pipeline import paths
+from pipeline.config import registry
+from pipeline.config.schema import PROMPT_DIR
+from pipeline.store import paths
 
 REPO = Path(__file__).resolve().parents[2]
 DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 
 
 def _pipeline_imports(path: Path) -> set[str]:
+    """The pipeline modules a file imports (anywhere in it, inside functions too)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "pipeline":
-                out |= {f"pipeline.{a.name}" for a in node.names}
-            elif node.module.startswith("pipeline."):
-                out.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pipeline":
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}   # `from pipeline.store import paths`
         elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("pipeline.")}
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "pipeline"}
     return {m for m in out if (REPO / (m.replace(".", "/") + ".py")).exists()}
 
 
@@ -51,9 +51,8 @@ def test_stage_order_matches_paths():
 @pytest.mark.parametrize("stage", list(DVC))
 def test_stage_declares_its_code_params_and_outs(stage):
     spec = DVC[stage]
-    module = importlib.import_module(f"stages.{stage}")
     assert spec["cmd"] == f"python -m stages.{stage}"
-    assert tuple(spec.get("params", ())) == module.PARAMS
+    assert tuple(spec.get("params", ())) == registry.PARAMS[stage]
     code = {d for d in spec["deps"] if d.endswith(".py")}
     assert code == _code_deps(stage)
     # outputs: the stage folder itself, or (where DVC metrics/plots live beside them) its files
@@ -70,7 +69,5 @@ def test_stage_declares_its_code_params_and_outs(stage):
 def test_prompt_readers_depend_on_the_prompt_folder(stage):
     """A stage that reads the prompt (its PARAMS has the `prompt` section) depends on prompts/,
     where `prompt.file` must live: editing the file's text re-runs it (DVC hashes the folder)."""
-    from pipeline import config
-    reads_prompt = "prompt" in importlib.import_module(f"stages.{stage}").PARAMS
-    assert (config.PROMPT_DIR in DVC[stage]["deps"]) == reads_prompt
-    assert (REPO / config.PROMPT_DIR).is_dir()      # DVC refuses a missing dependency
+    assert (PROMPT_DIR in DVC[stage]["deps"]) == registry.reads_prompt(stage)
+    assert (REPO / PROMPT_DIR).is_dir()      # DVC refuses a missing dependency

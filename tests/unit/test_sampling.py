@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings as hyp_settings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -16,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from pipeline.errors import UserError
-from pipeline.sampling import (
+from pipeline.numerics.sampling import (
     SamplingSettings,
     Temperature,
     TopK,

@@ -1,0 +1,7 @@
+"""`python -m pipeline ...` is `nexttoken ...`."""
+
+import sys
+
+from pipeline.tools.cli import main
+
+sys.exit(main())

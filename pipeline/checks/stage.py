@@ -1,0 +1,58 @@
+"""The checks stage's whole computation, shared by `python -m stages.checks` and `nexttoken audit`.
+
+`compute` loads the stored artifacts (through `use`, which records each input), the stored
+model and tokenizer, and runs every check; it writes nothing. The stage writes the results,
+the audit compares them with the stored verdicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.checks import reference, suite, verdicts
+from pipeline.config import schema
+from pipeline.model import loader
+from pipeline.store import paths
+from pipeline.store.artifacts import read_json
+
+SECTIONS = ("model", "prompt", "capture", "probs", "sampling", "checks")
+
+
+def sections(params: dict, root: Path | str = ".") -> tuple[dict, list]:
+    """The typed config sections and the applicable reference figures: a bad value fails here,
+    before any work."""
+    cfg = {name: schema.load_section(params, name, root) for name in SECTIONS}
+    m = cfg["model"]
+    return cfg, reference.applicable(m.reference_figures, m.tokenizer.family, cfg["prompt"].text)
+
+
+def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: Path | str = ".") \
+        -> tuple[list[verdicts.Check], dict, dict]:
+    """Every check on the run in `root` -> (results, source.json, facts), written nowhere.
+
+    `use` resolves an input item (StageRun.use records it; `nexttoken audit` passes a plain
+    path lookup to re-run a past run's checks with these same calls).
+    """
+    cfg, references = sections(params, root)
+    cap, model_cfg = cfg["capture"], cfg["model"]
+    device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
+    if cfg["prompt"].file is not None:
+        use(Path(cfg["prompt"].file))                  # its sha256 goes into the manifest, as tokenize's
+    source = read_json(use(paths.SOURCE))
+    snapshot = loader.snapshot_dir(use(paths.stage_dir("prepare_model")), source)
+    stored = suite.load(use, root)
+    model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
+    tokenizer = loader.load_tokenizer(snapshot, model_cfg.trust_remote_code)
+    results = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model))
+    results += reference.run(stored, model, tokenizer, cfg, results, references)
+    return results, source, {"device": str(device), "missing_stages": list(stored.missing)}
+
+
+def summary_text(results: list[verdicts.Check]) -> str:
+    """The counts, then one line per failing check (what the stage prints)."""
+    s = verdicts.metrics(results)["summary"]
+    return (f"{s['checks']} checks: {s['passed']} pass, {s['failed_error']} error and "
+            f"{s['failed_report']} report checks fail"
+            + "".join(f"\n  {c.verdict} ({c.severity}) {c.name}: {c.measured:g} > {c.tolerance:g}  {c.detail}"
+                      for c in results if not c.passed))

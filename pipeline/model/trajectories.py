@@ -1,0 +1,121 @@
+"""The trajectories stage's work: run every branch with and without the KV cache, tabulate.
+
+Branches: `sample` (the configured temperature / top-k / top-p, a CPU generator seeded from
+`sampling.seed`) and `greedy` (argmax of the raw logits). The full-prefix run (no cache) is
+the reference path, as in the article; the cached run is recorded so the checks stage can
+compare its logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import torch
+
+from pipeline.config.schema import SamplingConfig
+from pipeline.errors import bad_value
+from pipeline.model.decode import Step, prefill, run_branch
+from pipeline.numerics.sampling import SamplingSettings, next_token_probs, ranks
+
+STEPS_SCHEMA = pa.schema([
+    ("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32()), ("prefix_len", pa.int32()),
+    ("token_id", pa.int32()), ("piece", pa.string()), ("text_so_far", pa.string()), ("logit", pa.float32()),
+    ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
+    ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
+])
+STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
+
+
+def branch_settings(branch: str, sampling: SamplingConfig) -> SamplingSettings:
+    if branch == "greedy":
+        return SamplingSettings(temperature=0.0, top_k=0, top_p=1.0)
+    return SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+@dataclass(frozen=True)
+class Run:
+    branch: str
+    kv_cache: bool
+    settings: SamplingSettings
+    steps: list[Step]
+
+
+def check_room(prompt_len: int, max_new_tokens: int, max_positions: int | None) -> None:
+    """The last step feeds prompt + max_new_tokens - 1 tokens: it must fit the model's context."""
+    if max_positions is not None and prompt_len + max_new_tokens - 1 > max_positions:
+        raise bad_value("sampling.max_new_tokens", max_new_tokens,
+                        f"at most {max_positions - prompt_len + 1} for this {prompt_len}-token prompt (the model's "
+                        f"max_position_embeddings is {max_positions})")
+
+
+def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int],
+            positions: str = "all") -> list[Run]:
+    """Every (branch, kv_cache) run. The prompt pass (step 1) is done once per cache mode and
+    shared by the branches; the cached and the full-prefix runs keep their own prompt passes,
+    so the checks still compare two computations at step 1. `positions`: the capture's
+    (`capture.positions`), so step 1 is the forward stage's call."""
+    shared = {kv: prefill(model, prompt_ids, kv, positions) for kv in dict.fromkeys(sampling.kv_cache)} \
+        if sampling.max_new_tokens > 0 and len(sampling.branches) > 1 else {}
+    runs = []
+    for branch in sampling.branches:
+        settings = branch_settings(branch, sampling)
+        for kv in sampling.kv_cache:
+            steps = run_branch(model, prompt_ids, settings, sampling.max_new_tokens, sampling.seed, kv, eos_ids,
+                               shared=shared.get(kv), positions=positions)
+            runs.append(Run(branch, kv, settings, steps))
+    return runs
+
+
+def steps_table(runs: list[Run], tokenizer, top_n: int) -> pa.Table:
+    rows: dict[str, list] = {name: [] for name in STEPS_SCHEMA.names}
+    for r in runs:
+        new_ids: list[int] = []
+        for s in r.steps:
+            new_ids.append(s.token_id)
+            logits = s.logits.float()
+            probs = next_token_probs(s.logits, r.settings)
+            order = torch.argsort(logits, descending=True, stable=True)[:top_n]
+            values = {
+                "branch": r.branch, "kv_cache": r.kv_cache, "step": s.step, "prefix_len": s.prefix_len,
+                "token_id": s.token_id, "piece": tokenizer.convert_ids_to_tokens(s.token_id),
+                # decoded from all new ids: joining pieces would split multi-byte characters
+                "text_so_far": tokenizer.decode(new_ids, skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False),
+                "logit": float(logits[s.token_id]), "prob": s.prob,
+                "rank": int(ranks(s.logits)[s.token_id]),
+                "top_ids": order.tolist(), "top_logits": logits[order].tolist(), "top_probs": probs[order].tolist(),
+                "stop_reason": s.stop_reason,
+            }
+            for k, v in values.items():
+                rows[k].append(v)
+    return pa.table(rows, schema=STEPS_SCHEMA)
+
+
+def step_logit_rows(runs: list[Run]) -> tuple[list[tuple[int, torch.Tensor]], list[dict]]:
+    """(position, logits row) per step and the branch/kv_cache/step keys of each."""
+    rows, keys = [], []
+    for r in runs:
+        for s in r.steps:
+            rows.append((s.prefix_len - 1, s.logits))
+            keys.append({"branch": r.branch, "kv_cache": r.kv_cache, "step": s.step})
+    return rows, keys
+
+
+def summary(runs: list[Run], tokenizer) -> dict:
+    out = {}
+    for r in runs:
+        ids = [s.token_id for s in r.steps]
+        out[f"{r.branch}{'_kv' if r.kv_cache else ''}"] = {
+            "branch": r.branch, "kv_cache": r.kv_cache, "settings": asdict(r.settings), "token_ids": ids,
+            "text": tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+            "stop_reason": r.steps[-1].stop_reason if r.steps else None,
+        }
+    return out
+
+
+def sweep_metrics(summary_by_run: dict) -> dict:
+    """Per branch on the reference path (no cache): ids as one string, text, steps."""
+    return {v["branch"]: {"ids": " ".join(map(str, v["token_ids"])), "text": v["text"],
+                          "steps": len(v["token_ids"])}
+            for v in summary_by_run.values() if not v["kv_cache"]}

@@ -1,0 +1,191 @@
+"""The probs stage's tables: FP64 probabilities per temperature, filtered sets, a summary.
+
+Everything is derived from the stored logits (float32 holding the exact bf16 values), so
+the audit can recompute every number bit for bit from `logits.parquet` alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.config.schema import ProbsConfig, SamplingConfig
+from pipeline.errors import UserError, bad_value
+from pipeline.numerics.sampling import SamplingSettings, filter_distribution, probability_table, ranks
+from pipeline.store import logits_io, paths
+from pipeline.store.artifacts import parquet_facts, read_parquet
+
+
+def prob_column(t: float) -> str:
+    """Column name of the FP64 probabilities at temperature t: p_T0_5, p_T1, p_T2."""
+    return "p_T" + f"{t:g}".replace(".", "_").replace("-", "m")
+
+
+@dataclass(frozen=True)
+class NamedFilter:
+    name: str
+    settings: SamplingSettings
+
+
+def filters(probs: ProbsConfig, sampling: SamplingConfig) -> list[NamedFilter]:
+    """The configured sampling filter first, then the extra demonstrations."""
+    out = [NamedFilter("sampling", SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p))]
+    out += [NamedFilter(f.name, SamplingSettings(f.temperature, f.top_k, f.top_p)) for f in probs.extra_filters]
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise bad_value("probs.extra_filters", names, "distinct names (and not 'sampling')")
+    return out
+
+
+def resolve_positions(requested: tuple[int, ...], n_positions: int, available: list[int]) -> list[int]:
+    """Prompt positions to tabulate; negative counts from the end of the prompt."""
+    out = []
+    for p in requested:
+        if not -n_positions <= p < n_positions:
+            raise bad_value("probs.positions", p, f"a prompt position in [{-n_positions}, {n_positions - 1}]")
+        pos = p % n_positions
+        if pos not in available:
+            raise bad_value("probs.positions", p, f"a position with stored logits: {available} "
+                            f"(capture.positions=last stores only the last one)")
+        out.append(pos)
+    return sorted(set(out))
+
+
+def check_finite(position: int, row: np.ndarray) -> None:
+    bad = np.flatnonzero(~np.isfinite(row))
+    if bad.size:
+        raise UserError(f"logits at position {position} are not finite for {bad.size} ids "
+                        f"(first: {bad[:5].tolist()}): the model produced NaN/Inf; no probabilities computed")
+
+
+def entropy_nats(p: np.ndarray) -> float:
+    nz = p[p > 0]
+    return float(-math.fsum((nz * np.log(nz)).tolist()))
+
+
+def position_table(position: int, row: np.ndarray, temperatures: tuple[float, ...]) -> tuple[pa.Table, dict]:
+    """table.parquet rows of one position, and its probability tables by temperature."""
+    logits = torch.from_numpy(row)
+    tables = probability_table(logits, list(temperatures))
+    cols = {
+        "position": pa.array(np.full(row.size, position, np.int32)),
+        "token_id": pa.array(np.arange(row.size, dtype=np.int32)),
+        "logit": pa.array(row.astype(np.float32)),
+        "rank": pa.array(ranks(logits).astype(np.int32)),
+    }
+    cols.update({prob_column(t): pa.array(tables[t].p64) for t in temperatures})
+    return pa.table(cols), tables
+
+
+def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter) -> tuple[dict, dict]:
+    """filtered.parquet rows for one filter at one position, and its summary entry."""
+    kept = filter_distribution(torch.from_numpy(row), flt.settings)
+    s = flt.settings
+    rows = {
+        "position": [position] * kept.count, "filter": [flt.name] * kept.count,
+        "temperature": [s.temperature] * kept.count, "top_k": [s.top_k] * kept.count,
+        "top_p": [s.top_p] * kept.count, "kept_rank": list(range(1, kept.count + 1)),
+        "token_id": kept.ids.tolist(), "logit": row[kept.ids].astype(np.float32).tolist(),
+        "prob_before": kept.prob_before.tolist(), "prob_after": kept.prob_after.tolist(),
+    }
+    # top-p minimality: without its last kept id, the set must fall below p.
+    mass_without_last = math.fsum(kept.prob_before[:-1].tolist())
+    summary = {
+        "position": position, "filter": flt.name, "temperature": s.temperature, "top_k": s.top_k,
+        "top_p": s.top_p, "kept_count": kept.count, "kept_mass": kept.mass,
+        "renormalised_sum_error": abs(math.fsum(kept.prob_after.tolist()) - 1.0),
+        "mass_without_last_kept": mass_without_last,
+        "top_id": int(kept.ids[0]), "top_prob_after": float(kept.prob_after[0]),
+    }
+    return rows, summary
+
+
+FILTERED_SCHEMA = pa.schema([
+    ("position", pa.int32()), ("filter", pa.string()), ("temperature", pa.float64()), ("top_k", pa.int32()),
+    ("top_p", pa.float64()), ("kept_rank", pa.int32()), ("token_id", pa.int32()), ("logit", pa.float32()),
+    ("prob_before", pa.float64()), ("prob_after", pa.float64()),
+])
+
+
+def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int, tolerance32: float,
+                        tolerance64: float, vocab: dict[int, str]) -> list[dict]:
+    """Per temperature: top-N candidates, the rest mass, entropy, sums and their verdicts."""
+    order = np.argsort(-row.astype(np.float64), kind="stable")[:top_n]
+    out = []
+    for t, tab in tables.items():
+        top = [{"token_id": int(i), "text": vocab.get(int(i)), "logit": float(row[i]), "prob": float(tab.p64[i])}
+               for i in order]
+        out.append({
+            "position": position, "temperature": t, "top": top,
+            "rest": math.fsum(np.delete(tab.p64, order).tolist()),   # every id not in `top`
+            "entropy_nats": entropy_nats(tab.p64), "entropy_bits": entropy_nats(tab.p64) / math.log(2),
+            "sum_error_fp64": tab.sum_err64, "sum_error_fp32": tab.sum_err32,
+            "fp64_within_tolerance": tab.sum_err64 <= tolerance64,
+            "fp32_within_tolerance": tab.sum_err32 <= tolerance32,
+        })
+    return out
+
+
+def sweep_metrics(position: int, row: np.ndarray, sampling_filter: dict, by_temperature: list[dict]) -> dict:
+    """The numbers a sweep compares, at one position (DVC metrics: flat keys, no dots).
+
+    `sampling`: the configured filter and the distribution it draws from (temperature 0 is
+    greedy: its distribution is reported at T = 1, as the filter's).
+    """
+    s = sampling_filter
+    t = s["temperature"] if s["temperature"] > 0 else 1.0
+    p = torch.softmax(torch.from_numpy(row).to(torch.float64) / t, dim=-1).numpy()
+    return {
+        "position": position,
+        "sampling": {"kept_count": s["kept_count"], "kept_mass": s["kept_mass"],
+                     "top_prob_after": s["top_prob_after"], "top_prob": float(p.max()),
+                     "entropy_bits": entropy_nats(p) / math.log(2)},
+        "temperatures": {prob_column(e["temperature"]): {"top_prob": e["top"][0]["prob"],
+                                                        "entropy_bits": e["entropy_bits"],
+                                                        "sum_error_fp32": e["sum_error_fp32"]}
+                         for e in by_temperature if e["position"] == position},
+    }
+
+
+# ---------------------------------------------------------------- the stage's outputs
+def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) \
+        -> tuple[dict[tuple[str, str], Any], dict]:
+    """Every output of the probs stage (artifact item -> table or JSON object) and its facts.
+
+    One function for the stage and for `nexttoken audit`, which re-derives a past run's files
+    with these same calls and compares them bit for bit.
+    """
+    named = filters(probs_cfg, sampling_cfg)
+    facts = parquet_facts(logits_path)
+    positions = resolve_positions(probs_cfg.positions, facts["n_positions"], facts["positions"])
+    vocab_t = read_parquet(vocab_path, columns=["token_id", "text"])
+    vocab = dict(zip(vocab_t["token_id"].to_pylist(), vocab_t["text"].to_pylist()))
+    tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
+    for pos in positions:
+        row = logits_io.read_position(logits_path, pos)
+        check_finite(pos, row)
+        table, by_t = position_table(pos, row, probs_cfg.temperatures)
+        tables.append(table)
+        summary["temperatures"] += temperature_summary(
+            pos, row, by_t, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance, probs_cfg.fp64_sum_tolerance, vocab)
+        for flt in named:
+            rows, entry = filtered_rows(pos, row, flt)
+            for k, v in rows.items():
+                kept[k] += v
+            summary["filters"].append(entry)
+    last = positions[-1]
+    sampling_filter = next(f for f in summary["filters"] if f["position"] == last and f["filter"] == "sampling")
+    outputs = {paths.TABLE: pa.concat_tables(tables),
+               paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
+               paths.PROBS_SUMMARY: {"positions": positions, **summary},
+               paths.PROBS_METRICS: sweep_metrics(last, logits_io.read_position(logits_path, last),
+                                                  sampling_filter, summary["temperatures"])}
+    return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
+                     "temperatures": list(probs_cfg.temperatures),
+                     "logits_content_sha256": facts.get("logits_content_sha256")}

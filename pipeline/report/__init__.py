@@ -1,0 +1,1 @@
+"""Report: this run's numbers as Markdown tables (`render`) and figures (`plots`)."""

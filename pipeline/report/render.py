@@ -1,0 +1,383 @@
+"""The report: the article's tables rebuilt from this run's artifacts, as one Markdown file.
+
+`load` reads every artifact the report shows (recording each as an input through the
+stage's `use`); `render` turns them into Markdown with no further I/O. Every table names
+the artifact it comes from, and numbers the artifacts store exactly (bf16 activations,
+logits) are printed exactly (float repr), so a reader can check any figure against the
+file. The output depends only on the artifacts (and on which fonts the machine has, for
+the figures): running the stage twice writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import UserError
+from pipeline.model.capture import act_name
+from pipeline.report import plots
+from pipeline.report.plots import Figure, Fonts
+from pipeline.store import logits_io, paths
+from pipeline.store.artifacts import read_json, read_parquet
+
+Use = Callable[[Any], Path]     # StageRun.use: records an input, returns its path
+N_COORDS = 4                    # the article prints the first 4 coordinates
+MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
+SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
+UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything the report shows, read once from the artifacts."""
+
+    source: dict                       # prepare_model/source.json
+    manifests: dict[str, dict]         # stage -> manifest.json, for the stages present
+    tokenize: dict                     # tokenize/tokenize.json
+    tokens: list[dict]                 # tokenize/tokens.parquet rows
+    facts: dict                        # forward/facts.json
+    input_ids: tuple[list[int], str]   # shape and dtype of the captured input ids
+    coords: dict[str, np.ndarray]      # embed / final_norm_out -> [T, 4], bf16 values as float32
+    position: int                      # the last position with probability tables (default: the last one)
+    logits: np.ndarray                 # [V] float32 logits at `position` (exact bf16 values)
+    summary: dict                      # probs/summary.json
+    kept_top: list[dict]               # probs/filtered.parquet rows with kept_rank <= top_n
+    steps: list[dict]                  # trajectories/steps.parquet rows
+    trajectories: dict                 # trajectories/trajectories.json
+    checks: list[dict] | None          # checks/checks.parquet rows, None when not run
+    vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
+
+    @property
+    def top_n(self) -> int:
+        return len(self.summary["temperatures"][0]["top"])
+
+    def where(self) -> str:
+        last = self.facts["n_positions"] - 1
+        return f"position {self.position}" + (" (the last prompt position)" if self.position == last else "")
+
+    def top_logit_ids(self) -> list[int]:
+        # rank 1 = highest logit; ties go to the lower id (pipeline.sampling's rule)
+        return np.argsort(-self.logits.astype(np.float64), kind="stable")[: self.top_n].tolist()
+
+
+def src(item) -> str:
+    """The repository-relative path of an artifact, as the report cites it."""
+    return (paths.artifact(item) if isinstance(item, tuple) else Path(item)).as_posix()
+
+
+def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], str]]:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            want = [act_name("embed"), act_name("final_norm_out")]
+            missing = [n for n in want + ["input_ids"] if n not in names]
+            if missing:
+                raise UserError(f"{path} has no tensor {missing[0]!r}: re-run the forward stage")
+            # float32 holds every bf16/fp16 value exactly, and numpy has no bfloat16
+            coords = {n: f.get_tensor(n)[0, :, :N_COORDS].float().numpy() for n in want}
+            ids = f.get_slice("input_ids")
+            return coords, (list(ids.get_shape()), ids.get_dtype())
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def load(use: Use, root: Path | str = ".") -> Inputs:
+    """Read every artifact the report needs; `checks` is optional (its stage may not have run)."""
+    manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM
+                 if paths.manifest_path(s, root).exists()}
+    facts = read_json(use(paths.FORWARD_FACTS))
+    coords, input_ids = _first_coords(use(paths.CAPTURE))
+    summary = read_json(use(paths.PROBS_SUMMARY))
+    position = summary["positions"][-1]      # probs.positions, resolved; -1 (the last) by default
+    top_n = len(summary["temperatures"][0]["top"])
+    checks = None
+    if paths.artifact(paths.CHECKS, root).exists():
+        checks = read_parquet(use(paths.CHECKS)).to_pylist()
+    inp = Inputs(
+        source=read_json(use(paths.SOURCE)), manifests=manifests,
+        tokenize=read_json(use(paths.TOKENIZE_SUMMARY)), tokens=read_parquet(use(paths.TOKENS)).to_pylist(),
+        facts=facts, input_ids=input_ids, coords=coords, position=position,
+        logits=logits_io.read_position(use(paths.LOGITS), position), summary=summary,
+        kept_top=read_parquet(use(paths.FILTERED), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
+        steps=read_parquet(use(paths.STEPS)).to_pylist(), trajectories=read_json(use(paths.TRAJECTORIES)),
+        checks=checks, vocab={})
+    ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
+    ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
+    rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
+    inp.vocab.update({r["token_id"]: r for r in rows})
+    return inp
+
+
+# ---------------------------------------------------------------- Markdown helpers
+def code(s: Any) -> str:
+    """A table cell showing `s` exactly: JSON-quoted (spaces, newlines visible) in a code span."""
+    text = json.dumps(s, ensure_ascii=False) if isinstance(s, str) else str(s)
+    fence = "``" if "`" in text else "`"
+    text = text.replace("|", "\\|")     # a bare pipe would end the table cell
+    return f"{fence}{text}{fence}"
+
+
+def prob(p: float) -> str:
+    """Probabilities as in the article (4 decimals); tiny ones in scientific form, not 0.0000."""
+    return f"{p:.4f}" if p >= 1e-3 else f"{p:.3e}"
+
+
+def exact(x: float) -> str:
+    return repr(float(x))   # shortest string that reads back as the same double
+
+
+def yes(b: bool | None) -> str:
+    return "n/a" if b is None else ("yes" if b else "**no**")
+
+
+def table(headers: list[str], rows: list[list], source: str | list[str]) -> list[str]:
+    sources = [source] if isinstance(source, str) else source
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return out + ["", "source: " + ", ".join(f"`{s}`" for s in sources), ""]
+
+
+def _cell(c: Any) -> str:
+    # A bare pipe ends a table cell and a newline ends the row; code() already escaped its pipes.
+    return re.sub(r"(?<!\\)\|", r"\\|", str(c)).replace("\n", " ")
+
+
+def figure(fig: Figure) -> list[str]:
+    return [f"![{fig.caption}]({fig.png})", "", f"*{fig.caption}* Data: `{fig.data}`.", ""]
+
+
+def shown_positions(n: int) -> list[int | None]:
+    """All positions, or the first and last MAX_ROWS/2 with None marking the gap."""
+    if n <= MAX_ROWS:
+        return list(range(n))
+    half = MAX_ROWS // 2
+    return [*range(half), None, *range(n - half, n)]
+
+
+def token_text(inp: Inputs, token_id: int) -> str:
+    row = inp.vocab.get(token_id)
+    return code(row["text"]) if row and row.get("text") is not None else "(no token)"
+
+
+# ---------------------------------------------------------------- sections
+def conditions(inp: Inputs) -> list[str]:
+    s, f = inp.source, inp.facts
+    fwd = inp.manifests.get("forward", {})
+    hw, det = fwd.get("hardware", {}), fwd.get("determinism", {})
+    gpus = "; ".join(f"{g['name']} (cc {g['compute_capability']}, {g['total_memory_bytes'] / 2**30:.0f} GiB)"
+                     for g in hw.get("gpus", [])) or "none (CUDA not available)"
+    seeds = "; ".join(f"{k} = {v} ({stage})" for stage, m in inp.manifests.items()
+                      for k, v in (m.get("seeds") or {}).items()) or "none recorded"
+    origin = s.get("hub_id") or (f"pip {s.get('pip')} {s.get('package_version')}" if s.get("pip") else "local")
+    git = fwd.get("git", {})
+    rows = [
+        ["model", code(s.get("name"))], ["kind", s.get("kind")], ["revision", code(s.get("revision"))],
+        ["from", origin],
+        ["architecture", f"{f['model_type']}: {f['num_layers']} layers, hidden {f['hidden_size']}, "
+                         f"{f['num_heads']} heads ({f['num_kv_heads']} KV), head dim {f['head_dim']}, "
+                         f"tied embeddings {yes(f['tied_embeddings'])}"],
+        ["output size / tokenizer length", f"{f['output_size']} / {f['tokenizer_len']}"],
+        ["dtype (compute)", f["compute_dtype"]], ["attention", f["attn_implementation"]],
+        ["device", f["device"] + (f" ({f['gpu_name']})" if f.get("gpu_name") else "")],
+        ["CPU", f"{hw.get('cpu_model')}, {hw.get('cpu_cores')} cores, "
+                f"{(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB RAM"],
+        ["GPU", gpus],
+        ["CUDA / cuDNN / driver", f"{hw.get('cuda_version')} / {hw.get('cudnn_version')} / {hw.get('gpu_driver')}"],
+        ["seeds", seeds],
+        ["determinism", ", ".join(f"{k}={v}" for k, v in det.items())],
+        ["git", "not recorded (no git checkout)" if not git.get("commit")
+         else f"{git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}"],
+    ]
+    out = ["## 1. Run conditions", ""] + table(["", "value"], rows, [
+        src(paths.SOURCE), src(paths.FORWARD_FACTS), src(paths.manifest_path("forward")), "artifacts/*/manifest.json"])
+    stage_rows = [[st, m.get("created_at"), m.get("duration_s"), m.get("hardware", {}).get("cpu_model"),
+                   ", ".join(g["name"] for g in m.get("hardware", {}).get("gpus", [])) or "-",
+                   (m.get("config_sha256") or "")[:12], (m.get("git") or {}).get("commit") or "-"]
+                  for st, m in inp.manifests.items()]
+    out += ["Stages:", ""] + table(["stage", "created (UTC)", "duration (s)", "CPU", "GPU", "config sha256",
+                                    "git commit"], stage_rows, "artifacts/*/manifest.json")
+    libs = fwd.get("libraries", {})
+    lib_rows = []
+    for name, version in libs.items():
+        other = sorted({f"{st}: {m['libraries'].get(name)}" for st, m in inp.manifests.items()
+                        if m.get("libraries", {}).get(name) != version})
+        lib_rows.append([name, code(version), "; ".join(other) or "same in every stage"])
+    return out + ["Library versions:", ""] + table(["library", "version (forward)", "other stages"], lib_rows,
+                                                    "artifacts/*/manifest.json")
+
+
+def tokens(inp: Inputs) -> list[str]:
+    t = inp.tokenize
+    rows = []
+    for p in shown_positions(len(inp.tokens)):
+        if p is None:
+            rows.append(["...", "", "", "", "", ""])
+            continue
+        r = inp.tokens[p]
+        rows.append([r["position"], r["token_id"], code(r["piece"]), code(r["text"]), code(r["piece_bytes_hex"]),
+                     yes(r["decodes_alone"])])
+    return ["## 2. Prompt and tokens", "", "```text", t["prompt"], "```", "",
+            f"{t['n_tokens']} tokens (add_special_tokens = {t['add_special_tokens']}); decoding them gives the "
+            f"prompt back: {yes(t['round_trip_ok'])}; expected ids for `{t.get('tokenizer_family')}` match: "
+            f"{yes(t.get('expected_token_ids_match'))}. A piece that does not decode alone is part of a "
+            f"multi-byte character.", ""] + table(
+        ["position", "id", "piece", "text alone", "bytes (hex)", "decodes alone?"], rows,
+        [src(paths.TOKENS), src(paths.TOKENIZE_SUMMARY)])
+
+
+def shapes(inp: Inputs) -> list[str]:
+    names, f = inp.facts["names"], inp.facts
+
+    def row(label: str, name: str) -> list:
+        return [label, code(name), str(names[name]["shape"]), names[name]["dtype"]]
+    shape, dtype = inp.input_ids
+    rows = [["input ids", code("input_ids"), str(shape), SAFETENSORS_DTYPES.get(dtype, dtype)],
+            row("embeddings", act_name("embed"))]
+    rows += [row(f"layer {i} output", act_name("resid_post", i)) for i in range(f["num_layers"])
+             if act_name("resid_post", i) in names]
+    rows += [row("final norm (LM-head input)", act_name("final_norm_out")),
+             ["LM-head weight", "`lm_head.weight`", str(f["lm_head_weight_shape"]),
+              f"bias: {yes(f['lm_head_has_bias'])}"], row("logits", act_name("logits")),
+             [f"next id (argmax at position {inp.position})", "-", "[1]", f"id {inp.top_logit_ids()[0]}"]]
+    return ["## 3. Shapes through the model", ""] + table(["step", "tensor", "shape", "dtype"], rows,
+                                                         [src(paths.FORWARD_FACTS), src(paths.CAPTURE)])
+
+
+def coordinates(inp: Inputs) -> list[str]:
+    emb, fin = inp.coords[act_name("embed")], inp.coords[act_name("final_norm_out")]
+    rows = []
+    for p in shown_positions(len(inp.tokens)):
+        if p is None:
+            rows.append(["...", "", "", "", ""])
+            continue
+        r = inp.tokens[p]
+        rows.append([p, r["token_id"], code(r["text"]), ", ".join(exact(v) for v in emb[p]),
+                     ", ".join(exact(v) for v in fin[p])])
+    n = inp.facts["n_positions"] - 1
+    last = ", ".join(exact(v) for v in fin[n])
+    return ["## 4. First coordinates: embeddings and LM-head input", "",
+            f"The first {N_COORDS} coordinates of each position's embedding row (`embed`) and of the LM-head "
+            f"input (`final_norm_out`), printed exactly ({inp.facts['names']['embed']['dtype']} values). "
+            f"LM-head input at the last position ({n}): `[{last}]`.", ""] + table(
+        ["position", "id", "text", f"embed[:{N_COORDS}]", f"final_norm_out[:{N_COORDS}]"], rows, src(paths.CAPTURE))
+
+
+def top_logits(inp: Inputs) -> list[str]:
+    rows = [[k + 1, i, token_text(inp, i), exact(inp.logits[i])] for k, i in enumerate(inp.top_logit_ids())]
+    return [f"## 5. Top-{inp.top_n} logits at {inp.where()}", "",
+            f"Raw {inp.facts['compute_dtype']} logits over all {inp.logits.size} outputs (the tokenizer has "
+            f"{inp.facts['tokenizer_len']} tokens).", ""] + table(
+        ["rank", "id", "text", "logit"], rows, [src(paths.LOGITS), src(paths.VOCAB)])
+
+
+def temperatures(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
+    tol = inp.manifests.get("probs", {}).get("config", {}).get("probs", {})
+    out = ["## 6. Probabilities by temperature", "",
+           "FP64 softmax of logits / T over every output id; `rest` is the mass of every id not listed.", ""]
+    for pos in inp.summary["positions"]:
+        temps = [t for t in inp.summary["temperatures"] if t["position"] == pos]
+        head = ["id", "text"] + [f"T = {t['temperature']:g}" for t in temps]
+        rows = [[c["token_id"], token_text(inp, c["token_id"])] + [prob(t["top"][k]["prob"]) for t in temps]
+                for k, c in enumerate(temps[0]["top"])]
+        rows.append(["rest", "(all other ids)"] + [prob(t["rest"]) for t in temps])
+        out += [f"Position {pos}:", ""] + table(head, rows, src(paths.PROBS_SUMMARY))
+        sums = [[f"{t['temperature']:g}", f"{t['entropy_nats']:.4f}", f"{t['entropy_bits']:.4f}",
+                 f"{t['sum_error_fp64']:.3e}", yes(t["fp64_within_tolerance"]),
+                 f"{t['sum_error_fp32']:.3e}", yes(t["fp32_within_tolerance"])] for t in temps]
+        out += [f"Sum errors |sum(p) - 1| (tolerance FP64 {tol.get('fp64_sum_tolerance')}, "
+                f"FP32 {tol.get('fp32_sum_tolerance')}) and entropy, position {pos}:", ""] + table(
+            ["T", "entropy (nats)", "entropy (bits)", "FP64 error", "FP64 within", "FP32 error", "FP32 within"],
+            sums, [src(paths.PROBS_SUMMARY), src(paths.manifest_path("probs"))])
+    return out + [line for name in ("temperature_top", "entropy") if name in figures for line in figure(figures[name])]
+
+
+def filters(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
+    rows = [[code(f["filter"]), f["position"], f"{f['temperature']:g}", f["top_k"], f"{f['top_p']:g}",
+             f["kept_count"], f"{f['kept_mass']:.6f}", f"{f['mass_without_last_kept']:.6f}"]
+            for f in inp.summary["filters"]]
+    out = ["## 7. Top-k and top-p", "",
+           "Temperature, then top-k, then top-p, then renormalise (transformers' order). `top_k = 0` and "
+           "`top_p = 1` are off. Top-p keeps the smallest set whose mass reaches p: without its last id the "
+           "mass falls below p.", ""]
+    out += table(["filter", "position", "T", "top_k", "top_p", "kept ids", "kept mass", "mass without last"],
+                 rows, src(paths.PROBS_SUMMARY))
+    kept = [[code(r["filter"]), r["position"], r["kept_rank"], r["token_id"], token_text(inp, r["token_id"]),
+             prob(r["prob_before"]), prob(r["prob_after"])] for r in inp.kept_top]
+    out += [f"Renormalised probabilities of the top {inp.top_n} kept ids of each filter:", ""] + table(
+        ["filter", "position", "kept rank", "id", "text", "p before", "p after (renormalised)"], kept,
+        [src(paths.FILTERED), src(paths.VOCAB)])
+    return out + (figure(figures["cumulative"]) if "cumulative" in figures else [])
+
+
+def trajectories(inp: Inputs) -> list[str]:
+    cfg = inp.manifests.get("trajectories", {}).get("config", {}).get("sampling", {})
+    out = ["## 8. Trajectories", "",
+           f"Sampling branch: T = {cfg.get('temperature')}, top_k = {cfg.get('top_k')}, top_p = {cfg.get('top_p')}, "
+           f"seed {cfg.get('seed')} (FP32 probabilities, CPU generator); greedy branch: argmax of the raw logits. "
+           f"Without the KV cache every step re-runs the full prefix (the reference path).", ""]
+    for t in inp.trajectories.values():
+        steps = [s for s in inp.steps if s["branch"] == t["branch"] and s["kv_cache"] == t["kv_cache"]]
+        rows = [[s["step"], s["prefix_len"], s["token_id"], code(s["piece"]), code(s["text_so_far"]),
+                 exact(s["logit"]), prob(s["prob"]), s["rank"]] for s in steps]
+        out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: ids {t['token_ids']}, "
+                f"stop: {t['stop_reason']}.", ""]
+        out += table(["step", "prefix length", "id", "piece", "text so far", "logit", "prob", "rank"], rows,
+                     [src(paths.STEPS), src(paths.TRAJECTORIES)])
+    for branch in dict.fromkeys(t["branch"] for t in inp.trajectories.values()):
+        runs = {t["kv_cache"]: t["token_ids"] for t in inp.trajectories.values() if t["branch"] == branch}
+        if len(runs) == 2:
+            out += [f"`{branch}`: KV cache and full prefix chose the same ids: {yes(runs[True] == runs[False])}.", ""]
+    return out
+
+
+def checks(inp: Inputs) -> list[str]:
+    out = ["## 9. Checks", ""]
+    if inp.checks is None:
+        return out + [f"`{src(paths.CHECKS)}` is missing: the checks stage has not run (`dvc repro checks`).", ""]
+    failed = [c for c in inp.checks if c["verdict"] != "pass"]
+    errors = [c for c in failed if c["severity"] == "error"]
+    rows = [[code(c["name"]), c["what"], _measured(c["measured"]), _measured(c["tolerance"]),
+             c["verdict"] if c["verdict"] == "pass" else f"**{c['verdict'].upper()}**", c["severity"],
+             c.get("detail") or ""] for c in inp.checks]
+    return out + [f"{len(inp.checks)} checks: {len(inp.checks) - len(failed)} pass, {len(failed)} fail "
+                  f"({len(errors)} of severity `error`). `report` checks record numerical findings; they never "
+                  f"fail the run.", ""] + table(
+        ["check", "what", "measured", "tolerance", "verdict", "severity", "detail"], rows, src(paths.CHECKS))
+
+
+def _measured(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.6g}"
+
+
+def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figure]:
+    """The three figures at `inp.position`, drawn into `out(...)` paths."""
+    temps = [t for t in inp.summary["temperatures"] if t["position"] == inp.position]
+    labels = {c["token_id"]: plots.token_label(c["token_id"], inp.vocab.get(c["token_id"]), font)
+              for c in temps[0]["top"]}
+    cuts = [f for f in inp.summary["filters"] if f["position"] == inp.position and f["top_p"] < 1.0]
+    t_cut = cuts[0]["temperature"] if cuts else 1.0
+    figs = [plots.temperature_bars(out, inp.position, temps, labels, font),
+            plots.cumulative_curve(out, inp.position, inp.logits, t_cut,
+                                   [c for c in cuts if c["temperature"] == t_cut], font),
+            plots.entropy_plot(out, inp.position, inp.logits, temps, font)]
+    return {f.name: f for f in figs}
+
+
+def render(inp: Inputs, figures: dict[str, Figure], font: Fonts) -> str:
+    prompt_name = inp.manifests.get("tokenize", {}).get("config", {}).get("prompt", {}).get("name", "?")
+    fonts = ", ".join(font.families) + ("" if font.cjk else " (no CJK font: labels the fonts cannot draw are "
+                                                            "escaped, \\uXXXX)")
+    lines = [f"# Next-token report: `{inp.source.get('name')}` on prompt `{prompt_name}`", "",
+             "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
+             f"from. Figures are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
+    for part in (conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
+                 temperatures(inp, figures), filters(inp, figures), trajectories(inp), checks(inp)):
+        lines += part
+    return "\n".join(lines).rstrip("\n") + "\n"

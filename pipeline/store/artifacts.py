@@ -1,0 +1,290 @@
+"""Writing a stage's artifacts atomically, with its manifest, and reading them back safely.
+
+A stage builds its whole output folder in a staging folder outside `artifacts/`
+(`.nexttoken/staging/`), writes `manifest.json` last, then moves the folder into
+`artifacts/<stage>/` with a rename. An interrupted or failed stage therefore leaves no
+partial file under `artifacts/`: either the old folder, none, or the complete new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline import progress
+from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.store import paths, provenance
+
+PARQUET_META_KEY = b"nexttoken"
+
+
+class StageRun:
+    """One run of one stage: records inputs, collects outputs, writes the manifest."""
+
+    def __init__(self, stage: str, root: Path, config: dict[str, Any]):
+        self.stage = stage
+        self.root = Path(root).resolve()
+        self.config = config
+        self.seeds: dict[str, int] = {}
+        self.model: dict[str, Any] | None = None
+        self.facts: dict[str, Any] = {}
+        self._inputs: list[dict[str, Any]] = []
+        self._recorded: dict[str, tuple[str, str | None]] = {}   # path -> (sha256, stage recording it)
+        self._manifests: dict[str, dict | None] = {}
+        self._started = time.time()
+        self.staging = self.root / paths.STAGING / f"{stage}-{os.getpid()}"
+        _remove_stale_staging(self.staging.parent, stage)
+        self.staging.mkdir(parents=True)
+
+    # ------------------------------------------------------------ inputs
+    def use(self, item: tuple[str, str] | Path) -> Path:
+        """Record an input (an artifact item or a path).
+
+        A folder records every file its stage produced (not its manifest, which is the
+        record of those files, not one of them).
+        """
+        path = paths.locate(item, self.root)
+        if not path.exists():
+            raise UserError(f"input {_rel(path, self.root)} is missing: run the stage that makes it "
+                            f"(`dvc repro`)")
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != paths.MANIFEST) \
+            if path.is_dir() else [path]
+        for f in files:
+            # sha256 first and checked against the manifests; only then is the file parsed
+            # (for its logical hash), so a damaged file is named as such, not as a parse error.
+            record = {"path": _rel(f, self.root), "bytes": f.stat().st_size, "sha256": provenance.sha256_file(f)}
+            self._verify(record)
+            try:
+                logical = provenance.logical_hash(f)
+            except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:
+                kind = {".parquet": "Parquet", ".safetensors": "safetensors"}.get(f.suffix, f.suffix)
+                detail = (str(e).splitlines() or [type(e).__name__])[0].split("': ")[-1]   # not the path again
+                raise UserError(f"{record['path']} is not a readable {kind} file (truncated or corrupt?): "
+                                f"{detail}") from None
+            if logical is not None:
+                record["logical_sha256"] = logical
+            self._inputs.append(record)
+        return path
+
+    def _verify(self, record: dict[str, Any]) -> None:
+        """Refuse an input that is not what its stage recorded, or not what other inputs were made from.
+
+        (1) The producing stage's manifest, when there is one and it lists the file, records
+        this sha256. (2) Every manifest read so far that lists this file among its inputs
+        recorded this sha256 too (e.g. a capture made from other tokens than the
+        tokens.parquet beside it).
+        """
+        rel, sha = record["path"], record["sha256"]
+        self._agree(rel, sha, None)
+        parts = Path(rel).parts
+        if len(parts) < 3 or parts[0] != paths.ARTIFACTS or parts[1] not in paths.STAGES:
+            return
+        stage = parts[1]
+        if stage not in self._manifests:
+            manifest_file = paths.manifest_path(stage, self.root)
+            self._manifests[stage] = read_json(manifest_file) if manifest_file.exists() else None
+        manifest = self._manifests[stage]
+        if manifest is None:
+            return
+        if not isinstance(manifest, dict):
+            raise UserError(f"{paths.manifest_path(stage, self.root)} is not a stage manifest (corrupt?): "
+                            "re-run `dvc repro`")
+        made = {o.get("path"): o.get("sha256") for o in manifest.get("outputs") or []}
+        if rel in made and made[rel] != sha:
+            raise UserError(f"{rel} was not produced by the recorded run of stage {stage} "
+                            f"(sha256 {sha[:12]} != manifest {str(made[rel])[:12]}): re-run `dvc repro`")
+        for i in manifest.get("inputs") or []:
+            self._agree(i.get("path"), i.get("sha256"), stage)
+
+    def _agree(self, rel: str, sha: str, made_from_by: str | None) -> None:
+        """Note a sha256 for rel (on disk: made_from_by None; else recorded as an input of that stage)."""
+        seen = self._recorded.setdefault(rel, (sha, made_from_by))
+        if seen[0] != sha:
+            disk, claim = ((sha, seen) if made_from_by is None else (seen[0], (sha, made_from_by)))
+            raise UserError(f"{rel} (sha256 {disk[:12]}) is not the file stage {claim[1]} was made from "
+                            f"(its manifest records sha256 {claim[0][:12]}): the artifacts come from different "
+                            f"runs; re-run `dvc repro`")
+
+    # ------------------------------------------------------------ outputs
+    def out(self, name: str) -> Path:
+        """A path in the staging folder, for writers that need a file name."""
+        p = self.staging / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        p = self.out(name)
+        p.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
+        return p
+
+    def write_parquet(self, name: str, table, facts: dict[str, Any] | None = None, **kwargs) -> Path:
+        """A Parquet file whose schema metadata carries the key facts of this run."""
+        import pyarrow.parquet as pq
+        meta = {**(table.schema.metadata or {}), **self.parquet_metadata(facts)}
+        p = self.out(name)
+        pq.write_table(table.replace_schema_metadata(meta), p, **kwargs)
+        return p
+
+    def parquet_metadata(self, extra: dict[str, Any] | None = None) -> dict[bytes, bytes]:
+        """Schema metadata for a Parquet file: this run's key facts under b"nexttoken"."""
+        facts = {"stage": self.stage, "config_sha256": provenance.sha256_json(self.config)}
+        if self.model:
+            facts["model"] = provenance.model_record(self.model)
+        facts = {**facts, **self.facts, **(extra or {})}
+        return {PARQUET_META_KEY: provenance.canonical_json(facts).encode()}
+
+    # ------------------------------------------------------------ commit
+    def commit(self) -> Path:
+        """Write the manifest and move the finished folder into artifacts/<stage>/."""
+        outputs = [provenance.file_record(p, self.staging) for p in sorted(self.staging.rglob("*"))
+                   if p.is_file()]
+        final = paths.stage_dir(self.stage, self.root)
+        for o in outputs:
+            o["path"] = _rel(final / o["path"], self.root)
+        manifest = {
+            "schema_version": provenance.SCHEMA_VERSION,
+            "stage": self.stage,
+            "config": self.config,
+            "config_sha256": provenance.sha256_json(self.config),
+            "seeds": self.seeds,
+            "model": self.model,
+            "facts": self.facts,
+            "inputs": self._inputs,
+            "outputs": outputs,
+            **provenance.environment(self.root),
+            "command": sys.argv,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - self._started, 3),
+        }
+        self.write_json(paths.MANIFEST, manifest)
+        _swap_into_place(self.staging, final)
+        return final
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _remove_stale_staging(staging_root: Path, stage: str) -> None:
+    """Remove this stage's staging folders left by runs that were killed (their process is gone)."""
+    if not staging_root.is_dir():
+        return
+    pattern = re.compile(re.escape(stage) + r"-(\d+)(\.old)?")
+    for d in staging_root.iterdir():
+        m = pattern.fullmatch(d.name)
+        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:        # exists, owned by someone else
+        return True
+    return True
+
+
+def _swap_into_place(staging: Path, final: Path) -> None:
+    """Replace `final` by `staging` with renames (same filesystem, no copy)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    trash = staging.with_name(staging.name + ".old")
+    if final.exists():
+        os.replace(final, trash)
+    os.replace(staging, final)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rel(path: Path, root: Path) -> str:
+    return Path(os.path.relpath(path, root)).as_posix()
+
+
+@contextmanager
+def stage_run(stage: str, config: dict[str, Any], root: Path | str = ".") -> Iterator[StageRun]:
+    """Run a stage's body; commit its outputs on success, leave nothing on failure."""
+    run = StageRun(stage, Path(root), config)
+    try:
+        yield run
+        run.commit()
+    finally:
+        run.discard()
+
+
+def stage_main(stage: str, body: Callable[[], None]) -> None:
+    """Entry point wrapper: a UserError is one line on stderr and exit status 2.
+
+    Progress bars show on a terminal only: in CI logs and under DVC's captured output
+    they would be thousands of carriage-return lines.
+    """
+    progress.quiet_off_terminal()
+    try:
+        body()
+    except UserError as e:
+        print(f"nexttoken {stage}: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print(f"nexttoken {stage}: interrupted; nothing was written to artifacts/{stage}", file=sys.stderr)
+        sys.exit(130)
+
+
+# ---------------------------------------------------------------- readers
+def read_parquet(path: Path, columns: list[str] | None = None, filters=None):
+    """A Parquet artifact as an Arrow table; a clear error naming a missing or corrupt file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if not Path(path).exists():
+        raise UserError(f"{path} is missing: run `dvc repro` to make it")
+    try:
+        return pq.read_table(path, columns=columns, filters=filters)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{path} is not a readable Parquet file (truncated or corrupt?): "
+                        f"{str(e).splitlines()[0]}") from None
+
+
+def parquet_facts(path: Path) -> dict[str, Any]:
+    """The facts a stage stored in a Parquet file's schema metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if not Path(path).exists():
+        raise UserError(f"{path} is missing: run `dvc repro` to make it")
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        return json.loads(meta.get(PARQUET_META_KEY, b"{}"))
+    except (pa.ArrowInvalid, OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a readable Parquet file (truncated or corrupt?): "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def read_json(path: Path) -> Any:
+    if not Path(path).exists():
+        raise UserError(f"{path} is missing: run `dvc repro` to make it")
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON (corrupt?): {e}") from None
+
+
+def read_safetensors(path: Path) -> dict:
+    """All tensors of a safetensors artifact (no pickle); a clear error when corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not Path(path).exists():
+        raise UserError(f"{path} is missing: run `dvc repro` to make it")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def read_manifest(stage: str, root: Path | str = ".") -> dict[str, Any]:
+    return read_json(paths.manifest_path(stage, root))

@@ -1,0 +1,198 @@
+"""Provenance: what produced an artifact, recorded as a fixed set of fields.
+
+Every stage folder gets a `manifest.json` built here: the stage, its resolved config, seeds,
+inputs and outputs with sha256 (plus a logical content hash for tables and tensors, which
+ignores file metadata), the model source, library versions, hardware, determinism settings,
+the git commit and dirty flag, when and how long. A failed metadata write is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# Distributions whose versions decide the numbers (or how they are stored).
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow", "pandas",
+             "hydra-core", "omegaconf", "dvc", "accelerate", "gguf", "nexttoken")
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hash of a JSON-able object in canonical form (sorted keys, no spaces)."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def logical_hash(path: Path) -> str | None:
+    """Content hash of a table or tensor file that ignores its metadata and layout.
+
+    Parquet: the Arrow IPC stream of the table with schema metadata dropped.
+    safetensors: name, dtype, shape and raw bytes of every tensor, in name order.
+    Other files: None (their sha256 is their identity).
+    """
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        table = pq.read_table(path).replace_schema_metadata(None).combine_chunks()
+        sink = io.BytesIO()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return hashlib.sha256(sink.getvalue()).hexdigest()
+    if path.suffix == ".safetensors":
+        return _safetensors_hash(path)
+    return None
+
+
+def _safetensors_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        for name in sorted(k for k in header if k != "__metadata__"):
+            info = header[name]
+            h.update(canonical_json([name, info["dtype"], info["shape"]]).encode())
+            start, end = info["data_offsets"]
+            f.seek(base + start)
+            remaining = end - start
+            while remaining:
+                block = f.read(min(_CHUNK, remaining))
+                if not block:
+                    raise ValueError(f"{path} is truncated: tensor {name} ends past the file")
+                h.update(block)
+                remaining -= len(block)
+    return h.hexdigest()
+
+
+MODEL_KEYS = ("name", "kind", "revision")   # what names a model in manifests and Parquet metadata
+
+
+def model_record(source: dict | None) -> dict:
+    """The model's name, kind and revision from a source record (source.json or a manifest's)."""
+    return {k: (source or {}).get(k) for k in MODEL_KEYS}
+
+
+def library_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in LIBRARIES:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def hardware() -> dict[str, Any]:
+    import psutil
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [],
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": None,
+        "gpu_driver": None,
+    }
+    if torch.cuda.is_available():
+        info["cudnn_version"] = torch.backends.cudnn.version()
+        info["gpu_driver"] = _nvidia_driver()
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["gpus"].append({"index": i, "name": p.name, "total_memory_bytes": p.total_memory,
+                                 "compute_capability": f"{p.major}.{p.minor}"})
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _nvidia_driver() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True)
+        return out.stdout.strip().splitlines()[0]
+    except (subprocess.SubprocessError, IndexError):
+        return None
+
+
+def determinism() -> dict[str, Any]:
+    import torch
+
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def git_state(root: Path) -> dict[str, Any]:
+    """Commit and dirty flag of the code that ran. Outside git: both None."""
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def environment(root: Path) -> dict[str, Any]:
+    """The environment fields of a manifest, gathered once per stage run."""
+    return {"libraries": library_versions(), "hardware": hardware(), "determinism": determinism(),
+            "git": git_state(root), "python_executable": sys.executable}
+
+
+def file_record(path: Path, root: Path) -> dict[str, Any]:
+    """path (relative to the repo root), size, sha256 and logical hash of one file."""
+    rec = {"path": Path(os.path.relpath(path, root)).as_posix(), "bytes": path.stat().st_size,
+           "sha256": sha256_file(path)}
+    logical = logical_hash(path)
+    if logical is not None:
+        rec["logical_sha256"] = logical
+    return rec

@@ -1,0 +1,107 @@
+"""The `nexttoken` command: compose the config, and (as they land) audit, diff, sweep, bench."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.store import paths
+
+
+def _compose(args: argparse.Namespace) -> int:
+    from pipeline.config import compose
+    root = Path.cwd()
+    params_file = root / paths.PARAMS
+    if args.check:
+        if args.overrides:
+            raise UserError("--check takes no overrides: it compares params.yaml with conf/ as committed")
+        differing = compose.check(root, params_file)
+        if differing:
+            print(f"params.yaml differs from the composition of conf/ at: {', '.join(differing)}\n"
+                  f"run `nexttoken compose` to rewrite it", file=sys.stderr)
+            return 1
+        print("params.yaml matches conf/")
+        return 0
+    params = compose.compose(args.overrides, root, params_file)
+    print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={params['prompt']['name']}")
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from pipeline.tools import audit
+    return audit.cli(args)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from pipeline.tools import rundiff
+    return rundiff.cli(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from pipeline.tools import sweep
+    return sweep.cli(args)
+
+
+def _bench(bench_args: list[str]) -> int:
+    """`python -m bench ARGS` in this checkout: the bench measures code, so it lives beside the
+    code (bench/) and is not part of the installed package."""
+    root = Path.cwd()
+    if not (root / "bench" / "__main__.py").is_file() or not (root / "pipeline").is_dir():
+        raise UserError(f"nexttoken bench runs in a checkout of the nexttoken repository (with bench/ and "
+                        f"pipeline/), not in {root}: cd there and run it again (or `make bench`)")
+    return subprocess.call([sys.executable, "-m", "bench", *bench_args], cwd=root)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other nexttoken error (exit 2).
+
+    Subcommand parsers are built from the same class, so they inherit this.
+    """
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="nexttoken", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compose", help="compose conf/ (+ Hydra overrides) into params.yaml")
+    c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny_qwen2 prompt.text=...")
+    c.add_argument("--check", action="store_true",
+                   help="exit 1 (naming the keys) when params.yaml differs from conf/")
+    c.set_defaults(func=_compose)
+    b = sub.add_parser("bench", help="(in a checkout) measure what recording costs, as ratios with targets: "
+                                     "`nexttoken bench --help` lists the sections", add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to `python -m bench`")
+    a = sub.add_parser("audit", help="re-verify a run: hashes, chain, dvc.lock, config, re-derivation "
+                                     "(exit 1 on any finding)")
+    a.add_argument("--rev", help="a git revision or experiment name, read from git + the DVC cache "
+                                 "(default: the workspace)")
+    a.set_defaults(func=_audit)
+    d = sub.add_parser("diff", help="how two runs differ: config, environment, numbers, trajectories")
+    d.add_argument("rev_a", help="a git revision, an experiment name or 'workspace'")
+    d.add_argument("rev_b", help="a git revision, an experiment name or 'workspace'")
+    d.set_defaults(func=_diff)
+    s = sub.add_parser("sweep", help="collect the current baseline's experiments into a table and plots")
+    s.add_argument("--out", type=Path, default=None, help="output folder (default: artifacts/sweep)")
+    s.set_defaults(func=_sweep)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["bench"]:        # every argument after it is the bench's own
+            return _bench(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as e:
+        print(f"nexttoken {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

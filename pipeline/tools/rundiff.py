@@ -1,0 +1,260 @@
+"""`nexttoken diff A B`: explain how two runs differ, from their recorded files.
+
+Sections: config (dotted params.yaml keys that differ), environment (library versions,
+hardware, dtype, device), numbers (max |Δlogit| per prompt position, the largest probability
+change per temperature, kept counts per filter) and trajectories (per branch, the first step
+whose chosen id differs, with both candidates' probabilities). A and B are each a git
+revision, an experiment name or `workspace`, read as `pipeline.revisions` reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import schema
+from pipeline.config.compose import diff_keys
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import read_json
+from pipeline.tools import revisions
+
+
+def cli(args) -> int:
+    print("\n".join(diff(Path.cwd(), args.rev_a, args.rev_b)))
+    return 0
+
+
+def diff(repo: Path, rev_a: str, rev_b: str) -> list[str]:
+    ra, rb = revisions.resolve(repo, rev_a), revisions.resolve(repo, rev_b)
+    with ExitStack() as stack:
+        a, b = (stack.enter_context(revisions.open_run(repo, r)) for r in (ra, rb))
+        revisions.load_manifests(a), revisions.load_manifests(b)   # both must hold a run (a clear error if not)
+        return [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b),
+                *number_lines(a, b), *trajectory_lines(a, b)]
+
+
+# ---------------------------------------------------------------- config
+def config_differences(a: Path, b: Path) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in A, value in B) for every params.yaml key that differs."""
+    pa_, pb = schema.read_params(a / paths.PARAMS), schema.read_params(b / paths.PARAMS)
+    return [(k, revisions.dotted(pa_, k), revisions.dotted(pb, k)) for k in diff_keys(pa_, pb)]
+
+
+def config_lines(a: Path, b: Path) -> list[str]:
+    diffs = config_differences(a, b)
+    return [f"config: {len(diffs)} key(s) differ" if diffs else "config: identical params.yaml",
+            *(f"  config {k}: {_show(x)} | {_show(y)}" for k, x, y in diffs)]
+
+
+def _show(v: Any, width: int = 60) -> str:
+    text = repr(v)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+# ---------------------------------------------------------------- environment
+def environment_lines(a: Path, b: Path) -> list[str]:
+    ea, eb = (revisions.recorded_environment(revisions.load_manifests(r)) for r in (a, b))
+    keys = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
+    out = [f"environment: {len(keys)} recorded version/hardware value(s) differ" if keys
+           else "environment: same recorded versions and hardware"]
+    out += [f"  environment {k}: {_one(ea.get(k))} | {_one(eb.get(k))}" for k in keys]
+    for what, key in (("dtype", "compute_dtype"), ("device", "device")):
+        va, vb = _forward_fact(a, key), _forward_fact(b, key)
+        out.append(f"  {what}: {va} | {vb}" + (" (same)" if va == vb else "  <- differs"))
+    return out
+
+
+def _one(values: list | None) -> str:
+    if values is None:
+        return "<not recorded>"
+    return str(values[0]) if len(values) == 1 else f"mixed {values}"
+
+
+def _forward_fact(root: Path, key: str) -> Any:
+    path = paths.artifact(paths.FORWARD_FACTS, root)
+    return read_json(path).get(key, "<not recorded>") if path.exists() else "<no forward run>"
+
+
+# ---------------------------------------------------------------- numbers
+def number_lines(a: Path, b: Path) -> list[str]:
+    return ["numbers:", *logit_lines(a, b), *probability_lines(a, b), *kept_lines(a, b)]
+
+
+def _same_file(a: Path, b: Path, item: tuple[str, str]) -> bool | None:
+    pa_, pb = paths.artifact(item, a), paths.artifact(item, b)
+    if not (pa_.exists() and pb.exists()):
+        return None
+    return provenance.sha256_file(pa_) == provenance.sha256_file(pb)
+
+
+def _by_position(path: Path, column: str) -> dict[int, np.ndarray]:
+    """position -> the column's values ordered by token id (files are sorted that way)."""
+    t = pq.read_table(path, columns=["position", "token_id", column])
+    pos, values = t["position"].to_numpy(), t[column].to_numpy().astype(np.float64)
+    return {int(p): values[pos == p] for p in np.unique(pos)}
+
+
+def logit_lines(a: Path, b: Path) -> list[str]:
+    same = _same_file(a, b, paths.LOGITS)
+    if same is None:
+        return ["  logits: not in both runs"]
+    la = _by_position(paths.artifact(paths.LOGITS, a), "logit")
+    if same:
+        return [f"  logits: identical {paths.LOGITS[1]} (same sha256): max |Δlogit| = 0 at all {len(la)} positions"]
+    lb = _by_position(paths.artifact(paths.LOGITS, b), "logit")
+    out, same_at = ["  logits: max |Δlogit| per position (token id of the largest change)"], 0
+    for p in sorted(set(la) | set(lb)):
+        if p not in la or p not in lb or la[p].shape != lb[p].shape:
+            out.append(f"    position {p}: not comparable (only in one run, or another vocabulary size)")
+            continue
+        d = np.abs(la[p] - lb[p])
+        if d.max() == 0:
+            same_at += 1
+        else:
+            out.append(f"    position {p}: {d.max():.6g} (token {int(d.argmax())}: {la[p][d.argmax()]:g} | "
+                       f"{lb[p][d.argmax()]:g})")
+    return out + ([f"    0 at the other {same_at} positions"] if same_at else [])
+
+
+def probability_lines(a: Path, b: Path) -> list[str]:
+    same = _same_file(a, b, paths.TABLE)
+    if same is None:
+        return ["  probabilities: not in both runs"]
+    if same:
+        return [f"  probabilities: identical {paths.TABLE[1]} (same sha256): largest change 0 at every temperature"]
+    cols = lambda r: [c for c in pq.read_schema(paths.artifact(paths.TABLE, r)).names if c.startswith("p_T")]
+    out = ["  probabilities: largest |Δp| per temperature"]
+    for col in sorted(set(cols(a)) | set(cols(b))):
+        if col not in cols(a) or col not in cols(b):
+            out.append(f"    {col}: only in one run")
+            continue
+        ta, tb = _by_position(paths.artifact(paths.TABLE, a), col), _by_position(paths.artifact(paths.TABLE, b), col)
+        worst = max(((float(np.abs(ta[p] - tb[p]).max()), p, int(np.abs(ta[p] - tb[p]).argmax()))
+                     for p in set(ta) & set(tb) if ta[p].shape == tb[p].shape), default=None)
+        if worst is None or worst[0] == 0:
+            out.append(f"    {col}: {'no common position' if worst is None else '0 (identical values)'}")
+        else:
+            d, p, i = worst
+            out.append(f"    {col}: {d:.6g} (position {p}, token {i}: {ta[p][i]:.6g} | {tb[p][i]:.6g})")
+    return out
+
+
+def kept_lines(a: Path, b: Path) -> list[str]:
+    def filters(root: Path) -> dict:
+        path = paths.artifact(paths.PROBS_SUMMARY, root)
+        entries = read_json(path)["filters"] if path.exists() else []
+        return {(f["position"], f["filter"]): f for f in entries}
+
+    fa, fb = filters(a), filters(b)
+    out = ["  kept counts per filter (position, filter: A | B)"]
+    for key in sorted(set(fa) | set(fb)):
+        x, y = fa.get(key), fb.get(key)
+        out.append(f"    {key[0]}, {key[1]}: {_kept(x)} | {_kept(y)}"
+                   + ("" if x and y and x["kept_count"] == y["kept_count"] else "  <- differs"))
+    return out
+
+
+def _kept(f: dict | None) -> str:
+    if f is None:
+        return "-"
+    return f"{f['kept_count']} (T={f['temperature']:g}, k={f['top_k']}, p={f['top_p']:g}, mass {f['kept_mass']:.6g})"
+
+
+# ---------------------------------------------------------------- trajectories
+def _runs(root: Path) -> dict[str, list[dict]]:
+    path = paths.artifact(paths.STEPS, root)
+    if not path.exists():
+        return {}
+    out: dict[str, list[dict]] = {}
+    for row in pq.read_table(path).to_pylist():
+        out.setdefault(row["branch"] + ("_kv" if row["kv_cache"] else ""), []).append(row)
+    return {k: sorted(v, key=lambda r: r["step"]) for k, v in out.items()}
+
+
+def first_divergence(a: list[dict], b: list[dict]) -> int | None:
+    """Index of the first step whose chosen id differs (or where one run stopped), else None."""
+    for i in range(max(len(a), len(b))):
+        if i >= len(a) or i >= len(b) or a[i]["token_id"] != b[i]["token_id"]:
+            return i
+    return None
+
+
+def trajectory_lines(a: Path, b: Path) -> list[str]:
+    ra, rb = _runs(a), _runs(b)
+    out = ["trajectories: first step where the chosen ids differ, per branch"]
+    for name in sorted(set(ra) | set(rb)):
+        sa, sb = ra.get(name, []), rb.get(name, [])
+        i = first_divergence(sa, sb)
+        if i is None:
+            out.append(f"  {name}: identical ({len(sa)} steps)")
+        elif i >= len(sa) or i >= len(sb):
+            out.append(f"  {name}: same first {i} steps; then only {'A' if len(sa) > i else 'B'} continues")
+        else:
+            x, y = sa[i], sb[i]
+            prefix = sa[i - 1]["text_so_far"] if i else ""   # the same in both runs up to step i
+            out.append(f"  {name}: diverges at step {x['step']}: A chose {_pick(x, y, 'A', 'B', prefix)} | "
+                       f"B chose {_pick(y, x, 'B', 'A', prefix)}")
+    return out
+
+
+def _pick(row: dict, other: dict, mine: str, theirs: str, prefix: str) -> str:
+    """A chosen id (and its text), its probability in its own run and (from the stored top-N) in the other."""
+    tops = dict(zip(other["top_ids"] or [], other["top_probs"] or []))
+    there = f"{tops[row['token_id']]:.4g} in {theirs}" if row["token_id"] in tops \
+        else f"not in {theirs}'s top {len(tops)}"
+    # The decoded text the step added; the raw piece where it ends inside a multi-byte character.
+    text = row["text_so_far"] or ""
+    shown = text[len(prefix):] if text.startswith(prefix) and "\ufffd" not in text else row["piece"]
+    return f"{row['token_id']} {shown!r} (p {row['prob']:.4g} in {mine}, {there})"
+
+
+# ---------------------------------------------------------------- bit-exact differences
+def table_difference(stored: pa.Table, derived: pa.Table) -> str | None:
+    """None when the tables are equal bit for bit (floats compared by their bits), else the first difference."""
+    stored, derived = stored.replace_schema_metadata(None), derived.replace_schema_metadata(None)
+    if stored.schema != derived.schema:
+        return f"schema differs: stored {stored.schema.names} vs re-derived {derived.schema.names}"
+    if stored.num_rows != derived.num_rows:
+        return f"{stored.num_rows} rows stored, {derived.num_rows} re-derived"
+    for name in stored.column_names:
+        a, b = stored[name].to_numpy(), derived[name].to_numpy()
+        if pa.types.is_floating(stored.schema.field(name).type):
+            bits = {4: "<u4", 8: "<u8"}[a.dtype.itemsize]
+            bad = (a.view(bits) != b.view(bits)).nonzero()[0]
+        else:
+            bad = [i for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())) if x != y]
+        if len(bad):
+            i = int(bad[0])
+            key = ", ".join(f"{k}={stored[k][i].as_py()}" for k in ("position", "filter", "token_id")
+                            if k in stored.column_names)
+            x, y = (v.item() if hasattr(v, "item") else v for v in (a[i], b[i]))   # numpy -> Python repr
+            return (f"{len(bad)} value(s) differ in column {name}; first at row {i} ({key}): "
+                    f"stored {x!r}, re-derived {y!r}")
+    return None
+
+
+def json_difference(stored: Any, derived: Any, where: str = "") -> str | None:
+    """The first key path where two JSON values differ; floats must be the same bits."""
+    if isinstance(stored, dict) and isinstance(derived, dict):
+        for k in sorted(set(stored) | set(derived), key=str):
+            if k not in stored or k not in derived:
+                return f"{where}{k}: present in only one"
+            d = json_difference(stored[k], derived[k], f"{where}{k}.")
+            if d:
+                return d
+        return None
+    if isinstance(stored, list) and isinstance(derived, list) and len(stored) == len(derived):
+        return next((d for i, (a, b) in enumerate(zip(stored, derived))
+                     if (d := json_difference(a, b, f"{where}{i}."))), None)
+    if isinstance(stored, float) and isinstance(derived, float):
+        same = struct.pack("<d", stored) == struct.pack("<d", derived) or (math.isnan(stored) and math.isnan(derived))
+    else:
+        same = stored == derived and type(stored) is type(derived)
+    return None if same else f"{where.rstrip('.') or '<root>'}: stored {stored!r}, re-derived {derived!r}"

@@ -1,0 +1,209 @@
+"""`nexttoken sweep`: the current baseline's experiments as one table and two plots.
+
+Reads `dvc exp show --json` (DVC 3.67: a list of baselines, each with `experiments`, each
+with `revs[0].data.params/metrics`), writes one row per experiment (its name, commit, the
+swept params and every metric, flattened to dotted columns) as Parquet and CSV, and draws:
+kept count against top_p per temperature, and the top candidate's probability and the
+entropy against temperature. `sweep` is not a DVC stage (it reads DVC's record of many
+runs), so its folder is git-ignored rather than a DVC output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.atomic import write_atomic
+from pipeline.errors import UserError
+from pipeline.report import plots
+from pipeline.store import paths
+
+OUT = Path(paths.ARTIFACTS) / "sweep"
+TABLE, CSV = "sweep.parquet", "sweep.csv"
+KEPT_PLOT, TEMPERATURE_PLOT = "kept_count_vs_top_p.png", "top_prob_entropy_vs_temperature.png"
+# Always shown, varying or not; any other param that varies across the experiments is added.
+PARAM_COLUMNS = ("model.name", "prompt.name", "sampling.temperature", "sampling.top_k", "sampling.top_p")
+SKIP_METRICS = ("checks:checks.",)   # per-check details: the summary counts are the sweep's view
+T, TOP_P = "sampling.temperature", "sampling.top_p"
+MARKERS = "osD^v<>"   # one per series (model / prompt / top_k ...) when more than the swept axes vary
+# Metric columns are `<stage>:<dotted key>` (DVC writes `<file>:<key>`): never confused with params.
+KEPT, TOP, TOP_AFTER, ENTROPY = ("probs:sampling.kept_count", "probs:sampling.top_prob",
+                                 "probs:sampling.top_prob_after", "probs:sampling.entropy_bits")
+
+
+def cli(args) -> int:
+    out = collect(Path.cwd(), args.out or OUT)
+    print(f"wrote {len(out['rows'])} experiments to {out['dir']}: {', '.join(out['files'])}")
+    return 0
+
+
+def exp_show(repo: Path) -> list[dict]:
+    """`dvc exp show --json` of the current baseline (the same DVC as this Python: `-m dvc`)."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()[-1]
+        raise UserError(f"`dvc exp show --json` failed: {last.removeprefix('ERROR: ')}")
+    return json.loads(proc.stdout)
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> dotted keys; lists become JSON text (one cell per setting)."""
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): json.dumps(d, ensure_ascii=False) if isinstance(d, list) else d}
+
+
+def experiment_rows(shown: list[dict]) -> list[dict]:
+    """One dict per experiment: name, rev, state, baseline, all params, all metrics (dotted)."""
+    rows = []
+    for baseline in shown:
+        for exp in baseline.get("experiments") or []:
+            rev = (exp.get("revs") or [{}])[0]
+            state = (exp.get("executor") or {}).get("state") or ("failed" if rev.get("error") else "success")
+            data = rev.get("data") or {}
+            row = {"exp": exp.get("name") or rev.get("name"), "rev": rev.get("rev"), "state": state,
+                   "baseline": baseline.get("rev")}
+            for fname, content in (data.get("params") or {}).items():
+                prefix = "" if fname == paths.PARAMS else f"{fname}:"
+                row.update({prefix + k: v for k, v in flatten((content or {}).get("data") or {}).items()})
+            for fname, content in (data.get("metrics") or {}).items():
+                stage = Path(fname).parent.name   # artifacts/<stage>/metrics.json -> <stage>:
+                row.update({f"{stage}:{k}": v for k, v in flatten((content or {}).get("data") or {}).items()
+                            if not f"{stage}:{k}".startswith(SKIP_METRICS)})
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]):
+    """The sweep as a DataFrame: fixed and varying params first, then the metrics, sorted by them."""
+    import pandas as pd
+    df = pd.DataFrame(rows)
+    metric_cols = [c for c in df.columns if ":" in c]
+    params = [c for c in df.columns if c not in metric_cols and c not in ("exp", "rev", "state", "baseline")]
+    varying = [c for c in params if c not in PARAM_COLUMNS and df[c].astype(str).nunique() > 1]
+    shown = [c for c in PARAM_COLUMNS if c in df.columns] + varying
+    df = df[["exp", "rev", "state", "baseline", *shown, *metric_cols]]
+    return df.sort_values([*shown, "exp"], kind="stable").reset_index(drop=True)
+
+
+def collect(repo: Path, out_dir: Path) -> dict:
+    rows = experiment_rows(exp_show(repo))
+    if not rows:
+        raise UserError("no experiments of the current baseline: queue some with "
+                        "`dvc exp run --queue -S 'sampling.temperature=0.5,1.0,2.0'` and `dvc queue start`")
+    df = table(rows)
+    out_dir = repo / out_dir if not Path(out_dir).is_absolute() else Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / TABLE, lambda p: df.to_parquet(p, index=False))
+    write_atomic(out_dir / CSV, lambda p: df.to_csv(p, index=False))
+    files = [TABLE, CSV]
+    done = df[df["state"] == "success"]
+    if KEPT in done.columns and TOP_P in done.columns:
+        write_atomic(out_dir / KEPT_PLOT, lambda p: kept_plot(done, p))
+        files.append(KEPT_PLOT)
+    if T in done.columns and TOP in done.columns:
+        write_atomic(out_dir / TEMPERATURE_PLOT, lambda p: temperature_plot(done, p))
+        files.append(TEMPERATURE_PLOT)
+    return {"dir": out_dir, "rows": rows, "files": files}
+
+
+# ---------------------------------------------------------------- plots
+def _series(df, exclude: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(label, sub-frame) per combination of the varying params not on an axis or in the legend key."""
+    cols = [c for c in df.columns[4:] if ":" not in c and c not in exclude and df[c].astype(str).nunique() > 1]
+    if not cols:
+        return [("", df)]
+    return [(", ".join(f"{c.removeprefix('sampling.')}={v}" for c, v in zip(cols, key if isinstance(key, tuple)
+                                                                              else (key,))),
+             sub) for key, sub in df.groupby(cols, sort=True)]
+
+
+def _figure(ncols: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5.2 * ncols + 1.0, 4.6), dpi=plots.DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _colors(n: int):
+    import matplotlib
+    import numpy as np
+    return matplotlib.colormaps["plasma"](np.linspace(0.1, 0.8, max(n, 1)))   # cool -> hot, as the report
+
+
+def kept_plot(df, path: Path) -> None:
+    """Kept count (log scale: 1 .. vocabulary size) against top_p, one line per temperature."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    temps = sorted(df[T].unique())
+    labelled: set[tuple[float, int]] = set()
+    last = max(df[TOP_P])
+    for (label, sub), marker in zip(_series(df, (T, TOP_P)), MARKERS):
+        for t, color in zip(temps, _colors(len(temps))):
+            pts = sub[sub[T] == t].sort_values(TOP_P)
+            if len(pts):
+                ax.plot(pts[TOP_P], pts[KEPT], marker=marker, color=color,
+                        label=f"T={t:g}" + (f" ({label})" if label else ""))
+            for x, y in zip(pts[TOP_P], pts[KEPT]):
+                if (x, int(y)) not in labelled:   # lines meet at top_p = 1 (the whole vocabulary)
+                    labelled.add((x, int(y)))
+                    right = x == last   # labels point inwards, away from the axes
+                    ax.annotate(f"{int(y):,}", (x, y), textcoords="offset points", xytext=(-7 if right else 7, 5),
+                                fontsize=8, ha="right" if right else "left")
+    ax.set_yscale("log")
+    ax.margins(x=0.1, y=0.15)
+    ax.set_xticks(sorted(df[TOP_P].unique()))
+    ax.set_xlabel("top_p (1 = off: every id kept)")
+    ax.set_ylabel("ids kept by the filter (log scale)")
+    ax.set_title("Candidates kept by the sampling filter")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(title="temperature", fontsize=8)
+    fig.savefig(path, dpi=plots.DPI, format="png", metadata=plots.PNG_METADATA)
+
+
+def temperature_plot(df, path: Path) -> None:
+    """Left: the top candidate's probability, before and after the filter; right: entropy (bits).
+
+    Both "before" curves depend on the temperature only; top_p = 1 is off, so its "after"
+    curve is the "before" one and is not drawn twice.
+    """
+    fig = _figure(ncols=2)
+    left, right = fig.subplots(1, 2)
+    top_ps = [p for p in sorted(df[TOP_P].unique()) if p < 1.0]
+    for (label, sub), marker in zip(_series(df, (T, TOP_P)), MARKERS):
+        suffix = f" ({label})" if label else ""
+        per_t = sub.sort_values(T).drop_duplicates(T)
+        left.plot(per_t[T], per_t[TOP], marker=marker, color="black", lw=2, label="before the filter" + suffix)
+        right.plot(per_t[T], per_t[ENTROPY], marker=marker, color="black", label=label or None)
+        for x, y in zip(per_t[T], per_t[ENTROPY]):
+            right.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=8)
+        off = sub[sub[TOP_P] >= 1.0]   # top_p off keeps every id: the vocabulary, the entropy's ceiling
+        if len(off):
+            vocab = int(off[KEPT].max())
+            right.axhline(math.log2(vocab), linestyle=":", color="grey",
+                          label=f"uniform over {vocab:,} ids" + suffix)
+        for p, color in zip(top_ps, _colors(len(top_ps) + 1)):
+            pts = sub[sub[TOP_P] == p].sort_values(T)
+            left.plot(pts[T], pts[TOP_AFTER], linestyle="--", marker=marker, color=color,
+                      label=f"after top_p={p:g}, renormalised" + suffix)
+    temps = sorted(df[T].unique())
+    left.set(xlabel="temperature", ylabel="probability of the top candidate", ylim=(0, 1.05), xticks=temps,
+             title="Top candidate's probability")
+    right.set(xlabel="temperature", ylabel="entropy before the filter (bits)", xticks=temps,
+              title="Entropy of the next-token distribution")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.margins(x=0.08)
+    left.legend(fontsize=8)
+    if any(not line.get_label().startswith("_") for line in right.get_lines()):
+        right.legend(fontsize=8, loc="lower right")
+    fig.savefig(path, dpi=plots.DPI, format="png", metadata=plots.PNG_METADATA)

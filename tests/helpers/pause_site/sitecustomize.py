@@ -1,0 +1,77 @@
+"""Test-only: pause a writer halfway through an artifact, in any Python process that starts
+with this folder on PYTHONPATH and NEXTTOKEN_TEST_PAUSE=<point> in its environment (a stage
+run directly, or by `dvc repro`). See tests/helpers/pause.py; the production code knows
+nothing of it.
+
+Points: `forward.capture` (capture.safetensors: its header written, its tensors not yet);
+`logits.rows` (logits.parquet after its first row group). At the point, the process writes
+its id to `.nexttoken/test-pause-<point>` in its working directory and sleeps (10 minutes).
+"""
+
+import os
+
+_POINT = os.environ.get("NEXTTOKEN_TEST_PAUSE")
+
+
+def _pause(point):
+    import time
+    from pathlib import Path
+    marker = Path(".nexttoken") / f"test-pause-{point}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def _pause_capture():
+    import builtins
+    from pathlib import Path
+    real_open = builtins.open
+
+    class Writer:
+        """A file whose second write (after the header) pauses first."""
+
+        def __init__(self, f):
+            self._f, self._writes = f, 0
+
+        def write(self, data):
+            self._writes += 1
+            if self._writes == 2:
+                self._f.flush()
+                _pause("forward.capture")
+            return self._f.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def __getattr__(self, attr):
+            return getattr(self._f, attr)
+
+    def pausing_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        named = isinstance(file, (str, os.PathLike)) and Path(file).name == "capture.safetensors"
+        return Writer(f) if named and "w" in mode else f
+
+    builtins.open = pausing_open
+
+
+def _pause_logits():
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    original = pq.ParquetWriter.write_table
+
+    def write_table(self, table, *args, **kwargs):
+        original(self, table, *args, **kwargs)
+        if Path(str(self.where)).name == "logits.parquet":
+            _pause("logits.rows")
+
+    pq.ParquetWriter.write_table = write_table
+
+
+if _POINT == "forward.capture":
+    _pause_capture()
+elif _POINT == "logits.rows":
+    _pause_logits()
