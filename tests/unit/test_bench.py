@@ -1,10 +1,12 @@
-"""`nexttoken bench`: the structure of bench.json and the measuring helpers. No timing assertions:
-times depend on the machine and its neighbours; only shapes, presence and finiteness are tested."""
+"""`python -m bench` (`nexttoken bench` in a checkout): the structure of bench.json and the
+measuring helpers. No timing assertions: times depend on the machine and its neighbours; only
+shapes, presence and finiteness are tested."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 
 from bench import bench, scale
 from pipeline.errors import UserError
-from tests.conftest import run_module
+from tests.conftest import REPO, run_module
 
 TARGETS = {"capture_vs_plain": 1.10, "parquet_vs_numpy": 3.0, "chain_vs_baseline": 1.2,
            "capture_vs_nnsight_time": 1.0, "capture_vs_nnsight_peak_rss": 1.0,
@@ -62,7 +64,7 @@ def test_write_json_is_atomic(tmp_path):
 
 
 def test_missing_model_names_the_command_to_run(tmp_path):
-    shutil.copy(Path(__file__).resolve().parents[2] / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     with pytest.raises(UserError, match="dvc repro prepare_model"):
         bench.Workspace.open(tmp_path)
 
@@ -126,7 +128,9 @@ def quick_result(tiny_workspace, tmp_path_factory) -> tuple[Path, dict, str]:
     ws = tmp_path_factory.mktemp("bench_ws")
     shutil.copy(tiny_workspace / "params.yaml", ws / "params.yaml")
     shutil.copytree(tiny_workspace / "artifacts" / "prepare_model", ws / "artifacts" / "prepare_model")
-    proc = run_module("pipeline.tools.cli", ws, "bench", "--quick", check=True, timeout=1800)
+    # `python -m bench` in another folder: the checkout's bench/ on the path, the workspace as cwd
+    proc = run_module("bench", ws, "--quick", check=True, timeout=1800,
+                      env={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     return ws, json.loads((ws / bench.OUTPUT).read_text()), proc.stdout
 
 
