@@ -15,14 +15,13 @@ STAGE = "prepare_model"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     model = schema.load_section(params, "model")
-    source = snapshot.ModelSource(**params["model"]["source"])
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        record = snapshot.prepare(source, run.staging, trust_remote_code=model.trust_remote_code,
+        record = snapshot.prepare(model.source, run.staging, trust_remote_code=model.trust_remote_code,
                                 progress=True)
         record = {"name": model.name, "trust_remote_code": model.trust_remote_code, **record}
         run.model = record
-        if source.seed is not None:
-            run.seeds["init"] = source.seed
+        if model.source.seed is not None:
+            run.seeds["init"] = model.source.seed
         run.write_json(paths.SOURCE[1], record)
 
 

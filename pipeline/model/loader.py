@@ -110,9 +110,9 @@ def resolve_device(name: str, key: str = "capture.device") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cpu":
         return torch.device("cpu")
-    match = re.fullmatch(r"cuda(?::(\d+))?", name) if isinstance(name, str) else None
+    match = re.fullmatch(r"cuda(?::(\d+))?", name)
     if match is None:
-        raise bad_value(key, name, "one of auto, cpu, cuda, cuda:N")
+        raise ValueError(f"device {name!r}: not auto, cpu, cuda or cuda:N (CaptureConfig allows no other)")
     index = int(match.group(1) or 0)
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         raise bad_value(key, name, f"a GPU that exists ({torch.cuda.device_count()} CUDA devices here); "
@@ -120,7 +120,7 @@ def resolve_device(name: str, key: str = "capture.device") -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, key: str = "capture.dtype") -> torch.dtype:
+def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise bad_value(key, name, "one of " + ", ".join(DTYPES))
+        raise ValueError(f"dtype {name!r}: not one of {', '.join(DTYPES)} (CaptureConfig allows no other)")
     return DTYPES[name]

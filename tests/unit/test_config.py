@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from pipeline.config import compose, schema
 from pipeline.errors import UserError
@@ -81,3 +82,28 @@ def test_subset_takes_exactly_the_named_keys():
                    "prompt": params["prompt"]}
     with pytest.raises(UserError, match="model.nope"):
         schema.subset(params, ("model.nope",))
+
+
+def _tiny_source(**changes) -> dict:
+    return {**yaml.safe_load((REPO / "conf/model/tiny_qwen2.yaml").read_text())["source"], **changes}
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"kind": "onnx"}, r"model\.source\.kind='onnx'.*gguf_package, tiny_qwen2, hub"),
+    ({"seed": None}, r"model\.source\.seed=None is not allowed: a value \(kind=tiny_qwen2 needs"),
+    ({"seed": True}, "model.source.seed=True"),
+    ({"architecture": {"hidden_size": 64}}, "model.source.architecture.intermediate_size is missing"),
+    ({"pip": None}, "model.source.pip=None"),
+])
+def test_bad_sources_are_named(changes, match):
+    with pytest.raises(UserError, match=match):
+        schema.parse(schema.SourceConfig, _tiny_source(**changes), "model.source")
+
+
+def test_sections_are_frozen_copies():
+    arch = dict(_tiny_source()["architecture"])
+    source = schema.parse(schema.SourceConfig, _tiny_source(architecture=arch), "model.source")
+    with pytest.raises(ValidationError, match="frozen"):
+        source.seed = 1
+    arch["hidden_size"] = 1
+    assert source.architecture.hidden_size == 64 and source.architecture.lm_head_std == 0.5
