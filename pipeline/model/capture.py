@@ -40,7 +40,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import bad_value
 
-POSITIONS = ("all", "last")
 GLOBAL_KINDS = ("embed", "final_norm_out", "logits")
 LAYER_KINDS = ("resid_pre", "attn_weights", "attn_out", "resid_mid", "mlp_out", "resid_post")
 # Layer-0 internals, in the order they are computed.
@@ -127,20 +126,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 @dataclass(frozen=True)
 class CaptureSpec:
-    """What to capture beyond the always-captured set. Range checks need the model: `resolve_layers`."""
+    """What to capture beyond the always-captured set (from a validated CaptureConfig). Range
+    checks need the model: `resolve_layers`."""
 
     attention_layers: tuple[int, ...]
-    positions: str
-
-    def __post_init__(self) -> None:
-        layers = self.attention_layers
-        if not isinstance(layers, (tuple, list)) or any(
-            isinstance(i, bool) or not isinstance(i, int) for i in layers
-        ):
-            raise bad_value("capture.attention_layers", layers, "a list of integer layer indices")
-        object.__setattr__(self, "attention_layers", tuple(layers))
-        if self.positions not in POSITIONS:
-            raise bad_value("capture.positions", self.positions, " or ".join(POSITIONS))
+    positions: str  # "all" | "last" (logits of every prompt position, or of the last only)
 
     def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
         """Sorted, non-negative layers whose attention weights are stored (layer 0 always)."""
@@ -352,8 +342,6 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: str):
     grad mode). no_grad, not inference_mode: the outputs are ordinary tensors the caller can
     keep as they are (no copy to escape inference mode); the kernels, hence the bits, are
     the same either way."""
-    if positions not in POSITIONS:
-        raise bad_value("capture.positions", positions, " or ".join(POSITIONS))
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
     device = model.get_submodule(family(model).embed).weight.device

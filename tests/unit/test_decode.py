@@ -10,7 +10,6 @@ import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.config.schema import SamplingConfig
-from pipeline.errors import UserError
 from pipeline.model import trajectories
 from pipeline.model.decode import generate_reference, prefill, run_branch
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs
@@ -163,12 +162,10 @@ def test_kv_cache_branch_records_every_step(models, dtype):
         assert tokens(cached) == generate_reference(model, PROMPT, s, N, 2, kv_cache=True)
 
 
-def test_zero_and_bad_max_new_tokens(models):
+def test_zero_max_new_tokens(models):
     model = models[torch.float32]
     assert run_branch(model, PROMPT, GREEDY, 0, 0, False, set()) == []
     assert generate_reference(model, PROMPT, GREEDY, 0, 0, False) == []
-    with pytest.raises(UserError, match="sampling.max_new_tokens"):
-        run_branch(model, PROMPT, GREEDY, -1, 0, False, set())
 
 
 class _Calls:
@@ -211,8 +208,6 @@ def test_step_one_follows_capture_positions(models, dtype, kv_cache):
     assert calls[0] == (1, len(PROMPT))
     captured = capture.plain_forward_logits(model, torch.tensor([PROMPT]), "last")[0, -1]
     assert torch.equal(steps[0].logits, captured)
-    with pytest.raises(UserError, match="capture.positions='some' is not allowed"):
-        prefill(model, PROMPT, kv_cache, "some")
 
 
 @pytest.mark.parametrize("kv_cache", [False, True])
