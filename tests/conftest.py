@@ -1,6 +1,11 @@
 """Shared fixtures: the real conf/ composed and shrunk to the tiny model, temp workspaces.
 
-Nothing loads at import time; model fixtures are session-scoped and read-only.
+Nothing loads at import time. The two workspace fixtures are built once per session, in
+fresh processes as DVC would run the stages, and are read-only: `tiny_workspace`
+(prepare_model, tokenize) and `tiny_chain` (a copy of it, run through trajectories). A test
+that runs a stage or changes a file works on its own copy (`copy_ws`); each fixture checks
+at the end of the session that nobody wrote into it, so what a test sees never depends on
+which tests ran before it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.store import paths, provenance
+
 REPO = Path(__file__).resolve().parents[1]
+CHAIN = ("forward", "logits", "probs", "trajectories")
 
 # Tests never reach the network, and git commits in temp clones need an identity.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,10 +49,36 @@ def make_workspace(dest: Path, overrides: list[str]) -> Path:
     return dest
 
 
+def copy_ws(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns(".nexttoken"))
+    return dest
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under artifacts/ and of params.yaml (what a failed run must not touch)."""
+    files = [p for p in (root / paths.ARTIFACTS).rglob("*") if p.is_file()] + [root / paths.PARAMS]
+    return {p.relative_to(root).as_posix(): provenance.sha256_file(p) for p in files if p.exists()}
+
+
+def _read_only(ws: Path):
+    before = snapshot(ws)
+    yield ws
+    assert snapshot(ws) == before, f"a test wrote into the read-only session workspace {ws}: copy it (copy_ws)"
+
+
 @pytest.fixture(scope="session")
 def tiny_workspace(tmp_path_factory) -> Path:
-    """A workspace with tiny_qwen2 prepared and tokenized (read-only for tests)."""
+    """A workspace with tiny_qwen2 prepared and tokenized (read-only)."""
     ws = make_workspace(tmp_path_factory.mktemp("tiny_ws"), ["model=tiny_qwen2"])
     for stage in ("prepare_model", "tokenize"):
         run_module(f"stages.{stage}", ws, check=True)
-    return ws
+    yield from _read_only(ws)
+
+
+@pytest.fixture(scope="session")
+def tiny_chain(tiny_workspace, tmp_path_factory) -> Path:
+    """A copy of tiny_workspace with forward -> trajectories run once (read-only)."""
+    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("tiny_chain") / "ws")
+    for stage in CHAIN:
+        run_module(f"stages.{stage}", ws, check=True)
+    yield from _read_only(ws)

@@ -22,17 +22,14 @@ import pytest
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.tools import audit, cli, revisions
-from tests.conftest import run_module
-
-CHAIN = ("forward", "logits", "probs", "trajectories", "checks")
+from tests.conftest import copy_ws, run_module
 
 
 @pytest.fixture(scope="module")
-def run(tiny_workspace, tmp_path_factory) -> Path:
-    ws = tmp_path_factory.mktemp("audit") / "ws"
-    shutil.copytree(tiny_workspace, ws)
-    for stage in CHAIN:
-        run_module(f"stages.{stage}", ws, check=True)
+def run(tiny_chain, tmp_path_factory) -> Path:
+    """A complete run: a copy of the session's chain, plus the checks stage."""
+    ws = copy_ws(tiny_chain, tmp_path_factory.mktemp("audit") / "ws")
+    run_module("stages.checks", ws, check=True)
     return ws
 
 

@@ -24,21 +24,15 @@ from pipeline.config import schema
 from pipeline.model import loader
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
-from tests.conftest import run_module
+from tests.conftest import copy_ws, run_module
 
-CHAIN = ("forward", "logits", "probs", "trajectories")
 V = 152064
 
 
 @pytest.fixture(scope="module")
-def ws(tiny_workspace, tmp_path_factory) -> Path:
-    """A copy of the session workspace with the chain run (reused when already there) and checks run."""
-    root = tmp_path_factory.mktemp("checks_ws") / "ws"
-    shutil.copytree(tiny_workspace, root, symlinks=True)
-    for stage in CHAIN:
-        if not paths.manifest_path(stage, root).exists():
-            run_module(f"stages.{stage}", root, check=True)
-    return root
+def ws(tiny_chain, tmp_path_factory) -> Path:
+    """A copy of the session's chain, where `clean_run` runs the checks stage."""
+    return copy_ws(tiny_chain, tmp_path_factory.mktemp("checks_ws") / "ws")
 
 
 @pytest.fixture(scope="module")

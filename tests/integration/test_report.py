@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import struct
 from pathlib import Path
 
@@ -21,9 +20,8 @@ from safetensors.torch import load_file
 
 from pipeline.report import plots, render
 from pipeline.store import logits_io, paths
-from tests.conftest import run_module
+from tests.conftest import CHAIN, copy_ws, run_module
 
-CHAIN = ("forward", "logits", "probs", "trajectories")
 CHECKS_SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
                            ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
                            ("detail", pa.string())])
@@ -45,13 +43,8 @@ def _write_checks(ws: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ws(tiny_workspace, tmp_path_factory) -> Path:
-    ws = tmp_path_factory.mktemp("report_ws") / "ws"
-    shutil.copytree(tiny_workspace, ws)
-    for stage in CHAIN:
-        # an earlier test module may have run the chain in the shared workspace already
-        if not paths.manifest_path(stage, ws).exists():
-            run_module(f"stages.{stage}", ws, check=True)
+def ws(tiny_chain, tmp_path_factory) -> Path:
+    ws = copy_ws(tiny_chain, tmp_path_factory.mktemp("report_ws") / "ws")
     _write_checks(ws)
     run_module("stages.report", ws, check=True)
     return ws

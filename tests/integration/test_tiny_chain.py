@@ -1,7 +1,7 @@
 """The stages on tiny_qwen2 in a temporary workspace: the acceptance figures of the chain.
 
-One session workspace runs prepare_model -> trajectories once; tests read its artifacts.
-Tests that need to change something work on their own copy.
+The session's `tiny_chain` (prepare_model -> trajectories, run once) is read here; tests
+that need to change something work on their own copy.
 """
 
 from __future__ import annotations
@@ -19,18 +19,15 @@ import yaml
 from pipeline.model import capture, decode, loader
 from pipeline.numerics.sampling import SamplingSettings
 from pipeline.store import artifacts, logits_io, provenance
-from tests.conftest import run_module
+from tests.conftest import CHAIN, run_module
 
 REFERENCE = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipeline/reference/seed_article.yaml")
                            .read_text())
-CHAIN = ("forward", "logits", "probs", "trajectories")
 
 
 @pytest.fixture(scope="module")
-def ws(tiny_workspace):
-    for stage in CHAIN:
-        run_module(f"stages.{stage}", tiny_workspace, check=True)
-    return tiny_workspace
+def ws(tiny_chain):
+    return tiny_chain
 
 
 def test_tokens_are_the_reference_ids_and_pieces(ws):

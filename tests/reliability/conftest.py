@@ -1,7 +1,7 @@
 """Fixtures and helpers of the reliability suite: one tiny_qwen2 chain, copied per fault.
 
-`chain_ws` runs the chain once (fresh processes, as DVC would) on top of the session's
-`tiny_workspace`; tests that break something work on a copy of it. A fault must end with
+`chain_ws` is the session's `tiny_chain` (tests/conftest.py: run once, in fresh processes as
+DVC would); tests that break something work on a copy of it. A fault must end with
 exit status 2, one line on stderr naming the problem, no traceback, and artifacts/ and
 params.yaml byte-identical (`snapshot`).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -18,31 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.store import paths, provenance
-from tests.conftest import run_module
-
-CHAIN = ("forward", "logits", "probs", "trajectories")
+from pipeline.store import paths
+from tests.conftest import snapshot
 
 
 @pytest.fixture(scope="session")
-def chain_ws(tiny_workspace, tmp_path_factory) -> Path:
-    """tiny_qwen2 through trajectories (read-only: copy it with `copy_ws` to break it)."""
-    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("reliability") / "chain")
-    for stage in CHAIN:
-        if not paths.manifest_path(stage, ws).exists():
-            run_module(f"stages.{stage}", ws, check=True)
-    return ws
-
-
-def copy_ws(src: Path, dest: Path) -> Path:
-    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns(".nexttoken"))
-    return dest
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """sha256 of every file under artifacts/ and of params.yaml (what a failed run must not touch)."""
-    files = [p for p in (root / paths.ARTIFACTS).rglob("*") if p.is_file()] + [root / paths.PARAMS]
-    return {p.relative_to(root).as_posix(): provenance.sha256_file(p) for p in files if p.exists()}
+def chain_ws(tiny_chain) -> Path:
+    """tiny_qwen2 through trajectories: the session's `tiny_chain` (read-only: copy it with `copy_ws`)."""
+    return tiny_chain
 
 
 def is_data_file(rel: str) -> bool:

@@ -33,8 +33,8 @@ from pipeline.errors import UserError
 from pipeline.model import capture, loader, trajectories
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
-from tests.conftest import REPO, run_module
-from tests.reliability.conftest import copy_ws, one_line_error, python_env, snapshot
+from tests.conftest import REPO, copy_ws, run_module, snapshot
+from tests.reliability.conftest import one_line_error, python_env
 
 DOC = REPO / "docs" / "bad_inputs.md"
 DELETE = object()    # a change that removes the key

