@@ -12,7 +12,7 @@ Absolute times depend on the machine and its neighbours, so contenders run alter
 (the order flips every repetition) and ratios are medians of per-pair ratios: load from
 other processes hits both sides of a pair. The model comes from this workspace's
 artifacts/prepare_model. Results go to artifacts/bench/bench.json (written atomically);
-the printed table holds ratios only. Fresh-process measurements live in `pipeline.scale`.
+the printed table holds ratios only. Fresh-process measurements live in `bench.scale`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Exact recomputations of captured numbers, for the checks stage.
 
-Each function takes captured tensors (see `pipeline.capture`) plus the model and returns
+Each function takes captured tensors (see `pipeline.model.capture`) plus the model and returns
 the max absolute difference between what it recomputes and what was recorded. Every step
 runs the same modules, dtype and op order as the model's eager code, so on the device
 that made the capture a consistent record gives exactly 0.0.

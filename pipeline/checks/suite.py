@@ -1,7 +1,7 @@
 """The checks stage's work: re-derive every recorded number from the stored artifacts and model.
 
-Each check is a small function returning a `pipeline.verdicts.Check` (this module: tokenizer,
-capture, recomputations, probabilities; `pipeline.trajectory_checks`: the decoding steps).
+Each check is a small function returning a `pipeline.checks.verdicts.Check` (this module: tokenizer,
+capture, recomputations, probabilities; `pipeline.checks.trajectory`: the decoding steps).
 Earlier stages' own verdicts (facts.json / summary.json booleans) are never used as
 measurements: every number is recomputed here.
 """

@@ -1,7 +1,7 @@
 """The checks on the trajectories stage's files: step-1 logits, greedy argmax, KV cache, generate parity.
 
 Each compares the stored steps and step logits with the forward logits or with
-`model.generate` run again here; see `pipeline.checks.run_all` for where they run.
+`model.generate` run again here; see `pipeline.checks.suite.run_all` for where they run.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def family(model: nn.Module) -> ModuleNames:
     """The module-name table for this model's `config.model_type`."""
     model_type = model.config.model_type
     if model_type not in FAMILIES:
-        raise bad_value("model_type", model_type, f"one of {sorted(FAMILIES)} (pipeline.capture.FAMILIES)")
+        raise bad_value("model_type", model_type, f"one of {sorted(FAMILIES)} (pipeline.model.capture.FAMILIES)")
     return FAMILIES[model_type]
 
 

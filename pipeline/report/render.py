@@ -62,7 +62,7 @@ class Inputs:
         return f"position {self.position}" + (" (the last prompt position)" if self.position == last else "")
 
     def top_logit_ids(self) -> list[int]:
-        # rank 1 = highest logit; ties go to the lower id (pipeline.sampling's rule)
+        # rank 1 = highest logit; ties go to the lower id (pipeline.numerics.sampling's rule)
         return np.argsort(-self.logits.astype(np.float64), kind="stable")[: self.top_n].tolist()
 
 

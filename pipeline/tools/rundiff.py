@@ -4,7 +4,7 @@ Sections: config (dotted params.yaml keys that differ), environment (library ver
 hardware, dtype, device), numbers (max |Δlogit| per prompt position, the largest probability
 change per temperature, kept counts per filter) and trajectories (per branch, the first step
 whose chosen id differs, with both candidates' probabilities). A and B are each a git
-revision, an experiment name or `workspace`, read as `pipeline.revisions` reads them.
+revision, an experiment name or `workspace`, read as `pipeline.tools.revisions` reads them.
 """
 
 from __future__ import annotations

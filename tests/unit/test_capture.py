@@ -1,4 +1,4 @@
-"""pipeline.capture and pipeline.recompute on tiny seeded random models (Qwen2, Gemma 3, Llama)."""
+"""pipeline.model.capture and pipeline.checks.recompute on tiny seeded random models (Qwen2, Gemma 3, Llama)."""
 
 from __future__ import annotations
 

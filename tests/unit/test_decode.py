@@ -1,4 +1,4 @@
-"""pipeline.decode on a tiny random Qwen2: token-for-token parity with model.generate."""
+"""pipeline.model.decode on a tiny random Qwen2: token-for-token parity with model.generate."""
 
 from __future__ import annotations
 
