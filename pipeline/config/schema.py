@@ -72,8 +72,11 @@ def _control_char(text: str) -> str | None:
 
 
 def _prompt_problem(text: str) -> str | None:
+    """What a prompt's text must be, when it is not; None when it is fine."""
+    if not text.strip():
+        return "a non-empty string"
     where = _control_char(text)
-    return "a non-empty string" if not text.strip() else where and f"{where}; allowed: {PROMPT_ALLOWED}"
+    return f"{where}; allowed: {PROMPT_ALLOWED}" if where else None
 
 
 def _leaves_repo(path: str) -> bool:
@@ -87,8 +90,8 @@ def _prompt_file_problem(path: str) -> str | None:
         return PROMPT_FILE + NO_ESCAPE
     parts = PurePosixPath(path.replace("\\", "/")).parts
     if len(parts) < 2 or parts[0] != PROMPT_DIR:
-        return f"{PROMPT_FILE} (e.g. {PROMPT_DIR}/mine.txt): DVC re-runs the stages that read the prompt when a file " \
-               "there changes"
+        return (f"{PROMPT_FILE} (e.g. {PROMPT_DIR}/mine.txt): DVC re-runs the stages that read the prompt when a "
+                "file there changes")
     return None
 
 

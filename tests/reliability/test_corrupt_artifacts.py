@@ -22,15 +22,8 @@ import pytest
 import yaml
 
 from pipeline.store import paths
-from tests.reliability.conftest import (
-    copy_ws,
-    one_line_error,
-    python_env,
-    run_stage_here,
-    snapshot,
-    staging_left,
-    truncate,
-)
+from tests.conftest import copy_ws, snapshot
+from tests.reliability.conftest import one_line_error, python_env, run_stage_here, staging_left, truncate
 
 
 def _no_manifest(ws: Path, stage: str) -> None:
