@@ -8,7 +8,6 @@ given by the rule that failed. Library code receives these objects and never re-
 them. Nothing else happens here (no seeding; no I/O but reading a prompt file).
 """
 
-import functools
 import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -44,8 +43,7 @@ class RuleError(ValueError):
 def rule(problem: Callable[[Any], str | None]) -> AfterValidator:
     """A rule on one field, as part of its type: problem(value) says what is allowed, or is falsy when fine."""
     def check(value):
-        allowed = value is not None and problem(value)
-        if allowed:
+        if value is not None and (allowed := problem(value)):
             raise ValueError(allowed)
         return value
     return AfterValidator(check)
@@ -286,13 +284,8 @@ def _one_line(cls: type[Section], err: dict, section: str) -> UserError:
     if isinstance(broken, RuleError):
         return bad_value(f"{key}.{broken.field}", broken.value, str(broken))
     value = err["input"][:60] + "..." if isinstance(err["input"], str) and len(err["input"]) > 60 else err["input"]
-    schema = _schema(cls)
+    schema = cls.model_json_schema()
     return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, loc), schema, err["type"]))
-
-
-@functools.cache
-def _schema(cls: type[Section]) -> dict:
-    return cls.model_json_schema()
 
 
 def _open(node: dict, schema: dict) -> dict:
@@ -316,7 +309,7 @@ def _at(schema: dict, loc: tuple) -> dict:
 
 
 def _keys_at(cls: type[Section], loc: tuple) -> list[str]:
-    schema = _schema(cls)
+    schema = cls.model_json_schema()
     node = _open(_at(schema, loc), schema)
     return sorted(_open(node.get("items", node), schema).get("properties", {}))
 
@@ -325,8 +318,6 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
     """What a value must be, in words, from its JSON schema (a description, where there is one, says it)."""
     if "description" in node and node.get("type") != "object":    # a model's description is its docstring
         return node["description"]
-    if "anyOf" in node:
-        return _allowed(_open(node, schema), schema, error) + " or null"
     node = _open(node, schema)
     kind = node.get("type")
     if "enum" in node or "const" in node:
