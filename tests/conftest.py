@@ -41,11 +41,17 @@ def run_module(module: str, cwd: Path, *args: str, check: bool = False, env: dic
     return proc
 
 
+# The tests compare the stages' numbers with models they load on the CPU, bit for bit: on a
+# machine with a GPU, `capture.device: auto` would run the stages there. CUDA expectations
+# live in the tests marked `gpu` (tests/integration/test_cuda.py).
+ON_CPU = "capture.device=cpu"
+
+
 def make_workspace(dest: Path, overrides: list[str]) -> Path:
-    """A directory with conf/ and a params.yaml composed from it (no git, no DVC)."""
+    """A directory with conf/ and a params.yaml composed from it (no git, no DVC), on the CPU."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(REPO / "conf", dest / "conf", dirs_exist_ok=True)
-    run_module("pipeline.tools.cli", dest, "compose", *overrides, check=True)
+    run_module("pipeline.tools.cli", dest, "compose", ON_CPU, *overrides, check=True)
     return dest
 
 
