@@ -1,9 +1,10 @@
 """Exact recomputations of captured numbers, for the checks stage.
 
 Each function takes captured tensors (see `pipeline.model.capture`) plus the model and returns
-the max absolute difference between what it recomputes and what was recorded. Every step
-runs the same modules, dtype and op order as the model's eager code, so on the device
-that made the capture a consistent record gives exactly 0.0.
+the max absolute difference (`verdicts.max_abs`) between what it recomputes and what was
+recorded. Every step runs the same modules, dtype and op order as the model's eager code, so
+on the device that made the capture a consistent record gives exactly 0.0. With the model
+spread over several GPUs each step runs on its module's device.
 
 Each attention step starts from the *captured* input of that step (not from the previous
 recomputed step), so a corrupted tensor shows up in the step that produces it, not in
@@ -19,19 +20,8 @@ import re
 import torch
 from torch import nn
 
+from pipeline.checks.verdicts import max_abs
 from pipeline.model.capture import act_name, decoder_layers, family
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in float64; equal elements count 0 (also equal infinities, and NaN on both
-    sides: a reproduced NaN is reproduced), NaN on one side counts inf."""
-    if a.shape != b.shape:
-        raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if a.numel() == 0:
-        return 0.0
-    a64, b64 = a.detach().cpu().double(), b.detach().cpu().double()
-    diff = torch.where((a64 == b64) | (a64.isnan() & b64.isnan()), torch.zeros_like(a64), (a64 - b64).abs())
-    return float(diff.nan_to_num(nan=float("inf")).max())
 
 
 def _with_layout_of(ref: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -62,7 +52,7 @@ def lm_head_recompute(model: nn.Module, final_norm_out: torch.Tensor, logits: to
     cap = getattr(model.config, names.final_softcap) if names.final_softcap else None
     with torch.inference_mode():
         out = _softcap(lm_head(x), cap)
-    return max_abs_diff(out, logits)
+    return max_abs(out, logits)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +87,7 @@ def layer0_attention_recompute(model: nn.Module, captured: dict[str, torch.Tenso
 
     def check(kind: str, recomputed: torch.Tensor) -> torch.Tensor:
         """Record the diff; hand on the captured tensor, laid out like the recomputed one."""
-        diffs[kind.removeprefix("attn.")] = max_abs_diff(recomputed, captured[act_name(kind, 0)])
+        diffs[kind.removeprefix("attn.")] = max_abs(recomputed, captured[act_name(kind, 0)])
         return _with_layout_of(recomputed, cap(kind))
 
     x = cap("ln1_out")
@@ -121,7 +111,9 @@ def layer0_attention_recompute(model: nn.Module, captured: dict[str, torch.Tenso
         position_ids = torch.arange(t, device=device).unsqueeze(0)
         extra = (attn.layer_type,) if names.rope_by_layer_type else ()
         cos, sin = rotary(embed, position_ids, *extra)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # Spread over GPUs (device_map="auto"), the rotary module may sit on another device than
+        # layer 0, and accelerate hands its output back there: the model moves it too (exact).
+        cos, sin = cos.to(device).unsqueeze(1), sin.to(device).unsqueeze(1)
         q = check("attn.q_rot", (q * cos) + (_rotate_half(q) * sin))
         k = check("attn.k_rot", (k * cos) + (_rotate_half(k) * sin))
 
@@ -154,8 +146,8 @@ def residual_adds_recompute(captured: dict[str, torch.Tensor], layer: int) -> di
     with torch.inference_mode():
         mid = get("resid_pre") + get("attn_out")
         post = get("resid_mid") + get("mlp_out")
-    return {"resid_mid": max_abs_diff(mid, get("resid_mid")),
-            "resid_post": max_abs_diff(post, get("resid_post"))}
+    return {"resid_mid": max_abs(mid, get("resid_mid")),
+            "resid_post": max_abs(post, get("resid_post"))}
 
 
 _ATTN_WEIGHTS = re.compile(r"^blocks\.(\d+)\.attn_weights$")
@@ -172,5 +164,5 @@ def future_attention_max(captured: dict[str, torch.Tensor]) -> dict[int, float]:
         # Query i sits at absolute position k_len - q_len + i; "future" is any key after it.
         future = torch.ones(q_len, k_len, dtype=torch.bool).triu(diagonal=k_len - q_len + 1)
         values = w[..., future]
-        result[int(match.group(1))] = float(values.double().max()) if values.numel() else 0.0
+        result[int(match.group(1))] = float(values.max()) if values.numel() else 0.0   # exact in any dtype
     return result

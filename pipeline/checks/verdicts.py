@@ -30,6 +30,9 @@ class Check:
     tolerance: float
     severity: str      # "error" | "report"
     detail: str = ""   # where: position / branch / step of the worst case
+    # Set (and said in detail) when severity is report only because the two computations compared
+    # ran on different devices or GPU models (`suite.kernel_bound`); not a column of checks.parquet.
+    device_note: str = ""
 
     def __post_init__(self):
         if not _NAME.match(self.name):
@@ -60,16 +63,43 @@ def diff_detail(got: Sequence, want: Sequence) -> str:
     return "" if len(got) == len(want) else f"lengths {len(got)} vs {len(want)}"
 
 
-def max_abs(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| in float64; equal values count 0 (also equal infinities, and NaN on both sides:
-    a reproduced NaN is reproduced; `logits_finite` is the check that NaN is there at all);
-    NaN on one side and a shape mismatch count inf."""
-    if a.shape != b.shape:
+CHUNK = 1 << 20   # elements per step of `max_abs`: its float64 temporaries stay a few MB at any size
+
+
+def max_abs(a, b) -> float:
+    """max |a - b| of two numpy arrays or torch tensors (any dtype, any device), in float64.
+
+    The one comparison of every check: it walks both, flattened, CHUNK elements at a time, so
+    comparing two [T, V] logits or [heads, T, T] weights never copies them whole to float64 (a
+    CUDA tensor comes to the CPU one chunk at a time). Equal values count 0 (also equal
+    infinities, and NaN on both sides: a reproduced NaN is reproduced; `logits_finite` is the
+    check that NaN is there at all); NaN on one side counts inf. Shapes that differ count inf,
+    never raise: the check then fails naming it, and the other checks still run (a missing row
+    is passed as an empty array for that reason).
+    """
+    if tuple(a.shape) != tuple(b.shape):
         return math.inf
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        d = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, np.abs(a - b))
-    return float(np.nan_to_num(d, nan=math.inf).max()) if d.size else 0.0
+    a, b = _flat(a), _flat(b)
+    worst = 0.0
+    for start in range(0, a.shape[0], CHUNK):
+        x, y = _float64(a[start:start + CHUNK]), _float64(b[start:start + CHUNK])
+        with np.errstate(invalid="ignore"):
+            d = np.where((x == y) | (np.isnan(x) & np.isnan(y)), 0.0, np.abs(x - y))
+        worst = max(worst, float(np.where(np.isnan(d), math.inf, d).max()))
+        if worst == math.inf:
+            break
+    return worst
+
+
+def _flat(x):
+    return x.detach().reshape(-1) if hasattr(x, "detach") else np.ravel(x)   # a view where the layout allows
+
+
+def _float64(chunk) -> np.ndarray:
+    if hasattr(chunk, "detach"):     # torch: convert on the CPU, one chunk
+        import torch
+        return chunk.to(device="cpu").to(torch.float64).numpy()
+    return np.asarray(chunk, dtype=np.float64)
 
 
 def to_table(checks: list[Check]) -> pa.Table:
