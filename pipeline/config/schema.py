@@ -218,7 +218,7 @@ class PromptConfig(Section):
 
 class CaptureConfig(Section):
     dtype: Literal["bfloat16", "float16", "float32"]
-    device: str = Field(pattern=r"^(auto|cpu|cuda|cuda:[0-9]+)$", description="auto, cpu, cuda or cuda:N")
+    device: str = Field(pattern=r"^(auto|cpu|cuda|cuda:[0-9]+|multi)$", description="auto, cpu, cuda, cuda:N or multi")
     # sdpa never materialises attention weights; the layer-0 recompute check needs them.
     attn_implementation: Literal["eager"] = Field(
         description="eager (attention weights and the layer-0 recompute need it)")

@@ -45,7 +45,8 @@ def _check_finite(logits: torch.Tensor, step: int, position: int) -> None:
 
 
 def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    # Where the ids go: the embedding's device (spread over GPUs, accelerate moves the rest).
+    return model.get_input_embeddings().weight.device
 
 
 @dataclass(frozen=True, eq=False)

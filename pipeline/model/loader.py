@@ -1,12 +1,14 @@
 """Load a prepared model snapshot (weights, tokenizer, config facts) and resolve device and dtype.
 
 Everything a stage needs to run a model that `pipeline.model.snapshot` prepared: the model in
-eval mode from safetensors only, its tokenizer, facts read from its config alone (no
-weights), and the device / dtype names of `capture` turned into torch objects.
+eval mode from safetensors only, its tokenizer, facts read from its config and weight headers
+alone (no weights), the device / dtype names of `capture` turned into torch objects, whether
+the model is spread over several GPUs, and where it ended up (`device_record`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,16 +28,24 @@ def snapshot_dir(prepared_dir: Path, source_record: dict) -> Path:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_implementation: str,
-               trust_remote_code: bool):
-    """The snapshot's model in eval mode, weights in `dtype` on `device` (safetensors only)."""
+               trust_remote_code: bool, spread: bool = False):
+    """The snapshot's model in eval mode, weights in `dtype` on `device` (safetensors only).
+
+    spread: over every visible GPU instead (accelerate, `device_map="auto"`; see `spread`);
+    a model that does not fit them all is refused rather than offloaded to the CPU or disk.
+    """
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
+    device_map = "auto" if spread else None if device.type == "cpu" else str(device)
     with _unreadable(path, "model"):
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation,
-            device_map=None if device.type == "cpu" else str(device),
+            path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map,
             trust_remote_code=trust_remote_code, use_safetensors=True, local_files_only=True)
+    if spread and (off := sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})):
+        raise UserError(f"capture.device={SPREAD!r}: the weights ({weights_bytes(path, dtype) / 2**30:.1f} GiB in "
+                        f"{str(dtype).removeprefix('torch.')}) do not fit the free memory of the {gpu_count()} GPUs "
+                        f"here (accelerate would put some on {', '.join(off)}); use GPUs with more free memory")
     return model.eval()
 
 
@@ -104,20 +114,68 @@ def eos_ids(model) -> set[int]:
     return ids
 
 
-def resolve_device(name: str, key: str = "capture.device") -> torch.device:
-    """auto -> cuda when available, else cpu; cpu; cuda / cuda:N only when that GPU exists."""
+SPREAD = "multi"   # capture.device: the model spread over every visible GPU
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(name: str, key: str = "capture.device", gpus: int | None = None) -> torch.device:
+    """auto -> cuda when available, else cpu; multi -> cuda (the first GPU: where the inputs go;
+    the weights spread over all, see `spread`); cpu; cuda / cuda:N only when that GPU exists.
+
+    gpus: the number of CUDA devices to check against (default: those visible here).
+    """
+    gpus = gpu_count() if gpus is None else gpus
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if gpus else "cpu")
     if name == "cpu":
         return torch.device("cpu")
+    if name == SPREAD:
+        if not gpus:
+            raise bad_value(key, name, "a machine with CUDA GPUs to spread the model over (0 here); use auto or cpu")
+        return torch.device("cuda")
     match = re.fullmatch(r"cuda(?::(\d+))?", name)
     if match is None:
-        raise ValueError(f"device {name!r}: not auto, cpu, cuda or cuda:N (CaptureConfig allows no other)")
+        raise ValueError(f"device {name!r}: not auto, cpu, cuda, cuda:N or {SPREAD} (CaptureConfig allows no other)")
     index = int(match.group(1) or 0)
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise bad_value(key, name, f"a GPU that exists ({torch.cuda.device_count()} CUDA devices here); "
-                                   "use auto or cpu")
+    if index >= gpus:
+        raise bad_value(key, name, f"a GPU that exists ({gpus} CUDA devices here); use auto or cpu")
     return torch.device(name)
+
+
+def spread(name: str, snapshot: Path, dtype: torch.dtype) -> bool:
+    """Spread the model over every visible GPU (accelerate's `device_map="auto"`)? Always for
+    capture.device=multi; for auto when there are several GPUs and the weights alone exceed the
+    first one's free memory. Otherwise the model stays on one device, where every GEMM runs
+    on one GPU model and nothing crosses devices."""
+    if name == SPREAD:
+        return True
+    if name != "auto" or gpu_count() < 2:
+        return False
+    return weights_bytes(snapshot, dtype) > torch.cuda.mem_get_info(0)[0]
+
+
+def weights_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes of the snapshot's weights once loaded in `dtype`, from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with _unreadable(path, "model"), safe_open(str(file), framework="pt") as f:
+            names = f.keys()        # a safe_open handle is not iterable
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in names) * size
+    return total
+
+
+def device_record(model, device: torch.device) -> dict:
+    """Where a computation ran, as the checks compare it: the device name and the GPU model(s)
+    holding the weights ("NVIDIA H200"; different ones joined by " + "), None on the CPU."""
+    gpus = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    names = list(dict.fromkeys(torch.cuda.get_device_name(i) for i in gpus))
+    return {"device": str(device), "gpu_name": " + ".join(names) or None}
 
 
 def resolve_dtype(name: str) -> torch.dtype:

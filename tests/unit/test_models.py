@@ -225,6 +225,25 @@ def test_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="'cuda'"):
             loader.resolve_device("cuda")
+    # multi (spread over every GPU) and the GPU checks, for a given number of GPUs
+    assert loader.resolve_device("multi", gpus=2) == torch.device("cuda")
+    assert loader.resolve_device("auto", gpus=0) == torch.device("cpu")
+    assert loader.resolve_device("cuda:1", gpus=2) == torch.device("cuda:1")
+    with pytest.raises(UserError, match=r"capture\.device='multi' is not allowed: a machine with CUDA GPUs"):
+        loader.resolve_device("multi", gpus=0)
+    with pytest.raises(UserError, match=r"a GPU that exists \(2 CUDA devices here\)"):
+        loader.resolve_device("cuda:2", gpus=2)
+
+
+def test_weights_bytes_and_where_the_model_is(tiny):
+    """The weight size from the safetensors headers alone == the loaded parameters' bytes, per dtype."""
+    model = loader.load_model(tiny[0], torch.bfloat16, "cpu", "eager", trust_remote_code=False)
+    assert loader.weights_bytes(tiny[0], torch.bfloat16) == sum(p.nbytes for p in model.parameters())
+    assert loader.weights_bytes(tiny[0], torch.float32) == 2 * loader.weights_bytes(tiny[0], torch.bfloat16)
+    assert loader.device_record(model, torch.device("cpu")) == {"device": "cpu", "gpu_name": None}
+    # one device unless asked (multi) or the weights outgrow the first of several GPUs
+    assert not loader.spread("cpu", tiny[0], torch.bfloat16) and loader.spread("multi", tiny[0], torch.bfloat16)
+    assert loader.spread("auto", tiny[0], torch.bfloat16) is False          # 39 MB fit any first GPU
 
 
 def test_resolve_dtype():
