@@ -1,9 +1,11 @@
 """The forward stage's work: validate, load, capture one pass, and record its facts.
 
-One forward pass and no more: that the capture is transparent (its logits equal a hook-free
-forward's bit for bit) and that the pass repeats exactly is established by the checks stage
-(`capture_transparent`, `repeat_deterministic`), which runs those plain forwards itself
-against the stored capture; running them here as well only doubled the cost.
+One forward pass and no more, refused before the model loads when its estimated peak memory
+exceeds what the device has free (`pipeline.model.memory`). That the capture is transparent
+(its logits equal a hook-free forward's bit for bit) and that the pass repeats exactly is
+established by the checks stage (`capture_transparent`, `repeat_deterministic`), which runs
+those plain forwards itself against the stored capture; running them here as well only
+doubled the cost.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from pipeline.config.schema import CaptureConfig
 from pipeline.errors import UserError
-from pipeline.model import capture, loader
+from pipeline.model import capture, loader, memory
 from pipeline.store import provenance
 from pipeline.store.artifacts import read_json
 
@@ -32,6 +34,7 @@ class ForwardPlan:
     spec: capture.CaptureSpec
     num_layers: int
     model_record: dict
+    spread: bool = False      # over every visible GPU (`loader.spread`)
 
 
 def plan(cap: CaptureConfig, prepared_dir: Path) -> ForwardPlan:
@@ -44,7 +47,8 @@ def plan(cap: CaptureConfig, prepared_dir: Path) -> ForwardPlan:
     spec = capture.CaptureSpec(attention_layers=cap.attention_layers, positions=cap.positions)
     spec.resolve_layers(num_layers)          # raises naming an out-of-range layer
     record = provenance.model_record(source)
-    return ForwardPlan(snapshot, device, dtype, cap, spec, num_layers, record)
+    spread = loader.spread(cap.device, snapshot, dtype)
+    return ForwardPlan(snapshot, device, dtype, cap, spec, num_layers, record, spread)
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,16 @@ class ForwardResult:
 def run(p: ForwardPlan, ids: list[int], trust_remote_code: bool) -> ForwardResult:
     if not ids:
         raise UserError("tokens.parquet holds no tokens: re-run the tokenize stage")
+    memory.guard(memory.estimate(p.snapshot, p.dtype, len(ids), p.spec, trust_remote_code), p.device, p.spread)
     model = loader.load_model(p.snapshot, p.dtype, str(p.device), p.capture.attn_implementation,
-                              trust_remote_code)
+                              trust_remote_code, spread=p.spread)
     tokenizer_len = len(loader.load_tokenizer(p.snapshot))
     input_ids = torch.tensor([ids], dtype=torch.long)
     tensors = capture.run_capture(model, input_ids, p.spec)
+    where = loader.device_record(model, p.device)
     facts = {
         **capture.model_facts(model, tokenizer_len),
-        "device": str(p.device),
+        "device": where["device"],
         "compute_dtype": str(p.dtype).removeprefix("torch."),
         "positions": p.spec.positions,
         "attention_layers": list(p.spec.resolve_layers(p.num_layers)),
@@ -72,8 +78,10 @@ def run(p: ForwardPlan, ids: list[int], trust_remote_code: bool) -> ForwardResul
         "input_ids": ids,
         "names": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                   for name, t in tensors.items()},
-        "gpu_name": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else None,
+        "gpu_name": where["gpu_name"],
     }
+    if p.spread:
+        facts["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     return ForwardResult({**tensors, "input_ids": input_ids}, facts)
 
 

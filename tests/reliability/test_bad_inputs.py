@@ -238,6 +238,16 @@ def _device(root: Path) -> None:
     loader.resolve_device("cuda:99")
 
 
+def _memory(root: Path) -> None:
+    """Qwen2.5-7B's shape (config only) at 20000 tokens against 16 GiB free, as the forward stage checks it."""
+    from pipeline.model import memory
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
+                                                  "intermediate_size": 18944, "num_attention_heads": 28,
+                                                  "num_key_value_heads": 4, "vocab_size": 152064}))
+    need = memory.estimate(root, loader.resolve_dtype("bfloat16"), 20000, capture.CaptureSpec((0, -1), "all"))
+    memory.guard(need, loader.resolve_device("cuda", gpus=1), free=lambda place, spread: 16 * 2**30)
+
+
 def _duplicate_filter(root: Path, name: str) -> None:
     p = set_key(base_params(), "probs.extra_filters[1].name", name)
     probs.filters(schema.load_section(p, "probs"), schema.load_section(p, "sampling"))
@@ -285,6 +295,10 @@ def model_cases() -> list[Case]:
         Case("model:sampling.max_new_tokens=32745 (25-token prompt, context 32768)", "sampling.max_new_tokens",
              32745, "model", check=lambda r: trajectories.check_room(25, 32745, 32768)),
         Case("model:capture.device=cuda:99 (no such GPU)", "capture.device", "cuda:99", "model", check=_device),
+        Case("model:capture.device=multi with no GPU", "capture.device", "multi", "model",
+             check=lambda r: loader.resolve_device("multi", gpus=0)),
+        Case("model:a forward pass larger than the free memory (20000 tokens, 16 GiB)", "not enough memory for the "
+             "forward pass of this 20000-token prompt", DELETE, "model", check=_memory),
         Case("name:probs.extra_filters duplicate name", "probs.extra_filters", ["sampling", "top_k_2", "top_k_2"],
              "name", check=lambda r: _duplicate_filter(r, "top_k_2")),
         Case("name:probs.extra_filters name 'sampling'", "probs.extra_filters",
