@@ -24,12 +24,13 @@ def main() -> None:
         ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
         snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model"), source)
         trajectories.check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
-        model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
+        model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
+                                  spread=loader.spread(cap.device, snapshot, dtype))
         tokenizer = loader.load_tokenizer(snapshot)
         runs = trajectories.run_all(model, ids, sampling, loader.eos_ids(model), cap.positions)
         run.model = provenance.model_record(source)
         run.seeds["sample"] = sampling.seed
-        run.facts = {"device": str(device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
+        run.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
         run.write_parquet(paths.STEPS[1], trajectories.steps_table(runs, tokenizer, sampling.top_n),
                           compression="zstd")
         rows, keys = trajectories.step_logit_rows(runs)

@@ -42,11 +42,12 @@ def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: P
     source = read_json(use(paths.SOURCE))
     snapshot = loader.snapshot_dir(use(paths.stage_dir("prepare_model")), source)
     stored = suite.load(use, root)
-    model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code)
+    model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
+                              spread=loader.spread(cap.device, snapshot, dtype))
     tokenizer = loader.load_tokenizer(snapshot, model_cfg.trust_remote_code)
     results = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model))
     results += reference.run(stored, model, tokenizer, cfg, results, references)
-    return results, source, {"device": str(device), "missing_stages": list(stored.missing)}
+    return results, source, {**loader.device_record(model, device), "missing_stages": list(stored.missing)}
 
 
 def summary_text(results: list[verdicts.Check]) -> str:

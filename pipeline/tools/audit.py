@@ -5,8 +5,10 @@ no longer match its manifest; an input that is not what its producing stage wrot
 chain); dvc.lock disagreeing with the files or params; a recorded config that is not
 params.yaml's; a stored table, filtered set, summary or check verdict that the same code
 does not re-derive, bit for bit, from the stored logits. Warnings never fail an audit: the
-auditing machine's versions or hardware differ from the recorded ones, or the code that
-re-derives differs from the code that ran.
+auditing machine's versions or hardware differ from the recorded ones, the code that
+re-derives differs from the code that ran, or a kernel-bound check (a recomputation compared
+bit for bit) comes out otherwise here because this machine computes on another device or
+GPU model than the run did (that check is then a report, saying so: `suite.kernel_bound`).
 """
 
 from __future__ import annotations
@@ -276,18 +278,25 @@ def rederive_checks(root: Path, params: dict, result: Audit) -> None:
         return
     stored = dict(zip(stored_t["name"].to_pylist(), stored_t["verdict"].to_pylist()))
     for name in sorted(set(stored) | set(derived)):
-        got, want = derived.get(name, ("<absent>", None)), stored.get(name, "<absent>")
-        if got[0] != want:
-            result.find("re-derive", f"{paths.CHECKS[1]}: check {name} stored {want}, re-derived {got[0]} "
-                                     f"(measured {got[1]})")
+        got, want = derived.get(name, ("<absent>", None, "")), stored.get(name, "<absent>")
+        if got[0] == want:
+            continue
+        what = f"{paths.CHECKS[1]}: check {name} stored {want}, re-derived {got[0]} (measured {got[1]})"
+        if got[2]:    # kernel-bound, and this machine computes on another device: a finding would be noise
+            result.warn(f"{what}: {got[2]}")
+        else:
+            result.find("re-derive", what)
     result.notes.append(f"re-ran {len(derived)} checks from the stored artifacts")
+    if bound := sorted(name for name, (_, _, note) in derived.items() if note):
+        result.notes.append(f"{len(bound)} kernel-bound checks are reports here ({derived[bound[0]][2]}): "
+                            + ", ".join(bound))
 
 
-def checks_verdicts(root: Path, params: dict) -> dict[str, tuple[str, float]]:
-    """name -> (verdict, measured), computed by the checks stage's own function."""
+def checks_verdicts(root: Path, params: dict) -> dict[str, tuple[str, float, str]]:
+    """name -> (verdict, measured, device note), computed by the checks stage's own function."""
     from pipeline.checks import stage  # torch and the model load only when re-deriving the checks
     results, _, _ = stage.compute(params, lambda item: paths.locate(item, root), root)
-    return {c.name: (c.verdict, c.measured) for c in results}
+    return {c.name: (c.verdict, c.measured, c.device_note) for c in results}
 
 
 # ---------------------------------------------------------------- environment

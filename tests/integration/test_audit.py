@@ -21,8 +21,9 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
+from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
 from pipeline.tools import audit, cli, revisions
-from tests.conftest import copy_ws, run_module
+from tests.conftest import ON_CPU, copy_ws, run_module
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def other_prompt_run(tiny_workspace, tmp_path_factory) -> Path:
     """A second run, tokenized for another prompt: a source of plausible but wrong artifacts."""
     ws = tmp_path_factory.mktemp("audit_other") / "ws"
     shutil.copytree(tiny_workspace, ws)
-    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", "prompt.text=Hello world", check=True)
+    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", ON_CPU, "prompt.text=Hello world", check=True)
     run_module("stages.tokenize", ws, check=True)
     return ws
 
@@ -141,6 +142,90 @@ def test_recorded_environment_is_printed_and_differences_warn(run, monkeypatch):
     assert result.clean   # a different machine is a warning, never a finding
     assert any(n.startswith("recorded libraries: python=") for n in result.notes)
     assert any(w.startswith("WARN libraries.torch: recorded") and "'0.0.0-other'" in w for w in result.warnings)
+
+
+# ---------------------------------------------------------------- a GPU run audited on a CPU
+H200 = {"device": "cuda:0", "gpu_name": "NVIDIA H200"}
+RTX = {"device": "cuda", "gpu_name": "NVIDIA GeForce RTX 3090"}
+KERNEL_BOUND = ("lm_head_recompute", "layer0_attention_q", "layer0_attention_attn_out", "capture_transparent",
+                "step1_logits_sample", "step1_logits_greedy_kv", "greedy_step1_argmax", "generate_parity_greedy",
+                "generate_parity_sample")
+SAME_PROCESS = ("repeat_deterministic", "greedy_tokens_argmax", "residual_adds_layer0", "logits_file_exact")
+
+
+def forge(root: Path, rel: str, write) -> None:
+    """`write(path)` rewrites `rel`; every manifest then records its new bytes (a consistent forgery)."""
+    write(root / rel)
+    new = provenance.file_record(root / rel, root)
+    for folder in sorted(p for p in (root / paths.ARTIFACTS).iterdir() if paths.manifest_path(p.name, root).exists()):
+        m = manifest(root, folder.name)
+        for section in ("inputs", "outputs"):
+            m[section] = [{**r, **{k: new[k] for k in r if k in new}} if r["path"] == rel else r
+                          for r in m.get(section, [])]
+        save_manifest(root, folder.name, m)
+
+
+def as_gpu_run(root: Path) -> None:
+    """The run's records say: forward on an H200, trajectories on an RTX 3090 (the numbers are the CPU's)."""
+    def facts(path):
+        path.write_text(json.dumps({**json.loads(path.read_text()), **H200}, indent=2) + "\n")
+
+    def step_logits(path):
+        pf = pq.ParquetFile(path)
+        table = pf.read()
+        meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **RTX}).encode()}
+        pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
+    forge(root, paths.artifact(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
+    forge(root, paths.artifact(paths.STEP_LOGITS, root).relative_to(root).as_posix(), step_logits)
+
+
+def kernels_differ_here(monkeypatch) -> None:
+    """Loads in this process compute the LM head a little otherwise, as other kernels would."""
+    from pipeline.model import loader
+    real = loader.load_model
+
+    def load(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.lm_head.register_forward_hook(lambda module, inputs, output: output + 0.5)
+        return model
+    monkeypatch.setattr(loader, "load_model", load)
+
+
+def test_a_gpu_run_checked_and_audited_on_a_cpu_reports_kernel_bound_checks_and_never_fails(copy, monkeypatch):
+    as_gpu_run(copy)
+    run_module("stages.checks", copy, check=True)
+    rows = {r["name"]: r for r in pq.read_table(paths.artifact(paths.CHECKS, copy)).to_pylist()}
+    for name in KERNEL_BOUND:
+        assert rows[name]["severity"] == "report", rows[name]
+    assert "report, not error: forward ran on cuda (NVIDIA H200), this check on cpu" in rows["lm_head_recompute"][
+        "detail"]
+    assert "trajectories ran on cuda (NVIDIA GeForce RTX 3090), forward on cuda (NVIDIA H200)" in rows[
+        "step1_logits_sample"]["detail"]
+    assert "trajectories ran on cuda (NVIDIA GeForce RTX 3090), this check on cpu" in rows[
+        "generate_parity_greedy"]["detail"]
+    assert all(rows[name]["severity"] == "error" for name in SAME_PROCESS)
+    checks_facts = manifest(copy, "checks")["facts"]
+    assert (checks_facts["device"], checks_facts["gpu_name"]) == ("cpu", None)
+
+    clean = audit.audit_folder(copy, "gpu run")
+    assert clean.clean and not clean.warnings, clean.lines()
+    note = next(n for n in clean.notes if "kernel-bound checks are reports here (report, not error: " in n)
+    assert all(name in note for name in KERNEL_BOUND) and not any(name in note for name in SAME_PROCESS), note
+    # This machine's kernels give other numbers: the re-derived kernel-bound checks fail, as
+    # reports; the audit warns, naming them and why, and stays clean.
+    kernels_differ_here(monkeypatch)
+    result = audit.audit_folder(copy, "gpu run")
+    assert result.clean, result.lines()
+    warned = "\n".join(result.warnings)
+    for name in ("lm_head_recompute", "capture_transparent"):
+        assert f"check {name} stored pass, re-derived fail" in warned and "forward ran on cuda (NVIDIA H200)" in warned
+
+
+def test_the_same_kernel_difference_on_a_cpu_run_is_a_finding(copy, monkeypatch):
+    kernels_differ_here(monkeypatch)
+    found = findings(copy)
+    for name in ("lm_head_recompute", "capture_transparent"):
+        assert any(f"check {name} stored pass, re-derived fail" in f for f in found), found
 
 
 # ---------------------------------------------------------------- bad input: exit 2

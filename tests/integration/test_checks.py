@@ -186,27 +186,58 @@ def test_check_verdicts_names_and_metrics():
     assert verdicts.to_table([ok, nan]).column("verdict").to_pylist() == ["pass", "fail"]
 
 
-def test_device_severity():
-    cpu = {"device": "cpu", "gpu_name": None}
-    assert suite.device_severity(cpu, suite.device_record(torch.device("cpu"))) == "error"
-    assert suite.device_severity({"device": "cuda", "gpu_name": "NVIDIA H200"}, cpu) == "report"
-    h200, other = {"device": "cuda:0", "gpu_name": "NVIDIA H200"}, {"device": "cuda", "gpu_name": "RTX 3090"}
-    assert suite.device_severity(h200, other) == "report"
-    assert suite.device_severity({"device": "cuda", "gpu_name": None}, other) == "error"   # type only
+def test_device_difference_needs_the_same_device_kind_and_gpu_model():
+    cpu = ("this check", {"device": "cpu", "gpu_name": None})
+    h200, h200_1 = ("forward", {"device": "cuda:0", "gpu_name": "NVIDIA H200"}), \
+        ("this check", {"device": "cuda:1", "gpu_name": "NVIDIA H200"})
+    rtx = ("trajectories", {"device": "cuda", "gpu_name": "NVIDIA GeForce RTX 3090"})
+    assert suite.device_difference(("forward", {"device": "cpu", "gpu_name": None}), cpu) == ""
+    assert suite.device_difference(h200, h200_1) == ""                # another GPU of the same model
+    assert suite.device_difference(h200, cpu) == ("report, not error: forward ran on cuda (NVIDIA H200), this check "
+                                                  "on cpu, whose kernels may round differently")
+    assert "NVIDIA GeForce RTX 3090" in suite.device_difference(rtx, h200)
+    # a GPU run that did not record its GPU model is not taken for this one
+    assert "GPU model not recorded" in suite.device_difference(("forward", {"device": "cuda", "gpu_name": None}),
+                                                               ("this check", {"device": "cuda", "gpu_name": None}))
+
+
+def test_kernel_bound_checks_become_reports_saying_why_on_other_devices():
+    made = [verdicts.Check("lm_head_recompute", "x", 0.5, 0, "error", "max abs diff"),
+            verdicts.Check("capture_transparent", "x", 0.0, 0, "error")]
+    cpu, h200 = ("this check", {"device": "cpu", "gpu_name": None}), ("forward", {"device": "cuda", "gpu_name": "H200"})
+    assert suite.kernel_bound(made, cpu, cpu) == made
+    got = suite.kernel_bound(made, h200, cpu)
+    assert [c.severity for c in got] == ["report", "report"] and [c.measured for c in got] == [0.5, 0.0]
+    assert got[0].detail == "max abs diff; " + got[0].device_note and "forward ran on cuda (H200)" in got[1].detail
+    assert verdicts.failed_errors(got) == [] and verdicts.failed_errors(made) == ["lm_head_recompute"]
 
 
 def test_a_reproduced_nan_is_equal_and_a_nan_on_one_side_is_not():
     """Recompute checks: NaN in both at the same place is reproduced (logits_finite is what
     fails on it); NaN on one side only, or a different value, is a difference."""
-    from pipeline.checks.recompute import max_abs_diff
     a = np.array([1.0, np.nan, np.inf, -2.0], np.float32)
     assert verdicts.max_abs(a, a.copy()) == 0.0
     assert verdicts.max_abs(a, np.array([1.0, 0.0, np.inf, -2.0], np.float32)) == math.inf
     assert verdicts.max_abs(a, np.array([1.0, np.nan, np.inf, -1.5], np.float32)) == 0.5
     assert verdicts.max_abs(a, a[:3]) == math.inf
     t = torch.from_numpy(a).to(torch.bfloat16)
-    assert max_abs_diff(t, t.clone()) == 0.0
-    assert max_abs_diff(t, torch.tensor([1.0, 1.0, float("inf"), -2.0], dtype=torch.bfloat16)) == math.inf
+    assert verdicts.max_abs(t, t.clone()) == 0.0
+    assert verdicts.max_abs(t, torch.tensor([1.0, 1.0, float("inf"), -2.0], dtype=torch.bfloat16)) == math.inf
+
+
+def test_max_abs_walks_chunks_and_both_kinds_of_input(monkeypatch):
+    """One implementation for arrays and tensors, chunk by chunk: a difference in any chunk,
+    the last partial one included, is found; shapes that differ count inf, never raise."""
+    monkeypatch.setattr(verdicts, "CHUNK", 7)
+    a = np.arange(50, dtype=np.float32).reshape(5, 10)
+    for where, by in (((0, 0), 0.25), ((3, 4), 2.0), ((4, 9), 0.5)):      # first, middle and last chunk
+        b = a.copy()
+        b[where] += by
+        assert verdicts.max_abs(a, b) == by
+        assert verdicts.max_abs(torch.from_numpy(a).to(torch.bfloat16), torch.from_numpy(b).to(torch.bfloat16)) == by
+    t = torch.from_numpy(a).t()                                       # not contiguous
+    assert verdicts.max_abs(t, t.contiguous()) == 0.0 and verdicts.max_abs(a, a.T) == math.inf
+    assert verdicts.max_abs(np.empty(0), np.empty((0,))) == 0.0
 
 
 def test_logits_finite_counts_and_names_positions():
