@@ -23,6 +23,7 @@ import torch
 
 from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
+from pipeline.model import tiny
 from pipeline.model.loader import auto_config, load_tokenizer
 from pipeline.store.provenance import sha256_file
 
@@ -103,26 +104,14 @@ def _prepare_gguf(source: SourceConfig, out_dir: Path, show: bool) -> dict:
 
 
 def _prepare_tiny_qwen2(source: SourceConfig, out_dir: Path, show: bool) -> dict:
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     tok_dir = _package_dir(source) / "tokenizer_files"
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     tokenizer.eos_token = QWEN_EOS
-    eos = tokenizer.convert_tokens_to_ids(QWEN_EOS)
     arch = source.architecture.model_dump()
-    lm_head_std = float(arch.pop("lm_head_std"))
-    config = Qwen2Config(**arch, tie_word_embeddings=False, use_sliding_window=False,
-                         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, dtype="float32")
-    # fork_rng: seed the init without leaving the caller's global RNG changed.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(source.seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    # A random init gives near-flat next-token distributions; a wider LM head makes a few
-    # candidates stand out, so sampling and top-p tests have something to select.
-    generator = torch.Generator().manual_seed(source.seed)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, lm_head_std, generator=generator)
-    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    lm_head_std = float(arch["lm_head_std"])
+    model = tiny.build(arch, source.seed, tokenizer.convert_tokens_to_ids(QWEN_EOS))
     _check_dense(model, {k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")})
     _save(model, tokenizer, out_dir, source.kind, show)
     inputs = {f"tokenizer_files/{p.name}": sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}
