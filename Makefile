@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Stages run `python -m stages.<name>`: the venv must come first on PATH.
 RUN := PATH="$(BIN):$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)"
 
-.PHONY: setup repro test test-fast bench clean-venv
+.PHONY: setup repro test test-fast bench gpu-check clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "nexttoken needs Python 3.11, found " + sys.version'
@@ -41,6 +41,15 @@ test-fast: setup
 bench: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
 	$(RUN) python -m bench
+
+# The one-shot GPU check (bench/gpu_check.py): tiny_qwen2 through capture, recomputes, tables and
+# decoding on the first GPU, then on the CPU, every figure and time printed; seconds on a GPU,
+# stopped at 420 s. Needs only torch, transformers, tokenizers, safetensors, numpy, pyarrow and
+# pandas: it uses .venv when there is one, else $(PYTHON) as it is (no setup, no network), e.g.
+# `make gpu-check PYTHON=python3` on a bare GPU machine. CI: make gpu-check GPU_CHECK_ARGS="--device cpu".
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	$(GPU_CHECK_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

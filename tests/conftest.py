@@ -47,11 +47,11 @@ def run_module(module: str, cwd: Path, *args: str, check: bool = False, env: dic
 ON_CPU = "capture.device=cpu"
 
 
-def make_workspace(dest: Path, overrides: list[str]) -> Path:
-    """A directory with conf/ and a params.yaml composed from it (no git, no DVC), on the CPU."""
+def make_workspace(dest: Path, overrides: list[str], device: str = "cpu") -> Path:
+    """A directory with conf/ and a params.yaml composed from it (no git, no DVC), on `device`."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(REPO / "conf", dest / "conf", dirs_exist_ok=True)
-    run_module("pipeline.tools.cli", dest, "compose", ON_CPU, *overrides, check=True)
+    run_module("pipeline.tools.cli", dest, "compose", f"capture.device={device}", *overrides, check=True)
     return dest
 
 
