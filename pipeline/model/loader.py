@@ -31,17 +31,20 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_
                trust_remote_code: bool, spread: bool = False):
     """The snapshot's model in eval mode, weights in `dtype` on `device` (safetensors only).
 
+    On one device the model loads on the CPU and moves whole: the same load everywhere (RoPE's
+    tables, say, are computed by the CPU whatever the device), and no accelerate needed.
     spread: over every visible GPU instead (accelerate, `device_map="auto"`; see `spread`);
     a model that does not fit them all is refused rather than offloaded to the CPU or disk.
     """
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    device_map = "auto" if spread else None if device.type == "cpu" else str(device)
     with _unreadable(path, "model"):
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map,
+            path, dtype=dtype, attn_implementation=attn_implementation, device_map="auto" if spread else None,
             trust_remote_code=trust_remote_code, use_safetensors=True, local_files_only=True)
+    if not spread and device.type != "cpu":
+        model.to(device)
     if spread and (off := sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})):
         raise UserError(f"capture.device={SPREAD!r}: the weights ({weights_bytes(path, dtype) / 2**30:.1f} GiB in "
                         f"{str(dtype).removeprefix('torch.')}) do not fit the free memory of the {gpu_count()} GPUs "

@@ -9,7 +9,8 @@ tokens, b bytes per value of the compute dtype:
 - other activations: a few [T, hidden] and [T, intermediate] tensors;
 - logits: [R, V] (R = T, or 1 with capture.positions=last);
 - the capture (`capture.capture_names`): every kept tensor, exactly; on CUDA it is copied to
-  the CPU as it is recorded, on the CPU it is the model's own tensors, kept.
+  the CPU as it is recorded, on the CPU it is the model's own tensors, kept. A model for one
+  GPU loads on the CPU first (`loader.load_model`), so the CPU needs the larger of the two.
 
 The compute device's share is compared with its free memory (CUDA: `torch.cuda.mem_get_info`,
 summed over the GPUs a spread model uses; CPU: available RAM), the capture's with the CPU's.
@@ -89,7 +90,9 @@ def guard(need: Estimate, device: torch.device, spread: bool = False, free=None)
     free(device, spread) -> bytes: `free_bytes` unless given.
     """
     free, cpu = free or free_bytes, torch.device("cpu")
-    places = [(device, need.on_device(device))] + ([] if device.type == "cpu" else [(cpu, need.captured)])
+    # Off the CPU, the CPU holds the capture, and first the weights on one device (loaded there, then moved).
+    on_cpu = need.captured if spread else max(need.captured, need.weights)
+    places = [(device, need.on_device(device))] + ([] if device.type == "cpu" else [(cpu, on_cpu)])
     for place, size in places:
         have = free(place, spread)
         if size > have:
@@ -98,7 +101,7 @@ def guard(need: Estimate, device: torch.device, spread: bool = False, free=None)
 
 def _refusal(need: Estimate, place: torch.device, size: int, have: int, device: torch.device, spread: bool) -> str:
     t, holds_capture = need.tokens, place.type == "cpu"
-    parts = {"capture": need.captured} if place.type != device.type else {
+    parts = {"capture": need.captured, "weights while loading": need.weights} if place.type != device.type else {
         "weights": need.weights, f"eager attention of one layer ({need.heads} heads x {t}^2)": need.attention,
         "logits": need.logits, "other activations": need.activations, **({"capture": need.captured}
                                                                            if holds_capture else {})}
@@ -107,7 +110,8 @@ def _refusal(need: Estimate, place: torch.device, size: int, have: int, device: 
     if holds_capture and need.attention_captured:
         remedies.append(f"fewer capture.attention_layers (their weights: {need.attention_captured / GIB:.2f} GiB)")
     remedies.append("a shorter prompt (attention grows with its square)")
-    if device.type == "cuda" and not spread and loader.gpu_count() > 1:
-        remedies.append(f"capture.device={loader.SPREAD} ({loader.gpu_count()} GPUs)")
+    if device.type == "cuda" and not spread and (loader.gpu_count() > 1 or holds_capture and size == need.weights):
+        remedies.append(f"capture.device={loader.SPREAD} (accelerate loads the weights straight onto the GPUs, "
+                        f"{loader.gpu_count()} here)")
     return (f"not enough memory for the forward pass of this {t}-token prompt: it needs about {size / GIB:.2f} GiB "
             f"on {place} ({shown}) but {have / GIB:.2f} GiB are free: use " + ", or ".join(remedies))

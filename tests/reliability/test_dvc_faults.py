@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import ON_CPU
 from tests.helpers import worktree
 from tests.helpers.worktree import clone_worktree
 from tests.reliability.conftest import data_hashes, is_data_file, staging_left
@@ -37,7 +38,7 @@ sh = functools.partial(worktree.sh, timeout=1200)
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     repo = clone_worktree(tmp_path_factory.mktemp("faults_clone"))
-    sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
+    sh(repo, "nexttoken", "compose", "model=tiny_qwen2", ON_CPU)    # as chain_ws, which it is compared with
     sh(repo, "dvc", "repro", *TARGETS)
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "tiny_qwen2 run")
@@ -105,8 +106,8 @@ def test_two_experiments_at_once_equal_the_same_run_one_after_the_other(clone):
     first = _exp_refs(clone)
     try:
         for seed in SEEDS:
-            sh(clone, "dvc", "exp", "run", "--queue", "-S", "model=tiny_qwen2", "-S", f"sampling.seed={seed}",
-               "trajectories")
+            sh(clone, "dvc", "exp", "run", "--queue", "-S", "model=tiny_qwen2", "-S", ON_CPU, "-S",
+               f"sampling.seed={seed}", "trajectories")
         sh(clone, "dvc", "queue", "start", "-j", "2")
         status = worktree.wait_for_queue(clone, 1200)
     finally:
@@ -115,7 +116,8 @@ def test_two_experiments_at_once_equal_the_same_run_one_after_the_other(clone):
     together = dict(_outputs(clone, c) for c in _exp_refs(clone) - first)
     for seed in SEEDS:                                      # the same experiments, one after the other
         before = _exp_refs(clone)
-        sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", f"sampling.seed={seed}", "trajectories")
+        sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", ON_CPU, "-S", f"sampling.seed={seed}",
+           "trajectories")
         (commit,) = _exp_refs(clone) - before
         seed_read, files = _outputs(clone, commit)
         assert seed_read == seed and files == together[seed], seed

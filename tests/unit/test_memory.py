@@ -77,10 +77,16 @@ def test_qwen2_5_7b_on_one_h200_is_refused_at_20k_tokens_naming_what_to_change(q
     # 16k tokens with logits for the last position only fit the GPU ...
     last = memory.estimate(qwen_7b, torch.bfloat16, 16_000, capture.CaptureSpec((0, -1), "last"))
     memory.guard(last, torch.device("cuda"), free=h200)
-    # ... but not what the capture keeps (2 layers' attention weights, 28 layers' residual stream) in 32 GiB of RAM
+    # ... but not what the capture keeps (2 layers' attention weights, 28 layers' residual stream) in 32 GiB of RAM;
+    # the weights pass through the CPU first (loaded there, then moved): 14 GiB of RAM are too few for them
+    with pytest.raises(UserError, match=r"about 14\.19 GiB on cpu \(weights while loading 14\.19, capture 1\.08\) "
+                                        r".* or capture\.device=multi \(accelerate loads the weights straight onto "):
+        memory.guard(memory.estimate(qwen_7b, torch.bfloat16, 1000, capture.CaptureSpec((0, -1), "last")),
+                     torch.device("cuda"), free=lambda place, spread: (139 if place.type == "cuda" else 14) * GIB)
     with pytest.raises(UserError) as err:
         memory.guard(last, torch.device("cuda"), free=lambda place, spread: (139 if place.type == "cuda" else 32) * GIB)
-    assert str(err.value).endswith("it needs about 42.82 GiB on cpu (capture 42.82) but 32.00 GiB are free: use fewer "
+    assert str(err.value).endswith("it needs about 42.82 GiB on cpu (capture 42.82, weights while loading 14.19) but "
+                                   "32.00 GiB are free: use fewer "
                                    "capture.attention_layers (their weights: 26.70 GiB), or a shorter prompt "
                                    "(attention grows with its square)")
 
