@@ -46,7 +46,7 @@ CONF = {"model": REPO / "conf/model/tiny_qwen2.yaml", "prompt": REPO / "conf/pro
         "capture": REPO / "conf/capture/default.yaml", "sampling": REPO / "conf/sampling/reference.yaml",
         "checks": REPO / "conf/checks/default.yaml", "probs": REPO / "conf/probs/default.yaml"}
 # Qwen2.5 base's <|endoftext|>, which prepare_model makes tiny_qwen2's eos from the tokenizer
-# (tests/unit/test_gpu_check.py holds it to the prepared snapshot's).
+# (tests/integration/test_gpu_check.py holds it to the prepared snapshot's).
 EOS_ID = 151643
 DTYPE = torch.bfloat16
 
@@ -55,7 +55,7 @@ DTYPE = torch.bfloat16
 def read_conf(path: Path) -> dict:
     """The YAML subset conf/ uses: nested mappings by indentation, scalars (int, float, null,
     true/false, plain or double-quoted strings), flow lists of scalars over one or more lines,
-    and block lists of scalars or one-line flow mappings. tests/unit/test_gpu_check.py holds it
+    and block lists of scalars or one-line flow mappings. tests/integration/test_gpu_check.py holds it
     to yaml.safe_load on every file read here."""
     root: dict = {}
     stack: list[tuple[int, dict]] = [(-1, root)]

@@ -4,7 +4,8 @@ figure and what to change, exit status 2, nothing written (pipeline/model/memory
 from __future__ import annotations
 
 from pipeline.model import loader, memory
-from tests.reliability.conftest import copy_ws, one_line_error, run_stage_here, snapshot
+from tests.conftest import copy_ws, snapshot
+from tests.reliability.conftest import one_line_error, run_stage_here
 
 
 def test_forward_refuses_before_loading_when_the_device_is_short_of_memory(tiny_workspace, tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 Any process started with this folder on PYTHONPATH cannot import Hydra, omegaconf, DVC,
 pydantic, psutil or accelerate at all (as if not installed), and the repository's own code
 (pipeline/, bench/) cannot import PyYAML (transformers' own imports may: huggingface_hub
-needs it, so it is there wherever transformers is). See tests/unit/test_gpu_check.py.
+needs it, so it is there wherever transformers is). See tests/integration/test_gpu_check.py.
 """
 
 import os
