@@ -119,6 +119,7 @@ def settings() -> dict:
             "ids": conf["prompt"]["expected_token_ids"]["qwen2"],
             "attention_layers": tuple(conf["capture"]["attention_layers"]),
             "temperatures": conf["probs"]["temperatures"], "kv_cache_atol": conf["checks"]["kv_cache_atol"],
+            "sum_tolerance": {"FP64": conf["probs"]["fp64_sum_tolerance"], "FP32": conf["probs"]["fp32_sum_tolerance"]},
             "branches": {"sample": sampling.SamplingSettings(s["temperature"], s["top_k"], s["top_p"]),
                          "greedy": sampling.SamplingSettings(0.0, 0, 1.0)},
             "sampling_seed": s["seed"], "max_new_tokens": s["max_new_tokens"]}
@@ -259,8 +260,12 @@ def report(run: dict, conf: dict) -> list[str]:
     top = torch.argsort(run["tensors"]["logits"][0, -1].float(), descending=True, stable=True)[:3].tolist()
     lines.append(f"FP64 table at the last position, top ids {top}:")
     for temp, tab in t.items():
+        over = [f"{k} > {tol:g}" for k, err, tol in (("FP64", tab.sum_err64, conf["sum_tolerance"]["FP64"]),
+                                                     ("FP32", tab.sum_err32, conf["sum_tolerance"]["FP32"]))
+                if not err <= tol]
         lines.append(f"  T={temp:g}: p64 {[f'{tab.p64[i]:.4f}' for i in top]}, |sum-1| FP64 {tab.sum_err64:.3g}, "
-                     f"FP32 {tab.sum_err32:.3g}")
+                     f"FP32 {tab.sum_err32:.3g}" + (f"  FINDING ({', '.join(over)}; FP32 is a report check)"
+                                                    if over else ""))
     lines.append(f"branches ({conf['max_new_tokens']} new tokens, seed {conf['sampling_seed']}):")
     for (branch, kv), got in run["runs"].items():
         lines.append(f"  {branch:6s} {'kv cache   ' if kv else 'full prefix'} ids {got}")

@@ -67,7 +67,10 @@ def test_make_gpu_check_runs_on_the_cpu_with_nothing_outside_its_list():
                  "FP64 table at the last position", "KV cache vs full prefix, sample: max |logit diff| per step",
                  "times: load", "gpu-check: finished"):
         assert line in out, line
-    assert "  FINDING" not in out      # on the CPU every exact figure is 0 and the KV cache drifts by nothing
+    # on the CPU every exact figure is 0 and the KV cache drifts by nothing (the FP32 sums may miss 2e-6)
+    findings = [line for line in out.splitlines()
+                if "FINDING" in line and not ("FP32 >" in line or "is a FINDING" in line)]
+    assert findings == [], out
 
 
 def test_a_numerical_finding_is_printed_never_an_exit_status(monkeypatch, capsys):
