@@ -75,8 +75,13 @@ def first_diverging_tensor(a: dict, b: dict, order: list[str], n_positions: int 
 
 def _same_bits(x, y) -> bool:
     import torch
-    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-        x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bytes(x), _bytes(y))
+
+
+def _bytes(t):
+    """[*t.shape, itemsize]: each element's bytes (bit-exact comparison: NaN == NaN, -0.0 != 0.0)."""
+    import torch
+    return t.contiguous().view(-1).view(torch.uint8).reshape(*t.shape, t.element_size())
 
 
 def _divergence(name: str, x, y, n_positions: int | None) -> Divergence:
@@ -85,12 +90,19 @@ def _divergence(name: str, x, y, n_positions: int | None) -> Divergence:
         return Divergence(name, None, None, None, f"only in {'B' if x is None else 'A'}")
     if x.shape != y.shape or x.dtype != y.dtype:
         return Divergence(name, None, None, None, f"{x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}")
-    d = (x.double() - y.double()).abs()
-    d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)   # NaN on one side only: infinitely apart
+    xd, yd = x.double(), y.double()
+    d = (xd - yd).abs()
+    both_nan = torch.isnan(xd) & torch.isnan(yd)
+    d = torch.where(both_nan, 0.0, torch.where(torch.isnan(d), math.inf, d))   # NaN on one side only: inf
+    if float(d.max()) == 0:           # equal values, other bits: look for the first element whose bits differ
+        d = (_bytes(x) != _bytes(y)).any(-1).double()
+        detail = " (values equal, bits differ: signed zero or NaN payload)"
+    else:
+        detail = ""
     index = tuple(int(i) for i in np.unravel_index(int(d.argmax()), tuple(d.shape)))
     dims = [i for i in range(1, d.dim()) if d.shape[i] == n_positions]
-    return Divergence(name, float(d.max()), index, index[dims[0]] if dims else None,
-                      f"{x.dtype} {list(x.shape)}".replace("torch.", ""))
+    return Divergence(name, 0.0 if detail else float(d.max()), index, index[dims[0]] if dims else None,
+                      f"{x.dtype} {list(x.shape)}".replace("torch.", "") + detail)
 
 
 def divergence_line(d: Divergence | None, total: int, labels: tuple[str, str] = ("A", "B")) -> str:

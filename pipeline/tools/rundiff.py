@@ -264,12 +264,13 @@ def table_difference(stored: pa.Table, derived: pa.Table) -> str | None:
     if stored.num_rows != derived.num_rows:
         return f"{stored.num_rows} rows stored, {derived.num_rows} re-derived"
     for name in stored.column_names:
-        a, b = stored[name].to_numpy(), derived[name].to_numpy()
         if pa.types.is_floating(stored.schema.field(name).type):
+            a, b = stored[name].to_numpy(), derived[name].to_numpy()
             bits = {4: "<u4", 8: "<u8"}[a.dtype.itemsize]
             bad = (a.view(bits) != b.view(bits)).nonzero()[0]
-        else:
-            bad = [i for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())) if x != y]
+        else:   # ints, strings, lists (steps.parquet's top-N): as Python values
+            a, b = stored[name].to_pylist(), derived[name].to_pylist()
+            bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
         if len(bad):
             i = int(bad[0])
             key = ", ".join(f"{k}={stored[k][i].as_py()}" for k in ("position", "filter", "token_id")

@@ -109,7 +109,7 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
                 if not same:
                     result.differing.append(f"{stage}/{name}")
         if result.differing:
-            result.lines += explain(root, here, rerun)
+            result.lines += explain(root, here, {d.split("/")[0] for d in result.differing})
     verdict = "IDENTICAL: every re-run artifact is bit-identical" if result.identical else \
         f"DIFFERS: {len(result.differing)} artifact(s) differ"
     result.lines.append(f"verdict: {verdict}")
@@ -166,14 +166,14 @@ def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
 
 
 def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool]]:
-    """(file name, bit-identical) for every data file of the stage, stored or re-made."""
+    """(file name, bit-identical) for every output the stage's manifest lists, stored or re-made
+    (what DVC adds beside them, such as a .gitignore, is not the stage's)."""
     def files(r: Path) -> dict[str, Path]:
-        d = paths.stage_dir(stage, r)
-        return {p.relative_to(d).as_posix(): p for p in sorted(d.rglob("*"))
-                if p.is_file() and p.name != paths.MANIFEST}
+        outputs = read_json(paths.manifest_path(stage, r)).get("outputs") or []
+        return {Path(o["path"]).relative_to(paths.stage_dir(stage)).as_posix(): r / o["path"] for o in outputs}
     stored, made = files(root), files(here)
-    return [(name, name in stored and name in made and _content(stored[name]) == _content(made[name]))
-            for name in sorted(set(stored) | set(made))]
+    return [(name, name in stored and name in made and stored[name].is_file()
+             and _content(stored[name]) == _content(made[name])) for name in sorted(set(stored) | set(made))]
 
 
 def _content(path: Path) -> str:
@@ -182,18 +182,18 @@ def _content(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- explaining a difference
-def explain(root: Path, here: Path, rerun: list[str]) -> list[str]:
-    """One line per finding downstream of the first difference, in the pipeline's order."""
+def explain(root: Path, here: Path, differing: set[str]) -> list[str]:
+    """One line per finding in the stages whose artifacts differ, in the pipeline's order."""
     out: list[str] = []
-    if "forward" in rerun:
+    if differing & {"forward", "logits"}:
         out += capture_lines(root, here)
-    if "probs" in rerun:
+    if "probs" in differing:
         out += probs_lines(root, here)
-    if "trajectories" in rerun:
+    if "trajectories" in differing:
         out += table_lines(root, here, (paths.STEPS, paths.STEP_LOGITS))
         out += trajectory_lines_from(*(runs_from_table(read_parquet(paths.artifact(paths.STEPS, r)))
                                        for r in (root, here)), LABELS)
-    if "checks" in rerun:
+    if "checks" in differing:
         out += checks_lines(root, here)
     return out
 
