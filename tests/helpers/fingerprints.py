@@ -58,8 +58,10 @@ def compute(base: Path, dest: Path, model: str, dtype: str, kernels: str = "port
             env: dict[str, str] | None = None) -> dict:
     """The fingerprint of `model` in `dtype`, computed in a copy of the prepared workspace `base`
     with `capture.kernels=kernels`, each stage in a fresh process with `env` added."""
-    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns(".nexttoken", "forward", "logits",
-                                                                             "probs", "trajectories", "checks"))
+    shutil.copytree(base / "conf", dest / "conf")
+    shutil.copytree(paths.stage_dir("tokenize", base), paths.stage_dir("tokenize", dest))
+    paths.stage_dir("prepare_model", dest).symlink_to(paths.stage_dir("prepare_model", base).resolve(),
+                                                      target_is_directory=True)     # read only: never copied
     run_module("pipeline.tools.cli", dest, "compose", f"model={model}", f"capture.dtype={dtype}",
                f"capture.kernels={kernels}", check=True)
     for stage in STAGES:
@@ -78,8 +80,14 @@ def entry(ws: Path, model: str, dtype: str) -> dict:
         out[f"{branch}_token_ids"] = ids
         out[f"{branch}_ids_sha256"] = provenance.sha256_json(ids)
     out["made_on"] = {"cpu_model": forward["hardware"]["cpu_model"], "torch": forward["libraries"]["torch"],
-                      "kernel_path": forward["kernels"]}
+                      "native_aten_cpu_capability": native_capability(), "kernel_path": forward["kernels"]}
     return out
+
+
+def native_capability() -> str:
+    """ATen's capability on this machine without the portable pins (this process never pins)."""
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def mismatch(expected: dict, got: dict) -> str | None:
@@ -116,11 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = compute(bases[model], Path(tmp) / name, model, dtype)
             print(json.dumps({name: results[name]}, indent=1), flush=True)
     if args.write:
-        text = yaml.safe_dump({"fingerprints": {k: results[k] for k in ENTRIES if k in results}},
-                              sort_keys=False, allow_unicode=True, width=120)
-        FILE.write_text(HEADER + text, encoding="utf-8")
-        print(f"wrote {FILE.relative_to(REPO)}")
+        write(results)
     return 0
+
+
+def write(results: dict) -> None:
+    text = yaml.safe_dump({"fingerprints": {k: results[k] for k in ENTRIES if k in results}},
+                          sort_keys=False, allow_unicode=True, width=120)
+    FILE.write_text(HEADER + text, encoding="utf-8")
+    print(f"wrote {FILE.relative_to(REPO)}")
 
 
 if __name__ == "__main__":
