@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
-from pipeline.kernels import MODES as KERNEL_MODES
 from pipeline.errors import UserError, bad_value
+from pipeline.kernels import MODES as KERNEL_MODES
 
 PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"

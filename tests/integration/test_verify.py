@@ -22,10 +22,10 @@ from pipeline import kernels
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.tools import audit, divergence, rundiff, verify
-from tests.conftest import run_module
-from tests.reliability.conftest import copy_ws, python_env, snapshot
+from tests.conftest import copy_ws, run_module, snapshot
+from tests.reliability.conftest import python_env
 
-CHAIN = ("forward", "logits", "probs", "trajectories", "checks")
+PORTABLE = ("forward", "logits", "probs")
 BELOW_AVX2 = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
 AT_OR_ABOVE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 
@@ -45,15 +45,16 @@ def _chain(src: Path, dest: Path, mode: str, stages: tuple[str, ...], env: dict 
 
 
 @pytest.fixture(scope="module")
-def native(tiny_workspace, tmp_path_factory) -> Path:
-    return _chain(tiny_workspace, tmp_path_factory.mktemp("verify") / "native", "native", CHAIN)
+def native(tiny_chain, tmp_path_factory) -> Path:
+    """The session's native chain, with the checks stage run too."""
+    return _chain(tiny_chain, tmp_path_factory.mktemp("verify") / "native", "native", ("checks",))
 
 
 @pytest.fixture(scope="module")
 def portable(tiny_workspace, tmp_path_factory) -> Path:
     if kernels.portable_refusal(kernels.platform.machine(), kernels.cpu_flags(), {}):
         pytest.skip("capture.kernels=portable has no meaning on this machine")
-    return _chain(tiny_workspace, tmp_path_factory.mktemp("verify") / "portable", "portable", CHAIN[:3])
+    return _chain(tiny_workspace, tmp_path_factory.mktemp("verify") / "portable", "portable", PORTABLE)
 
 
 def _verify(ws: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
