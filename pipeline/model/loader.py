@@ -78,7 +78,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_
         if spread and (off := sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})):
             raise UserError(f"capture.device={SPREAD!r}: the weights ({weights_bytes(path, dtype) / 2**30:.1f} GiB "
                             f"in {str(dtype).removeprefix('torch.')}) do not fit the free memory of the {gpu_count()} "
-                            f"GPUs here (accelerate would put some on {', '.join(off)}); use GPUs with more free memory")
+                            f"GPUs here (accelerate would put some on {', '.join(off)}); "
+                            "use GPUs with more free memory")
         return model.eval()
     return _once(("model", str(Path(path).resolve()), str(dtype), str(device), attn_implementation,
                   trust_remote_code, spread), load)

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.store import paths, provenance
-from tests.conftest import REPO, make_workspace, run_module
+from tests.conftest import ON_CPU, REPO, make_workspace, run_module
 
 FILE = REPO / "pipeline" / "reference" / "fingerprints.yaml"
 ENTRIES = {"tiny_qwen2_bfloat16": ("tiny_qwen2", "bfloat16"),
@@ -62,8 +62,8 @@ def compute(base: Path, dest: Path, model: str, dtype: str, kernels: str = "port
     shutil.copytree(paths.stage_dir("tokenize", base), paths.stage_dir("tokenize", dest))
     paths.stage_dir("prepare_model", dest).symlink_to(paths.stage_dir("prepare_model", base).resolve(),
                                                       target_is_directory=True)     # read only: never copied
-    run_module("pipeline.tools.cli", dest, "compose", f"model={model}", f"capture.dtype={dtype}",
-               f"capture.kernels={kernels}", check=True)
+    run_module("pipeline.tools.cli", dest, "compose", ON_CPU, f"model={model}", f"capture.dtype={dtype}",
+               f"capture.kernels={kernels}", check=True)      # CPU kernels are what the fingerprints pin
     for stage in STAGES:
         run_module(f"stages.{stage}", dest, check=True, env=env, timeout=1800)
     return entry(dest, model, dtype)

@@ -132,15 +132,15 @@ def test_loading_on_a_gpu_applies_cuda_determinism_first(monkeypatch, tmp_path):
     class Model:
         @staticmethod
         def from_pretrained(*args, **kwargs):
-            calls.append(("load", kwargs["device_map"]))
-            return SimpleNamespace(eval=lambda: "model")
+            calls.append("load")
+            return SimpleNamespace(eval=lambda: "model", to=lambda device: calls.append(("to", str(device))))
     import transformers
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", Model)
     assert loader.load_model(tmp_path, torch.bfloat16, "cuda:0", "eager", False) == "model"
-    assert calls == ["determinism", ("load", "cuda:0")]
+    assert calls == ["determinism", "load", ("to", "cuda:0")]
     calls.clear()
     loader.load_model(tmp_path, torch.bfloat16, "cpu", "eager", False)
-    assert calls == [("load", None)]
+    assert calls == ["load"]
 
 
 def test_the_kernel_path_record_on_cpu_and_on_a_faked_gpu(monkeypatch):
