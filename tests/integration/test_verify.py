@@ -147,3 +147,16 @@ def test_recorded_kernels_prefer_the_forward_record():
     assert divergence.recorded_kernels({"forward": {}}) is None
     assert divergence.kernel_difference_line(None, {"mode": "native"}).endswith("(made before kernel paths were "
                                                                                  "recorded)")
+
+
+def test_audit_of_a_run_made_before_capture_kernels_finds_nothing_about_it():
+    """A key this code reads that the run had neither in params.yaml nor in its record is newer
+    than the run; recorded by one side only, it is still a finding."""
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    old = {"probs": {"config": {"probs": {}, "sampling": sampling}}}
+    result = audit.Audit("old run")
+    audit.verify_config({"probs": {}, "sampling": sampling, "capture": {"dtype": "bfloat16"}}, old, result)
+    assert result.findings == []
+    audit.verify_config({"probs": {}, "sampling": sampling, "capture": {"kernels": "native"}}, old, result)
+    assert result.findings == ["FINDING [config] probs: capture recorded '<absent>', params.yaml has "
+                               "{'kernels': 'native'}"]
