@@ -7,6 +7,7 @@ Sections (`--only NAME` runs one):
   nnsight    capture vs nnsight (and TransformerLens when installed): time and peak memory (<= 1.0)
   dvc        `dvc repro` in a temp clone vs the same stages in one process: the price of isolation
   scale      forward + logits dump at growing prompt lengths, fresh process each (exponent <= 1.15)
+  kernels    a captured pass with capture.kernels=portable vs native, bf16 and float32 (information)
 
 Absolute times depend on the machine and its neighbours, so contenders run alternately
 (the order flips every repetition) and ratios are medians of per-pair ratios: load from
@@ -41,6 +42,7 @@ from bench.common import (
     summary,
     write_json,
 )
+from bench.kernels import bench_kernels
 from pipeline.errors import UserError
 from pipeline.model import capture
 from pipeline.store import logits_io, paths
@@ -48,7 +50,7 @@ from pipeline.store import logits_io, paths
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = REPO / "bench" / "baseline_script.py"
 OUTPUT = Path(paths.ARTIFACTS) / "bench" / "bench.json"
-SECTIONS = ("capture", "logits_io", "chain", "nnsight", "dvc", "scale")
+SECTIONS = ("capture", "logits_io", "chain", "nnsight", "dvc", "scale", "kernels")
 CHAIN_STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "checks")
 
 
@@ -266,7 +268,8 @@ def run(root: Path, quick: bool = False, only: str | None = None, lengths: tuple
                  "chain": lambda: bench_chain(ws, plan, res, tmp),
                  "nnsight": lambda: bench_nnsight(ws, plan, res),
                  "dvc": lambda: scale.bench_dvc(ws, plan, res, tmp),
-                 "scale": lambda: scale.bench_scale(ws, plan, res, tmp)}
+                 "scale": lambda: scale.bench_scale(ws, plan, res, tmp),
+                 "kernels": lambda: bench_kernels(ws, plan, res)}
         for name in (("capture",) if "logits_io" in wanted and "capture" not in wanted else ()) + wanted:
             t0 = time.perf_counter()
             steps[name]()

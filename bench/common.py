@@ -282,14 +282,15 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 # ---------------------------------------------------------------- processes and memory
-def child(cwd: Path, spec: dict, python: str | None = None, timeout: int = 1800) -> dict:
-    """Run one measurement in a fresh interpreter in `cwd`; its JSON result plus the wall time."""
+def child(cwd: Path, spec: dict, python: str | None = None, timeout: int = 1800, module: str = "bench.scale") -> dict:
+    """Run one measurement (`python -m module SPEC`) in a fresh interpreter in `cwd`; its JSON result
+    plus the wall time."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
     # the child imports this checkout's bench/ (and, from another venv, its pipeline/) from any cwd
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                       env.get("PYTHONPATH")]))
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    proc = subprocess.run([python or sys.executable, "-m", "bench.scale", json.dumps(spec)], cwd=cwd,
+    proc = subprocess.run([python or sys.executable, "-m", module, json.dumps(spec)], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

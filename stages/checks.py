@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.checks import stage, verdicts
+from pipeline import kernels
 from pipeline.config import registry, schema
-from pipeline.store import paths, provenance
+from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "checks"
@@ -24,13 +24,11 @@ STAGE = "checks"
 
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
+    kernels.pin(schema.load_section(params, "capture").kernels)   # before torch loads (imported below)
+    from pipeline.checks import stage, verdicts
     stage.sections(params)                             # a bad name fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        results, source, facts = stage.compute(params, run.use)
-        run.model = provenance.model_record(source)
-        run.facts = {**facts, **verdicts.metrics(results)["summary"]}
-        run.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
-        run.write_json(paths.METRICS[1], verdicts.metrics(results))
+        results = stage.record(run, params)
     print(stage.summary_text(results))
     if failed := verdicts.failed_errors(results):   # after the commit: the results stay, the run fails
         print(f"nexttoken {STAGE}: error checks failed: {', '.join(failed)} "

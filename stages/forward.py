@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import kernels
 from pipeline.config import registry, schema
-from pipeline.model import forward
 from pipeline.store import paths
-from pipeline.store.artifacts import read_parquet, stage_main, stage_run
+from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "forward"
 
@@ -16,15 +16,11 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     model_cfg = schema.load_section(params, "model")
     cap = schema.load_section(params, "capture")
+    kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
+    from pipeline.model import forward
     plan = forward.plan(cap, paths.stage_dir("prepare_model"))   # every check before any load or write
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        run.use(paths.stage_dir("prepare_model"))
-        ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
-        result = forward.run(plan, ids, trust_remote_code=model_cfg.trust_remote_code)
-        run.model = {**plan.model_record, "trust_remote_code": model_cfg.trust_remote_code}
-        run.facts = result.facts
-        forward.save_capture(result, run.out(paths.CAPTURE[1]))
-        run.write_json(paths.FORWARD_FACTS[1], result.facts)
+        forward.record(run, plan, model_cfg.trust_remote_code)
 
 
 if __name__ == "__main__":

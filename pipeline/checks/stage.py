@@ -1,8 +1,9 @@
-"""The checks stage's whole computation, shared by `python -m stages.checks` and `nexttoken audit`.
+"""The checks stage's whole computation, shared by `python -m stages.checks`, `nexttoken audit` and `verify`.
 
 `compute` loads the stored artifacts (through `use`, which records each input), the stored
-model and tokenizer, and runs every check; it writes nothing. The stage writes the results,
-the audit compares them with the stored verdicts.
+model and tokenizer, and runs every check; it writes nothing. `record` writes the results
+into a `StageRun` (the stage, and `nexttoken verify` re-running a past run); the audit
+compares them with the stored verdicts.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 from pipeline.checks import reference, suite, verdicts
 from pipeline.config import schema
 from pipeline.model import loader
-from pipeline.store import paths
-from pipeline.store.artifacts import read_json
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import StageRun, read_json
 
 SECTIONS = ("model", "prompt", "capture", "probs", "sampling", "checks")
 
@@ -48,6 +49,16 @@ def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: P
     results = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model))
     results += reference.run(stored, model, tokenizer, cfg, results, references)
     return results, source, {**loader.device_record(model, device), "missing_stages": list(stored.missing)}
+
+
+def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
+    """Run every check on the run in stage.root and write checks.parquet + metrics.json into `stage`."""
+    results, source, facts = compute(params, stage.use, stage.root)
+    stage.model = provenance.model_record(source)
+    stage.facts = {**facts, **verdicts.metrics(results)["summary"]}
+    stage.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
+    stage.write_json(paths.METRICS[1], verdicts.metrics(results))
+    return results
 
 
 def summary_text(results: list[verdicts.Check]) -> str:

@@ -13,11 +13,13 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "tokenize": ("model.name", "model.tokenizer", "prompt"),
     "forward": ("model.name", "model.trust_remote_code", "capture"),
     "logits": (),           # everything it needs comes from the forward stage's artifacts
-    "probs": ("probs", "sampling.temperature", "sampling.top_k", "sampling.top_p"),
+    # capture.kernels: every stage whose numbers depend on the CPU kernels (the FP64 softmax too)
+    "probs": ("probs", "sampling.temperature", "sampling.top_k", "sampling.top_p", "capture.kernels"),
     "trajectories": ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
-                     "capture.attn_implementation", "capture.positions", "sampling"),
+                     "capture.attn_implementation", "capture.positions", "capture.kernels", "sampling"),
     "checks": ("model.name", "model.trust_remote_code", "model.tokenizer", "model.reference_figures", "prompt",
-               "capture.dtype", "capture.device", "capture.attn_implementation", "probs", "sampling", "checks"),
+               "capture.dtype", "capture.device", "capture.attn_implementation", "capture.kernels", "probs",
+               "sampling", "checks"),
     "report": (),           # everything it shows comes from the artifacts (and their manifests)
 }
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from pipeline.errors import UserError, bad_value
+from pipeline.kernels import MODES as KERNEL_MODES
 
 PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
@@ -224,6 +225,7 @@ class CaptureConfig(Section):
         description="eager (attention weights and the layer-0 recompute need it)")
     attention_layers: items(Int, "a list of layer indices (integers; negative counts from the end)", 0)
     positions: Literal["all", "last"]
+    kernels: Literal[KERNEL_MODES] = "native"   # pipeline/kernels.py; runs made before the key: native
 
 
 class Filter(Section):

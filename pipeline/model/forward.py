@@ -1,5 +1,8 @@
 """The forward stage's work: validate, load, capture one pass, and record its facts.
 
+`record` is the stage's whole body, given its `StageRun`: run by `python -m stages.forward`
+and, in one process, by `nexttoken verify`. The logits stage reads the capture back here too.
+
 One forward pass and no more, refused before the model loads when its estimated peak memory
 exceeds what the device has free (`pipeline.model.memory`). That the capture is transparent
 (its logits equal a hook-free forward's bit for bit) and that the pass repeats exactly is
@@ -21,8 +24,8 @@ import torch
 from pipeline.config.schema import CaptureConfig
 from pipeline.errors import UserError
 from pipeline.model import capture, loader, memory
-from pipeline.store import provenance
-from pipeline.store.artifacts import read_json
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import StageRun, read_json, read_parquet
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,17 @@ def run(p: ForwardPlan, ids: list[int], trust_remote_code: bool) -> ForwardResul
     if p.spread:
         facts["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     return ForwardResult({**tensors, "input_ids": input_ids}, facts)
+
+
+def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool) -> None:
+    """The forward stage: one captured pass over the stored tokens -> capture.safetensors + facts.json."""
+    stage.use(paths.stage_dir("prepare_model"))
+    ids = read_parquet(stage.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
+    result = run(p, ids, trust_remote_code=trust_remote_code)
+    stage.model = {**p.model_record, "trust_remote_code": trust_remote_code}
+    stage.facts = result.facts
+    save_capture(result, stage.out(paths.CAPTURE[1]))
+    stage.write_json(paths.FORWARD_FACTS[1], result.facts)
 
 
 def logit_positions(positions: str, n: int) -> list[int]:

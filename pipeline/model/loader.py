@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import kernels
 from pipeline.errors import UserError, bad_value
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -27,6 +28,30 @@ def snapshot_dir(prepared_dir: Path, source_record: dict) -> Path:
     return Path(where) if where else Path(prepared_dir)
 
 
+_shared: dict | None = None     # inside `shared_loads`: loaded objects by what loaded them
+
+
+@contextmanager
+def shared_loads() -> Iterator[None]:
+    """Within it, `load_model` / `load_tokenizer` load each (snapshot, settings) once and hand the
+    same object to every later caller: several stages run in one process (`nexttoken verify`)
+    share one model load. Callers never modify a loaded model."""
+    global _shared
+    outer, _shared = _shared, {}
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
+def _once(key: tuple, make):
+    if _shared is None:
+        return make()
+    if key not in _shared:
+        _shared[key] = make()
+    return _shared[key]
+
+
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_implementation: str,
                trust_remote_code: bool, spread: bool = False):
     """The snapshot's model in eval mode, weights in `dtype` on `device` (safetensors only).
@@ -35,28 +60,38 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_
     tables, say, are computed by the CPU whatever the device), and no accelerate needed.
     spread: over every visible GPU instead (accelerate, `device_map="auto"`; see `spread`);
     a model that does not fit them all is refused rather than offloaded to the CPU or disk.
+    On a GPU, deterministic CUDA settings are applied first (`kernels.deterministic_cuda`).
     """
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    with _unreadable(path, "model"):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, device_map="auto" if spread else None,
-            trust_remote_code=trust_remote_code, use_safetensors=True, local_files_only=True)
-    if not spread and device.type != "cpu":
-        model.to(device)
-    if spread and (off := sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})):
-        raise UserError(f"capture.device={SPREAD!r}: the weights ({weights_bytes(path, dtype) / 2**30:.1f} GiB in "
-                        f"{str(dtype).removeprefix('torch.')}) do not fit the free memory of the {gpu_count()} GPUs "
-                        f"here (accelerate would put some on {', '.join(off)}); use GPUs with more free memory")
-    return model.eval()
+    if spread or device.type == "cuda":
+        kernels.deterministic_cuda()
+
+    def load():
+        with _unreadable(path, "model"):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation, device_map="auto" if spread else None,
+                trust_remote_code=trust_remote_code, use_safetensors=True, local_files_only=True)
+        if not spread and device.type != "cpu":
+            model.to(device)
+        if spread and (off := sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})):
+            raise UserError(f"capture.device={SPREAD!r}: the weights ({weights_bytes(path, dtype) / 2**30:.1f} GiB "
+                            f"in {str(dtype).removeprefix('torch.')}) do not fit the free memory of the {gpu_count()} "
+                            f"GPUs here (accelerate would put some on {', '.join(off)}); "
+                            "use GPUs with more free memory")
+        return model.eval()
+    return _once(("model", str(Path(path).resolve()), str(dtype), str(device), attn_implementation,
+                  trust_remote_code, spread), load)
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    with _unreadable(path, "tokenizer"):
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    def load():
+        with _unreadable(path, "tokenizer"):
+            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    return _once(("tokenizer", str(Path(path).resolve()), trust_remote_code), load)
 
 
 def tokenizer_files(prepared_dir: Path, source_record: dict) -> list[Path]:

@@ -3,7 +3,8 @@
 Branches: `sample` (the configured temperature / top-k / top-p, a CPU generator seeded from
 `sampling.seed`) and `greedy` (argmax of the raw logits). The full-prefix run (no cache) is
 the reference path, as in the article; the cached run is recorded so the checks stage can
-compare its logits.
+compare its logits. `record` is the stage's whole body, given its `StageRun` (run by
+`python -m stages.trajectories` and, in one process, by `nexttoken verify`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import torch
 
-from pipeline.config.schema import SamplingConfig
+from pipeline.config.schema import CaptureConfig, ModelConfig, SamplingConfig
 from pipeline.errors import bad_value
+from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, ranks
+from pipeline.store import logits_io, paths, provenance
+from pipeline.store.artifacts import StageRun, read_json, read_parquet
 
 STEPS_SCHEMA = pa.schema([
     ("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32()), ("prefix_len", pa.int32()),
@@ -119,3 +123,27 @@ def sweep_metrics(summary_by_run: dict) -> dict:
     return {v["branch"]: {"ids": " ".join(map(str, v["token_ids"])), "text": v["text"],
                           "steps": len(v["token_ids"])}
             for v in summary_by_run.values() if not v["kv_cache"]}
+
+
+def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig) -> None:
+    """The trajectories stage: every run on the stored prompt ids -> steps, step logits, summary."""
+    device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
+    source = read_json(stage.use(paths.SOURCE))
+    stage.use(paths.stage_dir("prepare_model"))
+    ids = read_parquet(stage.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
+    snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", stage.root), source)
+    check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
+    model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
+                              spread=loader.spread(cap.device, snapshot, dtype))
+    tokenizer = loader.load_tokenizer(snapshot)
+    runs = run_all(model, ids, sampling, loader.eos_ids(model), cap.positions)
+    stage.model = provenance.model_record(source)
+    stage.seeds["sample"] = sampling.seed
+    stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
+    stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), compression="zstd")
+    rows, keys = step_logit_rows(runs)
+    logits_io.write_logits(stage.out(paths.STEP_LOGITS[1]), rows, stage.parquet_metadata(),
+                           extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
+    summary_by_run = summary(runs, tokenizer)
+    stage.write_json(paths.TRAJECTORIES[1], summary_by_run)
+    stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))

@@ -19,7 +19,7 @@ from pipeline.config.schema import ProbsConfig, SamplingConfig
 from pipeline.errors import UserError, bad_value
 from pipeline.numerics.sampling import SamplingSettings, filter_distribution, probability_table, ranks
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import parquet_facts, read_parquet
+from pipeline.store.artifacts import StageRun, parquet_facts, read_parquet
 
 
 def prob_column(t: float) -> str:
@@ -189,3 +189,15 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}
+
+
+def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) -> None:
+    """The probs stage's whole body (python -m stages.probs; `nexttoken verify` in one process)."""
+    outputs, facts = build(stage.use(paths.LOGITS), stage.use(paths.VOCAB), probs_cfg, sampling_cfg)
+    stage.model = facts["model"]
+    stage.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
+    stage.write_parquet(paths.TABLE[1], outputs[paths.TABLE], compression="zstd",
+                        row_group_size=facts["rows_per_position"])      # one row group per position
+    stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], compression="zstd")
+    stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY])
+    stage.write_json(paths.PROBS_METRICS[1], outputs[paths.PROBS_METRICS])

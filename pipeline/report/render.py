@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline import kernels
 from pipeline.errors import UserError
 from pipeline.model.capture import act_name
 from pipeline.report import plots
@@ -167,6 +168,16 @@ def token_text(inp: Inputs, token_id: int) -> str:
 
 
 # ---------------------------------------------------------------- sections
+def kernel_path(record: dict | None) -> str:
+    """The forward pass's kernel path: mode, ATen capability, pins; CPU flags, MKL / oneDNN, CUDA."""
+    if not record:
+        return "not recorded (a run made before kernel paths were recorded)"
+    cuda = record.get("cuda")
+    return (f"{kernels.summary(record)}; CPU flags {' '.join(record.get('cpu_flags') or []) or 'unknown'}; "
+            f"MKL {record.get('mkl')}, oneDNN {record.get('onednn')}"
+            + (f"; CUDA: {', '.join(f'{k}={v}' for k, v in cuda.items())}" if cuda else ""))
+
+
 def conditions(inp: Inputs) -> list[str]:
     s, f = inp.source, inp.facts
     fwd = inp.manifests.get("forward", {})
@@ -192,6 +203,7 @@ def conditions(inp: Inputs) -> list[str]:
         ["CUDA / cuDNN / driver", f"{hw.get('cuda_version')} / {hw.get('cudnn_version')} / {hw.get('gpu_driver')}"],
         ["seeds", seeds],
         ["determinism", ", ".join(f"{k}={v}" for k, v in det.items())],
+        ["kernel path", kernel_path(fwd.get("kernels"))],
         ["git", "not recorded (no git checkout)" if not git.get("commit")
          else f"{git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}"],
     ]

@@ -4,6 +4,8 @@ Every stage folder gets a `manifest.json` built here: the stage, its resolved co
 inputs and outputs with sha256 (plus a logical content hash for tables and tensors, which
 ignores file metadata), the model source, library versions, hardware, determinism settings,
 the git commit and dirty flag, when and how long. A failed metadata write is an error.
+The kernel path (`kernel_path`) says which CPU/GPU kernels computed the numbers: the same
+code and snapshot give other bits on a machine whose kernels differ (see pipeline/kernels.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import io
 import json
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from pipeline import kernels
 
 SCHEMA_VERSION = 1
 
@@ -168,6 +173,46 @@ def determinism() -> dict[str, Any]:
     }
 
 
+def kernel_path() -> dict[str, Any]:
+    """Which kernels compute here: the mode pinned, ATen's capability, the kernel-selecting CPU
+    flags, the MKL / oneDNN builds, the pinning variables, threads and, on CUDA, the GPUs and
+    every flag that changes GPU bits."""
+    import torch
+
+    config = torch.__config__.show()
+    record: dict[str, Any] = {
+        "mode": kernels.pinned_mode(),
+        "machine": platform.machine(),
+        "cpu_flags": kernels.cpu_flags(),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl": _build_version(r"Math Kernel Library Version ([0-9][0-9.]*)", config),
+        "onednn": _build_version(r"MKL-DNN (v[^\s]+)", config),
+        "env": {k: os.environ.get(k) for k in kernels.PIN_VARS},
+        "torch_threads": torch.get_num_threads(),
+        "cuda": None,
+    }
+    if torch.cuda.is_available():
+        m = torch.backends.cuda.matmul
+        record["cuda"] = {
+            "gpus": [f"{p.name} (cc {p.major}.{p.minor})" for p in map(torch.cuda.get_device_properties,
+                                                                     range(torch.cuda.device_count()))],
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "matmul_allow_tf32": m.allow_tf32, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "allow_bf16_reduced_precision_reduction": m.allow_bf16_reduced_precision_reduction,
+            "allow_fp16_reduced_precision_reduction": m.allow_fp16_reduced_precision_reduction,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "preferred_blas_library": str(torch.backends.cuda.preferred_blas_library()),
+        }
+    return record
+
+
+def _build_version(pattern: str, config: str) -> str | None:
+    m = re.search(pattern, config)
+    return m.group(1) if m else None
+
+
 def git_state(root: Path) -> dict[str, Any]:
     """Commit and dirty flag of the code that ran. Outside git: both None."""
     def git(*args: str) -> str | None:
@@ -185,7 +230,7 @@ def git_state(root: Path) -> dict[str, Any]:
 def environment(root: Path) -> dict[str, Any]:
     """The environment fields of a manifest, gathered once per stage run."""
     return {"libraries": library_versions(), "hardware": hardware(), "determinism": determinism(),
-            "git": git_state(root), "python_executable": sys.executable}
+            "kernels": kernel_path(), "git": git_state(root), "python_executable": sys.executable}
 
 
 def file_record(path: Path, root: Path) -> dict[str, Any]:

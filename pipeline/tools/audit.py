@@ -6,9 +6,12 @@ chain); dvc.lock disagreeing with the files or params; a recorded config that is
 params.yaml's; a stored table, filtered set, summary or check verdict that the same code
 does not re-derive, bit for bit, from the stored logits. Warnings never fail an audit: the
 auditing machine's versions or hardware differ from the recorded ones, the code that
-re-derives differs from the code that ran, or a kernel-bound check (a recomputation compared
-bit for bit) comes out otherwise here because this machine computes on another device or
-GPU model than the run did (that check is then a report, saying so: `suite.kernel_bound`).
+re-derives differs from the code that ran, its kernel path differs from the run's (one line
+naming the fields: the probability tables and the checks depend on the CPU kernels), or a
+kernel-bound check (a recomputation compared bit for bit) comes out otherwise here because
+this machine computes on another device or GPU model than the run did (that check is then a
+report, saying so: `suite.kernel_bound`). The re-derivation runs under the run's
+`capture.kernels`, pinned before torch loads.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import progress
+from pipeline import kernels, progress
 from pipeline.config import registry, schema
 from pipeline.config.compose import diff_keys
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import parquet_facts, read_json, read_parquet
 from pipeline.tools import revisions
+from pipeline.tools.divergence import kernel_difference_line, recorded_kernels
 from pipeline.tools.rundiff import json_difference, table_difference
 
 
@@ -87,11 +91,13 @@ def audit_folder(root: Path, label: str) -> Audit:
     else:
         verify_lock(root, lock, manifests, revisions.read_params_as_dvc(root), result)
         code_changes(lock, result)
+    pin_recorded(params, result)
     if "probs" in manifests:
         rederive_probs(root, params, manifests["probs"], result)
     if "checks" in manifests:
         rederive_checks(root, params, result)
     environment(manifests, result)
+    kernel_path(manifests, result)
     return result
 
 
@@ -165,7 +171,10 @@ def verify_config(params: dict, manifests: dict[str, dict], result: Audit) -> No
         if stage not in registry.PARAMS:
             result.warn(f"config of {stage} not checked: this code has no stage {stage}")
             continue
-        keys = registry.PARAMS[stage]
+        # a key this code reads that the run had neither in params.yaml nor in its record is newer
+        # than the run (capture.kernels, say): not a finding
+        keys = tuple(k for k in registry.PARAMS[stage] if (revisions.dotted(params, k), revisions.dotted(
+            m.get("config"), k)) != (revisions.ABSENT, revisions.ABSENT))
         try:
             expected = schema.subset(params, keys)
         except UserError as e:
@@ -314,3 +323,23 @@ def environment(manifests: dict[str, dict], result: Audit) -> None:
             result.warn(f"{key}: the stages recorded different values {values}")
         elif key in here and here[key] != values[0]:
             result.warn(f"{key}: recorded {values[0]!r}, auditing machine has {here[key]!r}")
+
+
+def pin_recorded(params: dict, result: Audit) -> None:
+    """Re-derive under the run's capture.kernels; where that cannot be pinned here, say so (a warning)."""
+    mode = (params.get("capture") or {}).get("kernels", "native") if isinstance(params.get("capture"), dict) \
+        else "native"
+    try:
+        kernels.pin(mode)
+    except (UserError, RuntimeError) as e:
+        result.warn(f"re-derivation uses this machine's native kernels: {e}")
+
+
+def kernel_path(manifests: dict[str, dict], result: Audit) -> None:
+    """The run's kernel path against this machine's, as its own line (a warning when they differ)."""
+    recorded, here = recorded_kernels(manifests), provenance.kernel_path()
+    line = kernel_difference_line(recorded, here, ("recorded", "auditing machine"))
+    if recorded is None or not kernels.differences(recorded, here):
+        result.notes.append(line)
+    else:
+        result.warn(line)

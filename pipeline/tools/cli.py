@@ -1,4 +1,4 @@
-"""The `nexttoken` command: compose the config, and (as they land) audit, diff, sweep, bench."""
+"""The `nexttoken` command: compose the config, audit, verify, diff, sweep, bench."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def _audit(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from pipeline.tools import rundiff
     return rundiff.cli(args)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from pipeline.tools import verify  # imports no torch: verify pins the kernels first
+    return verify.cli(args)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -85,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("rev_a", help="a git revision, an experiment name or 'workspace'")
     d.add_argument("rev_b", help="a git revision, an experiment name or 'workspace'")
     d.set_defaults(func=_diff)
+    v = sub.add_parser("verify", help="re-run a past run here from its config and snapshot; compare bit for bit "
+                                      "and explain any difference (exit 1 when anything differs)")
+    v.add_argument("--rev", help="a git revision or experiment name, read from git + the DVC cache "
+                                 "(default: the workspace)")
+    v.add_argument("--stages", nargs="+", metavar="STAGE",
+                   help="re-run only these (and any between them): forward, logits, probs, trajectories, checks")
+    v.set_defaults(func=_verify)
     s = sub.add_parser("sweep", help="collect the current baseline's experiments into a table and plots")
     s.add_argument("--out", type=Path, default=None, help="output folder (default: artifacts/sweep)")
     s.set_defaults(func=_sweep)

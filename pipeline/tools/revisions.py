@@ -225,11 +225,14 @@ def load_manifests(root: Path) -> dict[str, dict]:
     return found
 
 
+ABSENT = "<absent>"
+
+
 def dotted(d: Any, key: str) -> Any:
-    """d["a"]["b"] for key "a.b"; "<absent>" where the path does not exist."""
+    """d["a"]["b"] for key "a.b"; ABSENT where the path does not exist."""
     for part in key.split("."):
         if not isinstance(d, dict) or part not in d:
-            return "<absent>"
+            return ABSENT
         d = d[part]
     return d
 

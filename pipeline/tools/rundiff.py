@@ -1,10 +1,15 @@
 """`nexttoken diff A B`: explain how two runs differ, from their recorded files.
 
 Sections: config (dotted params.yaml keys that differ), environment (library versions,
-hardware, dtype, device), numbers (max |Δlogit| per prompt position, the largest probability
-change per temperature, kept counts per filter) and trajectories (per branch, the first step
-whose chosen id differs, with both candidates' probabilities). A and B are each a git
-revision, an experiment name or `workspace`, read as `pipeline.tools.revisions` reads them.
+hardware, dtype, device), the kernel path (one line: which fields differ), the capture (the
+first diverging tensor in forward order, its max |Δ| and where), numbers (max |Δlogit| per
+prompt position, the largest probability change per temperature, kept counts per filter) and
+trajectories (per branch, the first step whose chosen id differs, with both candidates'
+probabilities). A and B are each a git revision, an experiment name or `workspace`, read as
+`pipeline.tools.revisions` reads them. The comparisons are functions over tensors, tables and
+summaries (`pipeline.tools.divergence`, `kept_lines_from`, `trajectory_lines_from`), shared
+with `nexttoken verify`; nothing here imports torch at import time (verify pins the kernels
+before torch loads).
 """
 
 from __future__ import annotations
@@ -22,8 +27,15 @@ import pyarrow.parquet as pq
 from pipeline.config import schema
 from pipeline.config.compose import diff_keys
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_json
+from pipeline.store.artifacts import read_json, read_safetensors
 from pipeline.tools import revisions
+from pipeline.tools.divergence import (
+    capture_order,
+    divergence_line,
+    first_diverging_tensor,
+    kernel_difference_line,
+    recorded_kernels,
+)
 
 
 def cli(args) -> int:
@@ -36,8 +48,8 @@ def diff(repo: Path, rev_a: str, rev_b: str) -> list[str]:
     with ExitStack() as stack:
         a, b = (stack.enter_context(revisions.open_run(repo, r)) for r in (ra, rb))
         revisions.load_manifests(a), revisions.load_manifests(b)   # both must hold a run (a clear error if not)
-        return [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b),
-                *number_lines(a, b), *trajectory_lines(a, b)]
+        return [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b), kernel_line(a, b),
+                capture_line(a, b), *number_lines(a, b), *trajectory_lines(a, b)]
 
 
 # ---------------------------------------------------------------- config
@@ -80,6 +92,21 @@ def _one(values: list | None) -> str:
 def _forward_fact(root: Path, key: str) -> Any:
     path = paths.artifact(paths.FORWARD_FACTS, root)
     return read_json(path).get(key, "<not recorded>") if path.exists() else "<no forward run>"
+
+
+# ---------------------------------------------------------------- kernel path and capture
+def kernel_line(a: Path, b: Path) -> str:
+    return kernel_difference_line(*(recorded_kernels(revisions.load_manifests(r)) for r in (a, b)))
+
+
+def capture_line(a: Path, b: Path) -> str:
+    pa_, pb = paths.artifact(paths.CAPTURE, a), paths.artifact(paths.CAPTURE, b)
+    if not (pa_.exists() and pb.exists()):
+        return "capture: not in both runs"
+    ta, tb = read_safetensors(pa_), read_safetensors(pb)
+    n = _forward_fact(a, "n_positions")
+    d = first_diverging_tensor(ta, tb, capture_order(pa_), n if isinstance(n, int) else None)
+    return divergence_line(d, len(ta))
 
 
 # ---------------------------------------------------------------- numbers
@@ -147,13 +174,17 @@ def probability_lines(a: Path, b: Path) -> list[str]:
 
 
 def kept_lines(a: Path, b: Path) -> list[str]:
-    def filters(root: Path) -> dict:
+    def filters(root: Path) -> list[dict]:
         path = paths.artifact(paths.PROBS_SUMMARY, root)
-        entries = read_json(path)["filters"] if path.exists() else []
-        return {(f["position"], f["filter"]): f for f in entries}
+        return read_json(path)["filters"] if path.exists() else []
 
-    fa, fb = filters(a), filters(b)
-    out = ["  kept counts per filter (position, filter: A | B)"]
+    return kept_lines_from(filters(a), filters(b))
+
+
+def kept_lines_from(entries_a: list[dict], entries_b: list[dict], labels: tuple[str, str] = ("A", "B")) -> list[str]:
+    """Kept count per (position, filter) of two probs summaries' `filters` entries."""
+    fa, fb = ({(f["position"], f["filter"]): f for f in e} for e in (entries_a, entries_b))
+    out = [f"  kept counts per filter (position, filter: {labels[0]} | {labels[1]})"]
     for key in sorted(set(fa) | set(fb)):
         x, y = fa.get(key), fb.get(key)
         out.append(f"    {key[0]}, {key[1]}: {_kept(x)} | {_kept(y)}"
@@ -170,10 +201,13 @@ def _kept(f: dict | None) -> str:
 # ---------------------------------------------------------------- trajectories
 def _runs(root: Path) -> dict[str, list[dict]]:
     path = paths.artifact(paths.STEPS, root)
-    if not path.exists():
-        return {}
+    return runs_from_table(pq.read_table(path)) if path.exists() else {}
+
+
+def runs_from_table(steps: pa.Table) -> dict[str, list[dict]]:
+    """steps.parquet rows by run (branch, `_kv` with the cache), each in step order."""
     out: dict[str, list[dict]] = {}
-    for row in pq.read_table(path).to_pylist():
+    for row in steps.to_pylist():
         out.setdefault(row["branch"] + ("_kv" if row["kv_cache"] else ""), []).append(row)
     return {k: sorted(v, key=lambda r: r["step"]) for k, v in out.items()}
 
@@ -187,7 +221,13 @@ def first_divergence(a: list[dict], b: list[dict]) -> int | None:
 
 
 def trajectory_lines(a: Path, b: Path) -> list[str]:
-    ra, rb = _runs(a), _runs(b)
+    return trajectory_lines_from(_runs(a), _runs(b))
+
+
+def trajectory_lines_from(ra: dict[str, list[dict]], rb: dict[str, list[dict]],
+                          labels: tuple[str, str] = ("A", "B")) -> list[str]:
+    """Per run of two sets of trajectories (`runs_from_table`), the first step whose chosen id differs."""
+    a, b = labels
     out = ["trajectories: first step where the chosen ids differ, per branch"]
     for name in sorted(set(ra) | set(rb)):
         sa, sb = ra.get(name, []), rb.get(name, [])
@@ -195,12 +235,12 @@ def trajectory_lines(a: Path, b: Path) -> list[str]:
         if i is None:
             out.append(f"  {name}: identical ({len(sa)} steps)")
         elif i >= len(sa) or i >= len(sb):
-            out.append(f"  {name}: same first {i} steps; then only {'A' if len(sa) > i else 'B'} continues")
+            out.append(f"  {name}: same first {i} steps; then only {a if len(sa) > i else b} continues")
         else:
             x, y = sa[i], sb[i]
             prefix = sa[i - 1]["text_so_far"] if i else ""   # the same in both runs up to step i
-            out.append(f"  {name}: diverges at step {x['step']}: A chose {_pick(x, y, 'A', 'B', prefix)} | "
-                       f"B chose {_pick(y, x, 'B', 'A', prefix)}")
+            out.append(f"  {name}: diverges at step {x['step']}: {a} chose {_pick(x, y, a, b, prefix)} | "
+                       f"{b} chose {_pick(y, x, b, a, prefix)}")
     return out
 
 
@@ -224,12 +264,13 @@ def table_difference(stored: pa.Table, derived: pa.Table) -> str | None:
     if stored.num_rows != derived.num_rows:
         return f"{stored.num_rows} rows stored, {derived.num_rows} re-derived"
     for name in stored.column_names:
-        a, b = stored[name].to_numpy(), derived[name].to_numpy()
         if pa.types.is_floating(stored.schema.field(name).type):
+            a, b = stored[name].to_numpy(), derived[name].to_numpy()
             bits = {4: "<u4", 8: "<u8"}[a.dtype.itemsize]
             bad = (a.view(bits) != b.view(bits)).nonzero()[0]
-        else:
-            bad = [i for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())) if x != y]
+        else:   # ints, strings, lists (steps.parquet's top-N): as Python values
+            a, b = stored[name].to_pylist(), derived[name].to_pylist()
+            bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
         if len(bad):
             i = int(bad[0])
             key = ", ".join(f"{k}={stored[k][i].as_py()}" for k in ("position", "filter", "token_id")

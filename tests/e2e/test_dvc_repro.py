@@ -38,6 +38,18 @@ def test_repro_runs_every_stage_and_is_then_up_to_date(clone):
     assert "didn't change, skipping" in again.stdout and "Running stage" not in again.stdout
 
 
+def test_verify_after_dvc_repro_is_identical_and_changes_nothing(clone):
+    """`dvc repro`, then `nexttoken verify` (the workspace) and `--rev HEAD` (git + the DVC cache):
+    every artifact identical, exit 0; DVC's own files beside the outputs (.gitignore) are not the run's."""
+    before = sh(clone, "git", "status", "--porcelain").stdout
+    for args in ((), ("--rev", "HEAD", "--stages", "forward", "probs")):
+        proc = sh(clone, "nexttoken", "verify", *args)
+        assert proc.stdout.rstrip().endswith("verdict: IDENTICAL: every re-run artifact is bit-identical"), proc.stdout
+        assert "differs" not in proc.stdout
+    assert sh(clone, "git", "status", "--porcelain").stdout == before
+    assert "up to date" in sh(clone, "dvc", "status").stdout
+
+
 def test_forced_tokenize_is_byte_identical(clone):
     path = clone / "artifacts/tokenize/tokens.parquet"
     before = provenance.sha256_file(path)

@@ -169,6 +169,13 @@ def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
     for pos in ("all", "last"):
         assert {"forward_s", "save_capture_s", "logits_dump_s", "extra_peak_mb", "captured_mb"} <= set(run[pos])
     assert run["last"]["captured_mb"]["logits"] < run["all"]["captured_mb"]["logits"]
+    kernels = s["kernels"]
+    if "skipped" not in kernels:          # portable has a meaning here (x86-64 with AVX2 + FMA)
+        for dtype in ("bfloat16", "float32"):
+            runs = kernels[dtype]["runs"]
+            assert runs["portable"][0]["kernel_path"].startswith("portable; ATen AVX2, 2 threads")
+            assert runs["native"][0]["kernel_path"].startswith("native;") and runs["native"][0]["dtype"] == dtype
+            assert result["ratios"][f"portable_vs_native[{dtype}]"]["value"] > 0
 
 
 @pytest.mark.slow

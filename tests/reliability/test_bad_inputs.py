@@ -183,6 +183,7 @@ def range_cases() -> list[Case]:
         _r("capture.attn_implementation", "sdpa", "name"),
         _r("capture.attn_implementation", "flash_attention_2", "name"),
         _r("capture.positions", "first", "name"),
+        _r("capture.kernels", "fast", "name"),
         _r("capture.nope", 1, "key"),
         _missing("capture.dtype"),
         # probs
@@ -418,6 +419,7 @@ class Run:
     needles: tuple[str, ...]         # what the one line must name
     params: dict | None = None       # params.yaml changes (written before the run, as if by hand)
     setup: Callable[[Path], Callable[[], None] | None] | None = None
+    env: dict | None = None          # environment variables added for the run
 
 
 def _latin1_prompt(ws: Path):
@@ -450,6 +452,13 @@ def _small_context(ws: Path):
             p.unlink()
             p.write_bytes(data)
     return restore
+
+
+def _hide_snapshot(ws: Path):
+    """The run's prepared model folder moved out of the workspace (as after a `dvc gc` or a lost cache)."""
+    hidden = ws.parent / f"{ws.name}-hidden-snapshot"
+    paths.stage_dir("prepare_model", ws).rename(hidden)
+    return lambda: hidden.rename(paths.stage_dir("prepare_model", ws))
 
 
 SUBPROCESS = [
@@ -491,6 +500,17 @@ SUBPROCESS = [
         params={**HUB, "model.source.hub_id": "../outside"}),
     Run("stage trajectories: sampling.top_p=0", ("stage", "trajectories"),
         ("sampling.top_p=0 is not allowed: a number in (0.0, 1.0]",), params={"sampling.top_p": 0}),
+    Run("stage forward: capture.kernels=fast", ("stage", "forward"),
+        ("capture.kernels='fast' is not allowed: one of native, portable",), params={"capture.kernels": "fast"}),
+    Run("stage forward: capture.kernels=portable with the kernels capped below AVX2", ("stage", "forward"),
+        ("capture.kernels='portable' is not allowed on this machine:", "use native"),
+        params={"capture.kernels": "portable"}, env={"ATEN_CPU_CAPABILITY": "default"}),
+    Run("verify --rev of a revision that does not exist", ("nexttoken", "verify", "--rev", "no-such-rev"),
+        ("no-such-rev",)),
+    Run("verify of a run whose model snapshot is missing", ("nexttoken", "verify"),
+        ("the run's model snapshot is missing",), setup=_hide_snapshot),
+    Run("verify --stages tokenize", ("nexttoken", "verify", "--stages", "tokenize"),
+        ("--stages='tokenize' is not allowed: stages that compute:",)),
 ]
 
 # argparse's own errors (pipeline/tools/cli.py prints them as one line too).
@@ -521,10 +541,10 @@ def _run(run: Run, ws: Path) -> subprocess.CompletedProcess:
     try:
         before = snapshot(ws)
         if run.argv[0] == "stage":
-            proc = run_module(f"stages.{run.argv[1]}", ws)
+            proc = run_module(f"stages.{run.argv[1]}", ws, env=run.env)
         else:
             proc = subprocess.run(list(run.argv), cwd=ws, capture_output=True, text=True, timeout=300,
-                                  env=python_env())
+                                  env=python_env(**(run.env or {})))
         assert snapshot(ws) == before, "a failed run changed artifacts/ or params.yaml"
         assert not (ws / paths.STAGING).exists() or not any((ws / paths.STAGING).iterdir())
     finally:

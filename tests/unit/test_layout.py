@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "pipeline"
 # Lowest first: a module may import its own package and the layers below it, never above.
 LAYERS = ("base", "config", "store", "numerics", "model", "checks", "report", "tools")
-BASE = ("pipeline", "pipeline.errors", "pipeline.progress", "pipeline.atomic")     # shared by every layer
+# shared by every layer
+BASE = ("pipeline", "pipeline.errors", "pipeline.progress", "pipeline.atomic", "pipeline.kernels")
 
 
 def _module_name(path: Path) -> str:

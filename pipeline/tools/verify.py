@@ -1,0 +1,239 @@
+"""`nexttoken verify [--rev REV] [--stages ...]`: re-run a past run on this machine and compare bit for bit.
+
+The run (the workspace, a commit or an experiment) is read as `nexttoken audit --rev` reads
+it (`pipeline.tools.revisions`: git + the local DVC cache, nothing checked out). Its
+forward, logits, probs, trajectories and checks stages run again, from its recorded config
+and its model snapshot, in a temporary folder: each stage's own library function
+(`forward.record`, `logits_table.record`, `probs.record`, `trajectories.record`,
+`checks.stage.record`), in this process, with one model load, under the run's
+`capture.kernels` (pinned before torch loads). Nothing in the workspace or the DVC cache
+changes.
+
+One line per artifact, `identical` or `differs`; when anything differs, one line each: the
+kernel path then vs now, the first diverging captured tensor in forward order (max |Δ| and
+where), the top-1 id per position, the kept counts per filter, the first trajectory step
+whose chosen id differs (both candidates and their probabilities), the checks whose result
+changed. Exit 0 when every artifact is bit-identical, 1 when anything differs, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import kernels, progress
+from pipeline.config import schema
+from pipeline.errors import UserError, bad_value
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import read_json, read_parquet, read_safetensors, stage_run
+from pipeline.tools import revisions
+from pipeline.tools.divergence import (
+    capture_order,
+    divergence_line,
+    first_diverging_tensor,
+    kernel_difference_line,
+    recorded_kernels,
+    top1_line,
+)
+from pipeline.tools.rundiff import kept_lines_from, runs_from_table, table_difference, trajectory_lines_from
+
+RERUN = ("forward", "logits", "probs", "trajectories", "checks")      # in dvc.yaml's order
+READS = {"forward": (), "logits": ("forward",), "probs": ("logits",), "trajectories": (),
+         "checks": ("forward", "logits", "probs", "trajectories")}     # which re-run stages each one reads
+LABELS = ("then", "now")
+
+
+@dataclass
+class Verification:
+    label: str
+    lines: list[str] = field(default_factory=list)
+    differing: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.differing
+
+
+def cli(args) -> int:
+    """The lines on stdout; 0 identical, 1 when anything differs."""
+    progress.quiet_off_terminal()
+    result = verify(Path.cwd(), args.rev, args.stages)
+    print("\n".join(result.lines))
+    return 0 if result.identical else 1
+
+
+def selected(stages: list[str] | None) -> list[str]:
+    """The stages to re-run, in order: the named ones and any between them (so each re-run stage
+    reads what this machine computed); all of RERUN by default."""
+    chosen = set(stages or RERUN)
+    for s in chosen:
+        if s not in RERUN:
+            raise bad_value("--stages", s, "stages that compute: " + ", ".join(RERUN))
+
+    def upstream(s: str) -> set[str]:
+        return {u for r in READS[s] for u in {r} | upstream(r)}
+    chosen |= {m for m in RERUN if any(m in upstream(s) for s in chosen) and upstream(m) & chosen}
+    return [s for s in RERUN if s in chosen]
+
+
+def verify(repo: Path, rev: str | None = None, stages: list[str] | None = None) -> Verification:
+    wanted = selected(stages)
+    revision = revisions.resolve(repo, rev or revisions.WORKSPACE)
+    with revisions.open_run(repo, revision) as root:
+        return verify_folder(root, str(revision), wanted)
+
+
+def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
+    """Re-run `wanted` for the run laid out in `root` and compare; bad input before any work."""
+    manifests = revisions.load_manifests(root)
+    params = schema.read_params(root / paths.PARAMS)
+    cap = schema.load_section(params, "capture", root)
+    _snapshot(root, manifests)
+    rerun = [s for s in wanted if s in manifests]
+    if not rerun:
+        raise UserError(f"{label} has none of the stages to re-run ({', '.join(wanted)}): run `dvc repro` first")
+    kernels.pin(cap.kernels)          # before torch loads: the stage code below imports it
+    result = Verification(label, [f"verify {label}: re-running {', '.join(rerun)} here "
+                                  f"(capture.kernels={cap.kernels})"])
+    with tempfile.TemporaryDirectory(prefix="nexttoken-verify-") as tmp:
+        here = Path(tmp)
+        _mirror(root, here, rerun)
+        _rerun(here, params, {s: manifests[s].get("config") or {} for s in rerun})
+        now = revisions.load_manifests(here)
+        result.lines.append(kernel_difference_line(recorded_kernels(manifests), recorded_kernels(now), LABELS))
+        for stage in rerun:
+            for name, same in _compare_files(root, here, stage):
+                result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")
+                if not same:
+                    result.differing.append(f"{stage}/{name}")
+        if result.differing:
+            result.lines += explain(root, here, {d.split("/")[0] for d in result.differing})
+    verdict = "IDENTICAL: every re-run artifact is bit-identical" if result.identical else \
+        f"DIFFERS: {len(result.differing)} artifact(s) differ"
+    result.lines.append(f"verdict: {verdict}")
+    return result
+
+
+def _snapshot(root: Path, manifests: dict[str, dict]) -> None:
+    """The run's model snapshot must be here: verify re-runs from it, never re-prepares it."""
+    source_file = paths.artifact(paths.SOURCE, root)
+    if "prepare_model" not in manifests or not source_file.exists():
+        raise UserError(f"the run's model snapshot is missing ({paths.artifact(paths.SOURCE).as_posix()}): "
+                        "restore it with `dvc pull` or `dvc repro prepare_model`")
+    source = read_json(source_file)
+    where = Path(source["snapshot_dir"]) if source.get("snapshot_dir") else source_file.parent
+    if not any(where.glob("*.safetensors")):
+        raise UserError(f"the run's model snapshot {where} holds no weights (*.safetensors): "
+                        "restore it with `dvc pull` or `dvc repro prepare_model`")
+
+
+def _mirror(root: Path, here: Path, rerun: list[str]) -> None:
+    """`here` laid out like the run: its params and prompts, its other stage folders as links."""
+    (here / paths.PARAMS).write_bytes((root / paths.PARAMS).read_bytes())
+    if (root / schema.PROMPT_DIR).is_dir():
+        (here / schema.PROMPT_DIR).symlink_to((root / schema.PROMPT_DIR).resolve(), target_is_directory=True)
+    for stage in paths.STAGES:
+        stored = paths.stage_dir(stage, root)
+        if stage not in rerun and stored.is_dir():
+            link = paths.stage_dir(stage, here)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(stored.resolve(), target_is_directory=True)
+
+
+def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
+    """Each stage's own function, in order, writing its folder under `here` (one model load)."""
+    from pipeline.checks import stage as checks
+    from pipeline.model import forward, loader, logits_table, trajectories
+    from pipeline.numerics import probs
+
+    def section(name: str):
+        return schema.load_section(params, name, here)
+    body = {
+        "forward": lambda run: forward.record(run, forward.plan(section("capture"), paths.stage_dir(
+            "prepare_model", here)), section("model").trust_remote_code),
+        "logits": logits_table.record,
+        "probs": lambda run: probs.record(run, section("probs"), section("sampling")),
+        "trajectories": lambda run: trajectories.record(run, section("model"), section("capture"),
+                                                        section("sampling")),
+        "checks": lambda run: checks.record(run, params),
+    }
+    with loader.shared_loads():
+        for stage in progress.bar(list(configs), len(configs), "verify", "stage"):
+            with stage_run(stage, configs[stage], here) as run:     # the config the run recorded
+                body[stage](run)
+
+
+def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool]]:
+    """(file name, bit-identical) for every output the stage's manifest lists, stored or re-made
+    (what DVC adds beside them, such as a .gitignore, is not the stage's)."""
+    def files(r: Path) -> dict[str, Path]:
+        outputs = read_json(paths.manifest_path(stage, r)).get("outputs") or []
+        return {Path(o["path"]).relative_to(paths.stage_dir(stage)).as_posix(): r / o["path"] for o in outputs}
+    stored, made = files(root), files(here)
+    return [(name, name in stored and name in made and stored[name].is_file()
+             and _content(stored[name]) == _content(made[name])) for name in sorted(set(stored) | set(made))]
+
+
+def _content(path: Path) -> str:
+    """What identical means: the tensors / table content (metadata aside), else the bytes."""
+    return provenance.logical_hash(path) or provenance.sha256_file(path)
+
+
+# ---------------------------------------------------------------- explaining a difference
+def explain(root: Path, here: Path, differing: set[str]) -> list[str]:
+    """One line per finding in the stages whose artifacts differ, in the pipeline's order."""
+    out: list[str] = []
+    if differing & {"forward", "logits"}:
+        out += capture_lines(root, here)
+    if "probs" in differing:
+        out += probs_lines(root, here)
+    if "trajectories" in differing:
+        out += table_lines(root, here, (paths.STEPS, paths.STEP_LOGITS))
+        out += trajectory_lines_from(*(runs_from_table(read_parquet(paths.artifact(paths.STEPS, r)))
+                                       for r in (root, here)), LABELS)
+    if "checks" in differing:
+        out += checks_lines(root, here)
+    return out
+
+
+def capture_lines(root: Path, here: Path) -> list[str]:
+    """The first diverging captured tensor, then the top-1 id per position of the logits."""
+    stored, made = (read_safetensors(paths.artifact(paths.CAPTURE, r)) for r in (root, here))
+    facts = read_json(paths.artifact(paths.FORWARD_FACTS, root))
+    order = capture_order(paths.artifact(paths.CAPTURE, root))
+    d = first_diverging_tensor(stored, made, order, facts.get("n_positions"))
+    lines = [divergence_line(d, len(stored), LABELS)]
+    if "logits" in stored and "logits" in made:
+        lines.append(top1_line(stored["logits"][0], made["logits"][0], facts.get("logit_positions") or [], LABELS))
+    return lines
+
+
+def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...]) -> list[str]:
+    """Per table that differs, its first differing value (then vs now)."""
+    out = []
+    for item in items:
+        diff = table_difference(*(read_parquet(paths.artifact(item, r)) for r in (root, here)))
+        if diff:
+            out.append(f"{item[0]} {item[1]}: " + diff.replace("stored", "then").replace("re-derived", "now"))
+    return out
+
+
+def probs_lines(root: Path, here: Path) -> list[str]:
+    """The first value that differs in each table, and the kept counts per filter."""
+    summaries = [json.loads(paths.artifact(paths.PROBS_SUMMARY, r).read_text(encoding="utf-8"))["filters"]
+                 for r in (root, here)]
+    return table_lines(root, here, (paths.TABLE, paths.FILTERED)) + kept_lines_from(*summaries, LABELS)
+
+
+def checks_lines(root: Path, here: Path) -> list[str]:
+    """Each check whose verdict or measured value changed."""
+    then, now = ({r["name"]: r for r in read_parquet(paths.artifact(paths.CHECKS, r)).to_pylist()}
+                 for r in (root, here))
+    changed = [n for n in sorted(set(then) | set(now)) if then.get(n) != now.get(n)]
+
+    def show(r: dict | None) -> str:
+        return "absent" if r is None else f"{r['verdict']} (measured {r['measured']:.6g})"
+    return [f"check {n}: then {show(then.get(n))} | now {show(now.get(n))}" for n in changed] or \
+        ["checks: same verdicts and measured values"]
