@@ -27,7 +27,7 @@ def main() -> None:
         model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
                                   spread=loader.spread(cap.device, snapshot, dtype))
         tokenizer = loader.load_tokenizer(snapshot)
-        runs = trajectories.run_all(model, ids, sampling, loader.eos_ids(model), cap.positions)
+        runs = trajectories.run_all(model, ids, sampling, loader.eos_ids(model))
         run.model = provenance.model_record(source)
         run.seeds["sample"] = sampling.seed
         run.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}

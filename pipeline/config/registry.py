@@ -15,7 +15,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "logits": (),           # everything it needs comes from the forward stage's artifacts
     "probs": ("probs", "sampling.temperature", "sampling.top_k", "sampling.top_p"),
     "trajectories": ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
-                     "capture.attn_implementation", "capture.positions", "sampling"),
+                     "capture.attn_implementation", "sampling"),
     "checks": ("model.name", "model.trust_remote_code", "model.tokenizer", "model.reference_figures", "prompt",
                "capture.dtype", "capture.device", "capture.attn_implementation", "probs", "sampling", "checks"),
     "report": (),           # everything it shows comes from the artifacts (and their manifests)
