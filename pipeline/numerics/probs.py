@@ -83,7 +83,7 @@ def check_temperatures(probs_cfg: ProbsConfig, named: list[NamedFilter], largest
         key = "sampling.temperature" if f.name == "sampling" else f"probs.extra_filters.{f.name}.temperature"
         check_temperature(key, f.settings.temperature, largest)
     for t in probs_cfg.temperatures:
-        check_temperature("probs.temperatures", t, largest)
+        check_temperature("probs.temperatures", t, largest, greedy=False)
 
 
 def entropy_nats(p: np.ndarray) -> float:

@@ -124,12 +124,13 @@ def min_temperature(largest: float) -> float:
     return t
 
 
-def check_temperature(key: str, t: float, largest: float) -> None:
+def check_temperature(key: str, t: float, largest: float, greedy: bool = True) -> None:
     """Refuse a temperature > 0 whose scaled logits overflow float32 (they would become inf,
-    the kept set everything and the draw NaN); 0 (greedy) divides nothing."""
+    the kept set everything and the draw NaN); 0 (greedy, where `greedy`) divides nothing."""
     if t > 0 and _overflows(largest, t):
-        raise bad_value(key, t, f"0 (greedy) or at least {min_temperature(largest):.3g} for this run's logits "
-                                f"(largest |logit| {largest:g}; a smaller temperature overflows float32)")
+        raise bad_value(key, t, f"{'0 (greedy) or ' if greedy else ''}at least {min_temperature(largest):.3g} for "
+                                f"this run's logits (largest |logit| {largest:g}; a smaller temperature overflows "
+                                f"float32)")
 
 
 # ---------------------------------------------------------------- FP64 tables

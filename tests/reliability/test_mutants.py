@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import importlib
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from pipeline.config import schema
 from pipeline.model import capture, decode, forward, loader, tokenization, trajectories
 from pipeline.numerics import probs, sampling
 from pipeline.store import logits_io, paths
-from tests.reliability.conftest import run_stage_here
+from tests.reliability.conftest import link_copy, one_thread, run_stage_here
 
 SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
 INF = float("inf")
@@ -262,12 +261,6 @@ MUTANTS = [
 
 
 # ---------------------------------------------------------------- the clean run and the runs with a bug
-def link_copy(src: Path, dest: Path) -> Path:
-    """A copy whose files are hard links: stages replace whole folders, never a file in place."""
-    shutil.copytree(src, dest, symlinks=True, copy_function=os.link, ignore=shutil.ignore_patterns(".nexttoken"))
-    return dest
-
-
 def run_stages(ws: Path, stages: tuple[str, ...], mp: pytest.MonkeyPatch) -> None:
     for name in stages:
         out = run_stage_here(name, ws, mp)
@@ -297,13 +290,10 @@ def _loaded_once(orig: Callable, weights: str) -> Callable:
 def load_once():
     """Models and tokenizers loaded once; one intra-op thread (on a busy shared CPU, threads
     oversubscribe: 2-3x slower). The clean run is made here too, so its bits are this setting's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
+    with one_thread(), pytest.MonkeyPatch.context() as mp:
         wrap(mp, loader, "load_model", lambda orig: _loaded_once(orig, "model.safetensors"))
         wrap(mp, loader, "load_tokenizer", lambda orig: _loaded_once(orig, "tokenizer.json"))
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
