@@ -199,7 +199,8 @@ def test_a_gpu_run_checked_and_audited_on_a_cpu_reports_kernel_bound_checks_and_
         assert rows[name]["severity"] == "report", rows[name]
     assert "report, not error: forward ran on cuda (NVIDIA H200), this check on cpu" in rows["lm_head_recompute"][
         "detail"]
-    assert "trajectories ran on cuda (NVIDIA GeForce RTX 3090), forward on cuda (NVIDIA H200)" in rows[
+    # step 1 is compared with the LM head run here, one row: trajectories vs this check
+    assert "trajectories ran on cuda (NVIDIA GeForce RTX 3090), this check on cpu" in rows[
         "step1_logits_sample"]["detail"]
     assert "trajectories ran on cuda (NVIDIA GeForce RTX 3090), this check on cpu" in rows[
         "generate_parity_greedy"]["detail"]
