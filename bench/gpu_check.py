@@ -177,20 +177,24 @@ def record(snapshot: Path, device: torch.device, conf: dict, device_map: dict | 
     fig["capture_transparent"], fig["repeat_deterministic"] = max_abs(first, logits), max_abs(second, first)
     last = logits[0, -1]
     out["table"] = clock("fp64 table", sampling.probability_table, last, list(conf["temperatures"]))
+    one_row = recompute.lm_head_rows(model, tensors["final_norm_out"], 1)[0, -1]   # step 1 is one row, as generate
     runs = {}
     for branch, s in conf["branches"].items():
         for kv in (False, True):
             runs[(branch, kv)] = clock("decode", decode.run_branch, model, ids, s, conf["max_new_tokens"],
                                        conf["sampling_seed"], kv, {EOS_ID})
-            fig[f"step1_logits_{branch}{'_kv' if kv else ''}"] = max_abs(runs[(branch, kv)][0].logits, last)
+            fig[f"step1_logits_{branch}{'_kv' if kv else ''}"] = max_abs(runs[(branch, kv)][0].logits, one_row)
     out["runs"] = {k: [s.token_id for s in v] for k, v in runs.items()}
     out["kv_vs_full"] = {b: kv_diffs(runs[(b, False)], runs[(b, True)]) for b in conf["branches"]}
-    fig["greedy_step1_argmax (runs differing)"] = sum(runs[("greedy", kv)][0].token_id != int(torch.argmax(last))
-                                                      for kv in (False, True))
+    fig["greedy_tokens_argmax (steps differing)"] = sum(st.token_id != int(torch.argmax(st.logits))
+                                                        for kv in (False, True) for st in runs[("greedy", kv)])
     for branch, s in conf["branches"].items():     # as the checks stage: generate with its KV cache
         ref = clock("generate", decode.generate_reference, model, ids, s, conf["max_new_tokens"],
                     conf["sampling_seed"], kv_cache=True, eos_ids={EOS_ID})
-        fig[f"generate_parity_{branch} (ids differing)"] = sum(a != b for a, b in zip(ref, out["runs"][(branch, True)]))
+        fig[f"generate_parity_{branch} (ids differing)"] = sum(a != b for a, b in zip(ref.ids,
+                                                                                       out["runs"][(branch, True)]))
+        fig[f"generate_logits_{branch}"] = max(max_abs(st.logits, row) for st, row in zip(runs[(branch, True)],
+                                                                                          ref.logits))
     return out
 
 

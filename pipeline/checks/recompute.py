@@ -41,18 +41,29 @@ def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-def lm_head_recompute(model: nn.Module, final_norm_out: torch.Tensor, logits: torch.Tensor) -> float:
-    """The model's own lm_head (+ final softcapping, if the family has it) on the stored input."""
+def lm_head_rows(model: nn.Module, final_norm_out: torch.Tensor, rows: int) -> torch.Tensor:
+    """The model's own lm_head (+ final softcapping, if the family has it) on the last `rows`
+    positions of the stored LM-head input, sliced as HF slices it (`slice_logits_to_keep`), so
+    the matmul has the shape it had in the pass that made the logits."""
     names = family(model)
     lm_head = model.get_submodule(names.lm_head)
-    # positions="last" stored one row of logits: HF slices the LM-head input the same way
-    # (`slice_logits_to_keep`), so the matmul has the same shape as in the forward pass.
-    rows = logits.shape[1]
     x = final_norm_out[:, -rows:, :].to(device=_device_of(lm_head))
     cap = getattr(model.config, names.final_softcap) if names.final_softcap else None
     with torch.inference_mode():
-        out = _softcap(lm_head(x), cap)
-    return max_abs(out, logits)
+        return _softcap(lm_head(x), cap)
+
+
+def lm_head_recompute(model: nn.Module, final_norm_out: torch.Tensor, logits: torch.Tensor) -> float:
+    """The model's own lm_head on the stored input vs the stored logits (all their rows)."""
+    return max_abs(lm_head_rows(model, final_norm_out, logits.shape[1]), logits)
+
+
+def final_norm_recompute(model: nn.Module, captured: dict[str, torch.Tensor]) -> float:
+    """The model's own final norm on the stored output of the last layer vs the stored LM-head input."""
+    norm = model.get_submodule(family(model).final_norm)
+    last = captured[act_name("resid_post", len(decoder_layers(model)) - 1)].to(_device_of(norm))
+    with torch.inference_mode():
+        return max_abs(norm(last), captured[act_name("final_norm_out")])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: P
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
                               spread=loader.spread(cap.device, snapshot, dtype))
     tokenizer = loader.load_tokenizer(snapshot, model_cfg.trust_remote_code)
-    results = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model))
+    results = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model), snapshot / "tokenizer.json")
     results += reference.run(stored, model, tokenizer, cfg, results, references)
     return results, source, {**loader.device_record(model, device), "missing_stages": list(stored.missing)}
 

@@ -1,28 +1,30 @@
-"""The checks stage's work: re-derive every recorded number from the stored artifacts and model.
+"""The checks stage's work: every recorded number against a second derivation of it.
 
-Each check is a small function returning a `pipeline.checks.verdicts.Check` (this module: tokenizer,
-capture, recomputations, probabilities; `pipeline.checks.trajectory`: the decoding steps).
-Earlier stages' own verdicts (facts.json / summary.json booleans) are never used as
-measurements: every number is recomputed here.
+Each check is a small function returning a `pipeline.checks.verdicts.Check` whose `what`
+names the two things it compares: a stored value and the same value computed another way
+(another implementation, another library, or another path through the model), never the
+function that wrote it. This module: tokenizer, capture and recomputations;
+`pipeline.checks.tables`: the probability tables and kept sets;
+`pipeline.checks.trajectory`: the decoding steps. Earlier stages' own verdicts (facts.json /
+summary.json booleans) are never used as measurements.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.checks import recompute
+from pipeline.checks import recompute, tables
 from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, step1_logits, step_logit_rows
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
-from pipeline.model import capture, loader
-from pipeline.numerics import probs, sampling
+from pipeline.model import capture, decode, loader
+from pipeline.numerics import probs
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import parquet_facts, read_json, read_parquet, read_safetensors
 
@@ -45,6 +47,8 @@ class Stored:
     filtered: Path | None
     steps: Path | None
     step_logits: Path | None
+    token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
+    token_special: list[bool] = field(default_factory=list)
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -74,14 +78,15 @@ def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
     def optional(item: tuple[str, str]) -> Path | None:
         return use(item) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() else None
 
-    tokens = read_parquet(use(paths.TOKENS), columns=["token_id", "text"])
+    tokens = read_parquet(use(paths.TOKENS), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
     facts, step_logits = read_json(use(paths.FORWARD_FACTS)), optional(paths.STEP_LOGITS)
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(), read_safetensors(use(paths.CAPTURE)),
                   devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
-                  step_logits)
+                  step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
+                  tokens["is_special"].to_pylist())
 
 
 def _where(record: dict) -> str:
@@ -118,17 +123,43 @@ def _ids(name: str, what: str, got: list, want: list) -> Check:
     return Check(name, what, mismatches(got, want), 0, "error", diff_detail(got, want))
 
 
-def tokenizer_retokenize(tokenizer, text: str, add_special_tokens: bool, stored_ids: list[int]) -> Check:
-    return _ids("tokenizer_retokenize", "prompt.text tokenized again by the stored tokenizer == tokens.parquet ids",
-                tokenizer(text, add_special_tokens=add_special_tokens).input_ids, stored_ids)
+def tokenizer_retokenize(tokenizer_json: Path | None, tokenizer, text: str, add_special_tokens: bool,
+                         stored_ids: list[int]) -> Check:
+    """The tokenize stage encoded through transformers' tokenizer; this encodes with the `tokenizers`
+    library straight from the snapshot's tokenizer.json (else from the loaded tokenizer's backend)."""
+    from tokenizers import Tokenizer
+    raw = Tokenizer.from_file(str(tokenizer_json)) if tokenizer_json is not None and Path(tokenizer_json).is_file() \
+        else Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    encoded = raw.encode(text, add_special_tokens=add_special_tokens).ids
+    return _ids("tokenizer_retokenize", "tokens.parquet ids vs prompt.text encoded by the `tokenizers` library "
+                "from tokenizer.json (not transformers' wrapper)", encoded, stored_ids)
 
 
 def tokenizer_round_trip(tokenizer, text: str, stored_ids: list[int]) -> Check:
     special = set(tokenizer.all_special_ids)
     decoded = tokenizer.decode([i for i in stored_ids if i not in special], skip_special_tokens=False,
                                clean_up_tokenization_spaces=False)
-    return _ids("tokenizer_round_trip", "decode(stored ids without special tokens) == prompt.text (characters)",
-                decoded, text)
+    return _ids("tokenizer_round_trip", "prompt.text vs decode(tokens.parquet ids without special tokens) "
+                "(characters)", decoded, text)
+
+
+def tokenizer_bytes(tokenizer, text: str, stored: Stored) -> Check:
+    """tokens.parquet's bytes, joined, are the prompt's UTF-8 bytes (one leading space a
+    SentencePiece dummy prefix adds is allowed); each token's bytes that are UTF-8 on their own
+    are what the tokenizer decodes that id to."""
+    content = [b or b"" for b, sp in zip(stored.token_bytes, stored.token_special) if not sp]
+    joined, want = b"".join(content), text.encode("utf-8")
+    bad = [] if joined in (want, b" " + want) else ["joined bytes"]
+    for pos, (i, b) in enumerate(zip(stored.token_ids, stored.token_bytes)):
+        try:
+            alone = (b or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) != alone:
+            bad.append(f"position {pos}")
+    return Check("tokenizer_bytes", "tokens.parquet piece bytes vs the prompt's UTF-8 bytes (joined) and vs "
+                 "decode([id]) (each token that is UTF-8 alone) (mismatches)", len(bad), 0, "error",
+                 ", ".join(bad[:5]) or f"{len(joined)} bytes")
 
 
 def tokenizer_expected_ids(tokenizer, family: str, expected: list[int] | None, text: str,
@@ -142,27 +173,31 @@ def tokenizer_expected_ids(tokenizer, family: str, expected: list[int] | None, t
         own = tokenizer.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
     except (IndexError, OverflowError, TypeError, ValueError):   # ids the tokenizer does not have
         own = False
-    what = f"tokens.parquet ids == prompt.expected_token_ids.{family}" + (
+    what = f"tokens.parquet ids vs prompt.expected_token_ids.{family}" + (
         "" if own else " (report: those ids do not decode to prompt.text)")
     return [Check("tokenizer_expected_ids", what, mismatches(stored_ids, expected), 0, "error" if own else "report",
                   diff_detail(stored_ids, expected))]
 
 
 def logits_finite(captured_logits: torch.Tensor, positions: list[int]) -> Check:
-    """Count of NaN / Inf logits in the capture, naming the positions (and first ids) that have them.
+    """Count of NaN / +inf logits in the capture, naming the positions (and first ids) that have them.
 
-    The forward and logits stages record non-finite logits as computed; probs and
+    -inf is a masked id (a model may rule ids out; generate accepts it): counted in the detail
+    only. The forward and logits stages record non-finite logits as computed; probs and
     trajectories refuse them, so this check is where such a run is recorded as failed.
     """
-    bad = ~torch.isfinite(captured_logits[0])                   # [R, V]
+    values = captured_logits[0]
+    bad = values.isnan() | (values == float("inf"))                 # [R, V]
+    bad |= ~values.isfinite().any(dim=-1, keepdim=True)              # a row masked whole has no distribution
+    masked = int((values == -float("inf")).sum())
     rows = bad.any(dim=-1).nonzero().flatten().tolist()
     shown = rows if len(rows) <= 3 else [rows[0], rows[1], rows[-1]]
     per_row = [f"position {positions[r]}: {int(bad[r].sum())} ids (first: {bad[r].nonzero().flatten()[:3].tolist()})"
                for r in shown]
     detail = f"positions {_ranges([positions[r] for r in rows])} ({len(rows)} of {len(positions)}); " + \
-        "; ".join(per_row) if rows else f"{bad.numel()} values, all finite"
-    return Check("logits_finite", "count of NaN / Inf values among the captured logits (every position and id)",
-                 int(bad.sum()), 0, "error", detail)
+        "; ".join(per_row) if rows else f"{bad.numel()} values, none NaN or +inf; {masked} masked (-inf)"
+    return Check("logits_finite", "count of NaN / +inf values among the captured logits vs 0 (-inf = a masked id, "
+                 "allowed, unless a whole position is)", int(bad.sum()), 0, "error", detail)
 
 
 def _ranges(values: list[int]) -> str:
@@ -178,13 +213,14 @@ def _ranges(values: list[int]) -> str:
 
 def outputs_missing(stage: str) -> Check:
     """A stage whose outputs the checks need did not complete: its checks could not run."""
-    return Check(f"{stage}_outputs", f"artifacts/{stage} is there for its checks", math.nan, 0, "error",
+    return Check(f"{stage}_outputs", f"artifacts/{stage} vs the files its checks read (present?)", math.nan, 0,
+                 "error",
                  f"artifacts/{stage} is missing: the {stage} stage did not complete (see logits_finite), "
                  f"so its checks did not run")
 
 
 def capture_input_ids(tensors: dict, stored_ids: list[int]) -> Check:
-    return _ids("capture_input_ids", "input_ids in capture.safetensors == tokens.parquet ids",
+    return _ids("capture_input_ids", "input_ids in capture.safetensors vs tokens.parquet ids",
                 tensors["input_ids"][0].tolist(), stored_ids)
 
 
@@ -207,24 +243,26 @@ def logits_file(path: Path, captured_logits: torch.Tensor, positions: list[int])
         if (d := max_abs(val, ref[row_of[p]])) > worst:
             worst, worst_at = d, f"position {p}, first differing id {int(np.argmax(val != ref[row_of[p]]))}"
     bad += len(seen) - len(set(seen)) + len(set(positions) - set(seen))
-    return [Check("logits_file_rows", f"logits.parquet has T x V = {ref.size} rows, one whole position per row "
-                  "group, each position once", abs(n_rows - ref.size) + bad, 0, "error",
+    return [Check("logits_file_rows", f"logits.parquet rows vs T x V = {ref.size} of the capture, one whole "
+                  "position per row group, each position once", abs(n_rows - ref.size) + bad, 0, "error",
                   f"{n_rows} rows, {bad} bad, repeated or missing positions"),
-            Check("logits_file_exact", "logits.parquet float32 == bf16 logits in capture.safetensors, all cells",
+            Check("logits_file_exact", "logits.parquet float32 vs the logits in capture.safetensors, all cells",
                   worst, 0, "error", worst_at)]
 
 
 # ---------------------------------------------------------------- recomputations
-def lm_head(model, tensors: dict, severity: str) -> Check:
-    d = recompute.lm_head_recompute(model, tensors[capture.act_name("final_norm_out")],
-                                    tensors[capture.act_name("logits")])
-    return Check("lm_head_recompute", "the model's lm_head on stored final_norm_out vs stored logits, all positions",
-                 d, 0, severity, "max abs diff")
+def lm_head(model, tensors: dict, severity: str) -> list[Check]:
+    return [Check("final_norm_recompute", "the model's final norm on the stored last resid_post vs stored "
+                  "final_norm_out, all positions", recompute.final_norm_recompute(model, tensors), 0, severity,
+                  "max abs diff"),
+            Check("lm_head_recompute", "the model's lm_head on stored final_norm_out vs stored logits, all positions",
+                  recompute.lm_head_recompute(model, tensors[capture.act_name("final_norm_out")],
+                                              tensors[capture.act_name("logits")]), 0, severity, "max abs diff")]
 
 
 def layer0_attention(model, tensors: dict, severity: str) -> list[Check]:
-    return [Check(f"layer0_attention_{k}", f"layer-0 attention step {k}, recomputed from the captured step before "
-                  "it, vs captured", d, 0, severity, "max abs diff")
+    return [Check(f"layer0_attention_{k}", f"captured layer-0 attention step {k} vs recomputed (the model's modules "
+                  "and HF's eager ops) from the captured step before it", d, 0, severity, "max abs diff")
             for k, d in recompute.layer0_attention_recompute(model, tensors).items()]
 
 
@@ -233,14 +271,15 @@ def residual_adds(tensors: dict, num_layers: int) -> list[Check]:
     out = []
     for i in range(num_layers):
         d = recompute.residual_adds_recompute(tensors, i)
-        out.append(Check(f"residual_adds_layer{i}", f"layer {i}: resid_pre + attn_out == resid_mid and resid_mid "
-                         "+ mlp_out == resid_post", max(d.values()), 0, "error",
+        out.append(Check(f"residual_adds_layer{i}", f"layer {i}: captured resid_mid and resid_post vs resid_pre + "
+                         "attn_out and resid_mid + mlp_out", max(d.values()), 0, "error",
                          ", ".join(f"{k} {v:g}" for k, v in d.items())))
     return out
 
 
 def future_attention(tensors: dict) -> list[Check]:
-    return [Check(f"future_attention_layer{i}", f"layer {i}: largest attention weight on a future position",
+    return [Check(f"future_attention_layer{i}", f"layer {i}: largest captured attention weight on a future position "
+                  "vs 0 (causal)",
                   w, 0, "error", "max over heads and query positions")
             for i, w in sorted(recompute.future_attention_max(tensors).items())]
 
@@ -250,104 +289,17 @@ def fresh_forward(model, tensors: dict, positions: str, severity: str) -> list[C
     ids, stored = tensors["input_ids"], tensors[capture.act_name("logits")]
     first = capture.plain_forward_logits(model, ids, positions)
     second = capture.plain_forward_logits(model, ids, positions)
-    return [Check("capture_transparent", "a fresh plain forward (no hooks, this process) == the captured logits, "
+    return [Check("capture_transparent", "the captured logits vs a fresh plain forward (no hooks, this process), "
                   "bit for bit", max_abs(first, stored), 0, severity, f"positions={positions}"),
-            Check("repeat_deterministic", "a second fresh plain forward == the first, bit for bit",
+            Check("repeat_deterministic", "a second fresh plain forward vs the first, bit for bit",
                   max_abs(second, first), 0, severity, "same process")]
 
 
-# ---------------------------------------------------------------- probabilities
-def prob_sums(rows: dict[int, np.ndarray], temperatures: Sequence[float], tol64: float, tol32: float) -> list[Check]:
-    """|sum - 1| of softmax(logits / T) in FP64 (error) and FP32 (report: over a large vocabulary
-    FP32 can miss a 2e-6 tolerance, as the article's did at T=1 and T=2)."""
-    tabs = {pos: sampling.probability_table(torch.from_numpy(row), list(temperatures)) for pos, row in rows.items()}
-    out = []
-    for t in temperatures:
-        for kind, tol, severity in (("fp64", tol64, "error"), ("fp32", tol32, "report")):
-            errs = {pos: getattr(tab[t], "sum_err" + kind[2:]) for pos, tab in tabs.items()}
-            worst = max(errs, key=errs.get)
-            out.append(Check(f"probs_{kind}_sum_T{t:g}".replace(".", "_"), f"|sum(softmax(logits / {t:g})) - 1| in "
-                             f"{kind.upper()}", errs[worst], tol, severity, f"position {worst}"))
-    return out
-
-
-def table_recompute(table_path: Path, rows: dict[int, np.ndarray], temperatures: Sequence[float]) -> list[Check]:
-    """table.parquet == a recomputation from logits.parquet; its probabilities keep the logits' order."""
-    table, cols = read_parquet(table_path), [probs.prob_column(t) for t in temperatures]
-    worst, worst_at, inversions, inv_at = 0.0, "", 0, ""
-    for pos, row in rows.items():
-        part, logits = table.filter(pc.equal(table["position"], pos)), torch.from_numpy(row)
-        tabs = sampling.probability_table(logits, list(temperatures))
-        want = {"token_id": np.arange(row.size), "logit": row, "rank": sampling.ranks(logits),
-                **{c: tabs[t].p64 for c, t in zip(cols, temperatures)}}
-        got = {c: part[c].to_numpy() if c in part.column_names else np.empty(0) for c in want}
-        for c in want:
-            if (d := max_abs(got[c], want[c])) > worst:
-                worst, worst_at = d, f"position {pos}, column {c}"
-        order = sampling.rank_order(logits)                 # logit descending
-        for c in cols:
-            n = int((np.diff(got[c][order]) > 0).sum()) if got[c].size == row.size else 0
-            inversions, inv_at = inversions + n, f"position {pos}, {c}" if n else inv_at
-    return [Check("probs_table_recompute", "table.parquet ids, logits, ranks and FP64 probabilities == a "
-                  "recomputation from logits.parquet", worst, 0, "error", worst_at),
-            Check("probs_keep_logit_order", "table.parquet: count of lower logits with a higher probability",
-                  inversions, 0, "error", inv_at)]
-
-
-def _kept_sets(filtered_path: Path) -> dict[tuple[int, str], dict]:
-    sets: dict[tuple[int, str], dict] = {}
-    for r in read_parquet(filtered_path, columns=["position", "filter", "token_id", "prob_before",
-                                                  "prob_after"]).to_pylist():
-        s = sets.setdefault((r["position"], r["filter"]), {"ids": [], "before": [], "after": []})
-        for key, col in (("ids", "token_id"), ("before", "prob_before"), ("after", "prob_after")):
-            s[key].append(r[col])
-    return sets
-
-
-def filtered(filtered_path: Path, rows: dict[int, np.ndarray], named: list[probs.NamedFilter]) -> list[Check]:
-    """filtered.parquet == the recomputed kept sets; renormalised sums; top-p minimality."""
-    sets, wrong, sum_err, sum_at, not_minimal, margins = _kept_sets(filtered_path), [], 0.0, "", [], ""
-    for pos, row in rows.items():
-        for f in named:
-            got, want = sets.get((pos, f.name)), sampling.filter_distribution(torch.from_numpy(row), f.settings)
-            if got is None or got["ids"] != want.ids.tolist() or max_abs(np.array(got["after"]), want.prob_after) \
-                    or max_abs(np.array(got["before"]), want.prob_before):
-                wrong.append(f"{f.name}@{pos}")
-            if got is None:
-                continue
-            if (err := abs(math.fsum(got["after"]) - 1.0)) >= sum_err:
-                sum_err, sum_at = err, f"{f.name} at position {pos}"
-            if f.settings.top_p < 1.0 and not f.settings.is_greedy:
-                kept, without = _top_p_masses(row, f.settings, got["ids"])
-                if not kept >= f.settings.top_p > without:
-                    not_minimal.append(f"{f.name}@{pos}")
-                margins = f"{f.name}@{pos}: kept {kept:.9g} >= p {f.settings.top_p:g} > without last {without:.9g}"
-    extra = set(sets) - {(p, f.name) for p in rows for f in named}
-    return [Check("filtered_sets_recompute", "filtered.parquet kept ids and probabilities == recomputed from "
-                  "logits.parquet (sets differing)", len(wrong) + len(extra), 0, "error",
-                  ", ".join(wrong[:5] + [f"unexpected {n}@{p}" for p, n in sorted(extra)[:3]])),
-            Check("filtered_renormalised_sum", "|sum(prob_after) - 1| of every stored kept set", sum_err, 1e-12,
-                  "error", sum_at),
-            Check("top_p_minimality", "top-p sets (p < 1): kept mass >= p and mass without the last kept id < p "
-                  "(sets violating)", len(not_minimal), 0, "error", ", ".join(not_minimal[:5]) or margins)]
-
-
-def _top_p_masses(row: np.ndarray, s: sampling.SamplingSettings, kept: list[int]) -> tuple[float, float]:
-    """FP64 mass of the kept ids, with and without the least likely one, in the distribution
-    top-p filtered: softmax(logits / T) renormalised over what top-k left (all ids if top_k = 0).
-    (Membership is decided in float32, as in generate; FP64 could disagree only within float32
-    rounding of p, and that would show here.)"""
-    p = torch.softmax(torch.from_numpy(row).double() / s.temperature, dim=-1).numpy()
-    if s.top_k:
-        top_k = sampling.warp(torch.from_numpy(row), sampling.SamplingSettings(s.temperature, s.top_k))
-        p = p / math.fsum(p[torch.isfinite(top_k).numpy()].tolist())
-    masses = sorted(p[kept].tolist(), reverse=True)
-    return math.fsum(masses), math.fsum(masses[:-1])
-
-
 # ---------------------------------------------------------------- all of them
-def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, eos_ids: set[int]) -> list[Check]:
-    """Every check, in pipeline order. cfg: the typed sections model, prompt, probs, sampling, checks.
+def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, eos_ids: set[int],
+            tokenizer_json: Path | None = None) -> list[Check]:
+    """Every check, in pipeline order. cfg: the typed sections model, prompt, probs, sampling, checks;
+    tokenizer_json: the snapshot's, for the second encoding of the prompt.
 
     A missing probs or trajectories stage (`Stored.missing`) replaces its checks with one
     failed `<stage>_outputs` check; the others run as usual.
@@ -361,32 +313,35 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
     rows = {p: logits_io.read_position(stored.logits, p)
             for p in probs.resolve_positions(p_cfg.positions, len(ids), stored.logit_positions)}
     out = [
-        tokenizer_retokenize(tokenizer, prompt.text, m.tokenizer.add_special_tokens, ids),
+        tokenizer_retokenize(tokenizer_json, tokenizer, prompt.text, m.tokenizer.add_special_tokens, ids),
         tokenizer_round_trip(tokenizer, prompt.text, ids),
+        tokenizer_bytes(tokenizer, prompt.text, stored),
         *tokenizer_expected_ids(tokenizer, m.tokenizer.family, prompt.expected_ids_for(m.tokenizer.family),
                                 prompt.text, ids),
         capture_input_ids(tensors, ids),
         logits_finite(tensors[capture.act_name("logits")], stored.logit_positions),
         *logits_file(stored.logits, tensors[capture.act_name("logits")], stored.logit_positions),
-        *kernel_bound([lm_head(model, tensors, "error"), *layer0_attention(model, tensors, "error")], fwd, here),
+        *kernel_bound([*lm_head(model, tensors, "error"), *layer0_attention(model, tensors, "error")], fwd, here),
         *residual_adds(tensors, len(capture.decoder_layers(model))),
         *future_attention(tensors),
         *kernel_bound([transparent], fwd, here), repeat,      # repeat: two passes of this process
-        *prob_sums(rows, p_cfg.temperatures, p_cfg.fp64_sum_tolerance, p_cfg.fp32_sum_tolerance),
+        *tables.fp32_sums(rows, p_cfg.temperatures, p_cfg.fp32_sum_tolerance),
     ]
     if stored.table is None:
         out.append(outputs_missing("probs"))
     else:
-        out += [*table_recompute(stored.table, rows, p_cfg.temperatures),
-                *filtered(stored.filtered, rows, probs.filters(p_cfg, cfg["sampling"]))]
+        out += [*tables.fp64_tables(stored.table, rows, p_cfg.temperatures),
+                *tables.table_columns(stored.table, rows),
+                *tables.filtered(stored.filtered, rows, probs.filters(p_cfg, cfg["sampling"]),
+                                 lambda f: decode.generate_warpers(model, f.settings))]
     if stored.steps is None:
         return out + [outputs_missing("trajectories")]
-    last, steps, step_rows = stored.last_row(), read_parquet(stored.steps).to_pylist(), \
-        step_logit_rows(stored.step_logits)
-    greedy = greedy_argmax(steps, step_rows, last)
+    steps, step_rows = read_parquet(stored.steps).to_pylist(), step_logit_rows(stored.step_logits)
+    one_row = recompute.lm_head_rows(model, tensors[capture.act_name("final_norm_out")], 1)[0, -1].float().cpu()
     return out + [
-        *kernel_bound(step1_logits(step_rows, last, "error"), traj, fwd),
-        *kernel_bound(greedy[:1], traj, fwd), *greedy[1:],          # step 1 vs the forward's argmax; own rows
+        *kernel_bound(step1_logits(step_rows, one_row.numpy(), stored.last_row(), "error"), traj, here),
+        *greedy_argmax(steps, step_rows),                               # the stored rows' own argmax
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),
-        *kernel_bound(generate_parity(model, ids, steps, cfg["sampling"], eos_ids, device), traj, here),
+        *kernel_bound(generate_parity(model, ids, steps, step_rows, cfg["sampling"], eos_ids, device, "error"),
+                      traj, here),
     ]

@@ -16,7 +16,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     # capture.kernels: every stage whose numbers depend on the CPU kernels (the FP64 softmax too)
     "probs": ("probs", "sampling.temperature", "sampling.top_k", "sampling.top_p", "capture.kernels"),
     "trajectories": ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
-                     "capture.attn_implementation", "capture.positions", "capture.kernels", "sampling"),
+                     "capture.attn_implementation", "capture.kernels", "sampling"),
     "checks": ("model.name", "model.trust_remote_code", "model.tokenizer", "model.reference_figures", "prompt",
                "capture.dtype", "capture.device", "capture.attn_implementation", "capture.kernels", "probs",
                "sampling", "checks"),

@@ -53,20 +53,18 @@ def check_room(prompt_len: int, max_new_tokens: int, max_positions: int | None) 
                         f"max_position_embeddings is {max_positions})")
 
 
-def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int],
-            positions: str = "all") -> list[Run]:
+def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int]) -> list[Run]:
     """Every (branch, kv_cache) run. The prompt pass (step 1) is done once per cache mode and
     shared by the branches; the cached and the full-prefix runs keep their own prompt passes,
-    so the checks still compare two computations at step 1. `positions`: the capture's
-    (`capture.positions`), so step 1 is the forward stage's call."""
-    shared = {kv: prefill(model, prompt_ids, kv, positions) for kv in dict.fromkeys(sampling.kv_cache)} \
+    so the checks still compare two computations at step 1."""
+    shared = {kv: prefill(model, prompt_ids, kv) for kv in dict.fromkeys(sampling.kv_cache)} \
         if sampling.max_new_tokens > 0 and len(sampling.branches) > 1 else {}
     runs = []
     for branch in sampling.branches:
         settings = branch_settings(branch, sampling)
         for kv in sampling.kv_cache:
             steps = run_branch(model, prompt_ids, settings, sampling.max_new_tokens, sampling.seed, kv, eos_ids,
-                               shared=shared.get(kv), positions=positions)
+                               shared=shared.get(kv))
             runs.append(Run(branch, kv, settings, steps))
     return runs
 
@@ -136,7 +134,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
                               spread=loader.spread(cap.device, snapshot, dtype))
     tokenizer = loader.load_tokenizer(snapshot)
-    runs = run_all(model, ids, sampling, loader.eos_ids(model), cap.positions)
+    runs = run_all(model, ids, sampling, loader.eos_ids(model))
     stage.model = provenance.model_record(source)
     stage.seeds["sample"] = sampling.seed
     stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}

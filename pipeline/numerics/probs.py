@@ -17,7 +17,14 @@ import torch
 
 from pipeline.config.schema import ProbsConfig, SamplingConfig
 from pipeline.errors import UserError, bad_value
-from pipeline.numerics.sampling import SamplingSettings, filter_distribution, probability_table, ranks
+from pipeline.numerics.sampling import (
+    SamplingSettings,
+    check_temperature,
+    filter_distribution,
+    largest_logit,
+    probability_table,
+    ranks,
+)
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import StageRun, parquet_facts, read_parquet
 
@@ -58,10 +65,25 @@ def resolve_positions(requested: tuple[int, ...], n_positions: int, available: l
 
 
 def check_finite(position: int, row: np.ndarray) -> None:
-    bad = np.flatnonzero(~np.isfinite(row))
+    """NaN and +inf are refused; -inf is a masked id (probability 0), as `generate` treats it."""
+    bad = np.flatnonzero(np.isnan(row) | (row == np.inf))
     if bad.size:
         raise UserError(f"logits at position {position} are not finite for {bad.size} ids "
-                        f"(first: {bad[:5].tolist()}): the model produced NaN/Inf; no probabilities computed")
+                        f"(first: {bad[:5].tolist()}): the model produced NaN/Inf (NaN or +inf; -inf, a masked id, "
+                        f"is allowed); no probabilities computed")
+    if not np.isfinite(row).any():
+        raise UserError(f"logits at position {position} are -inf for every id: the model masked them all; "
+                        f"no probabilities computed")
+
+
+def check_temperatures(probs_cfg: ProbsConfig, named: list[NamedFilter], largest: float) -> None:
+    """Every temperature that divides float32 logits must keep them finite (see
+    `sampling.check_temperature`): the filters' and the tables' (whose FP32 path divides too)."""
+    for f in named:
+        key = "sampling.temperature" if f.name == "sampling" else f"probs.extra_filters.{f.name}.temperature"
+        check_temperature(key, f.settings.temperature, largest)
+    for t in probs_cfg.temperatures:
+        check_temperature("probs.temperatures", t, largest, greedy=False)
 
 
 def entropy_nats(p: np.ndarray) -> float:
@@ -166,10 +188,15 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     positions = resolve_positions(probs_cfg.positions, facts["n_positions"], facts["positions"])
     vocab_t = read_parquet(vocab_path, columns=["token_id", "text"])
     vocab = dict(zip(vocab_t["token_id"].to_pylist(), vocab_t["text"].to_pylist()))
-    tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
-    for pos in positions:
+    largest = 0.0
+    for pos in positions:               # refuse before any work; one row in memory at a time
         row = logits_io.read_position(logits_path, pos)
         check_finite(pos, row)
+        largest = max(largest, largest_logit(row))
+    check_temperatures(probs_cfg, named, largest)
+    tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
+    for pos in positions:               # ascending: `row` is the last position's afterwards
+        row = logits_io.read_position(logits_path, pos)
         table, by_t = position_table(pos, row, probs_cfg.temperatures)
         tables.append(table)
         summary["temperatures"] += temperature_summary(
@@ -184,8 +211,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     outputs = {paths.TABLE: pa.concat_tables(tables),
                paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
-               paths.PROBS_METRICS: sweep_metrics(last, logits_io.read_position(logits_path, last),
-                                                  sampling_filter, summary["temperatures"])}
+               paths.PROBS_METRICS: sweep_metrics(last, row, sampling_filter, summary["temperatures"])}
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}

@@ -1,10 +1,19 @@
 """Turn one row of next-token logits into probabilities, filtered sets and a chosen token.
 
-The transforms copy transformers' warpers op for op (same dtype, same sort, same
-comparisons), so a decode loop built on `choose` draws exactly the tokens of
-`model.generate(do_sample=True, ...)`: generate casts the last row to float32, applies
-temperature -> top-k -> top-p, takes `softmax` in float32 and calls `torch.multinomial`.
-The FP64 tables beside them are for reporting and never feed the draw.
+The filters ARE transformers' warpers (`TemperatureLogitsWarper`, `TopKLogitsWarper`,
+`TopPLogitsWarper`), built with the rules `generate` builds them by, so a decode loop built
+on `choose` draws exactly the tokens of `model.generate(do_sample=True, ...)` by
+construction: generate casts the last row to float32, applies temperature -> top-k -> top-p,
+takes `softmax` in float32 and calls `torch.multinomial`. The FP64 tables beside them are
+for reporting and never feed the draw. Settings arrive validated (pipeline.config.schema).
+
+Masked ids: a logit of -inf (a model that rules an id out) is an id with probability 0
+everywhere here; NaN and +inf are refused by the stages before these functions run.
+
+Ties at the top-p cut (the warper's rule): HOW MANY of a group of equal scores are kept is
+fixed by the cumulative mass; WHICH of them follows `torch.sort(descending=False)` (not
+stable): on CPU the highest ids of the group for rows of <= 16 entries, for longer rows
+deterministic for a given row, build and device but in no id order.
 
 Ranks: rank 1 is the highest logit; equal logits rank by lower token id first.
 """
@@ -12,111 +21,23 @@ Ranks: rank 1 is the highest logit; equal logits rank by lower token id first.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from pipeline.errors import bad_value
 
 _NEG_INF = -float("inf")
-
-
-def _is_real(x: object) -> bool:
-    # bool is an int in Python; a YAML `true` must not pass as temperature 1.
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_temperature(t: object, allow_zero: bool) -> None:
-    if not _is_real(t) or not math.isfinite(t) or t < 0 or (t == 0 and not allow_zero):
-        allowed = "a finite number >= 0 (0 = greedy)" if allow_zero else "a finite number > 0"
-        raise bad_value("sampling.temperature", t, allowed)
-
-
-def _check_top_k(k: object) -> None:
-    if not _is_int(k) or k < 0:
-        raise bad_value("sampling.top_k", k, "an integer >= 0 (0 = off)")
-
-
-def _check_top_p(p: object) -> None:
-    if not _is_real(p) or not 0 < p <= 1:
-        raise bad_value("sampling.top_p", p, "a number in (0, 1] (1.0 = off)")
-
-
-@dataclass(frozen=True)
-class Temperature:
-    """scores / t, as `TemperatureLogitsWarper`. t == 0 (greedy) is the caller's business."""
-
-    t: float
-
-    def __post_init__(self) -> None:
-        _check_temperature(self.t, allow_zero=False)
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores / self.t
-
-
-@dataclass(frozen=True)
-class TopK:
-    """Keep every id scoring >= the k-th highest score (so ties with it too); k == 0 is off.
-
-    Same ops as `TopKLogitsWarper(top_k=k, filter_value=-inf)`.
-    """
-
-    k: int
-
-    def __post_init__(self) -> None:
-        _check_top_k(self.k)
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.k == 0:
-            return scores.clone()
-        k = min(self.k, scores.size(-1))
-        kth = torch.topk(scores, k)[0][..., -1, None]
-        return scores.masked_fill(scores < kth, _NEG_INF)
-
-
-@dataclass(frozen=True)
-class TopP:
-    """Nucleus filter, the kept set of `TopPLogitsWarper(top_p=p, min_tokens_to_keep=1)`; p == 1.0 is off.
-
-    Rule (the warper's): sort scores ascending, take the cumulative softmax in the scores'
-    dtype (float32 in generate), remove ids whose cumulative <= 1 - p, never remove the
-    last (highest) one. In exact arithmetic that keeps an id iff the mass ranked strictly
-    above it is < p: the smallest set whose mass reaches p. The threshold is evaluated in
-    float32, so at a boundary within float32 rounding the count may differ from FP64's.
-
-    Ties at the cut: the cumulative values do not depend on how equal scores are ordered,
-    so HOW MANY of a tied group are kept is fixed. WHICH of them are kept is whatever
-    `torch.sort(descending=False)` (stable=False, as the warper calls it) puts last. On CPU
-    that sort is stable for rows of <= 16 entries, so there the highest token ids of the
-    tied group are kept (e.g. logits [1, 2, 2, 2, 0], p=0.3 keeps ids {2, 3}); for longer
-    rows it is not stable, and the choice is deterministic for a given row, torch build and
-    device but follows no id order. We call the very same sort so the kept set, and hence
-    the draw, matches generate's. (p == 1.0 is an identity here, as generate adds no warper;
-    the warper itself would still drop ids whose float32 probability underflows to 0.)
-    """
-
-    p: float
-
-    def __post_init__(self) -> None:
-        _check_top_p(self.p)
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.p == 1.0:
-            return scores.clone()
-        sorted_scores, sorted_ids = torch.sort(scores, descending=False)  # unstable on purpose: = warper
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1 - self.p)
-        remove_sorted[..., -1:] = False  # min_tokens_to_keep = 1
-        remove = remove_sorted.scatter(-1, sorted_ids, remove_sorted)
-        return scores.masked_fill(remove, _NEG_INF)
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINIEST = float(np.nextafter(np.float32(0), np.float32(1)))   # smallest subnormal
 
 
 @dataclass(frozen=True)
@@ -127,40 +48,34 @@ class SamplingSettings:
     top_k: int = 0
     top_p: float = 1.0
 
-    def __post_init__(self) -> None:
-        _check_temperature(self.temperature, allow_zero=True)
-        _check_top_k(self.top_k)
-        _check_top_p(self.top_p)
-
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
 
-def _transforms(settings: SamplingSettings) -> list:
-    # generate's `_get_logits_processor`: it skips T == 1.0, top_k == 0 and top_p == 1.0.
-    out = []
+def warpers(settings: SamplingSettings) -> LogitsProcessorList:
+    """The warpers generate's `_get_logits_processor` adds for do_sample=True and one beam:
+    none for T == 1.0, top_k == 0, top_p == 1.0; min_tokens_to_keep=1."""
+    out = LogitsProcessorList()
     if settings.temperature != 1.0:
-        out.append(Temperature(settings.temperature))
+        out.append(TemperatureLogitsWarper(float(settings.temperature)))
     if settings.top_k != 0:
-        out.append(TopK(settings.top_k))
+        out.append(TopKLogitsWarper(top_k=int(settings.top_k), min_tokens_to_keep=1))
     if settings.top_p < 1.0:
-        out.append(TopP(settings.top_p))
+        out.append(TopPLogitsWarper(top_p=float(settings.top_p), min_tokens_to_keep=1))
     return out
 
 
 def warp(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """Float32 scores after temperature -> top-k -> top-p (filtered ids = -inf).
+    """Float32 scores after temperature -> top-k -> top-p (filtered ids = -inf), input unchanged.
 
-    Cast to float32 first, as generate does before its processors. Greedy applies no
-    warper (generate with do_sample=False doesn't either): the float32 logits come back.
+    Cast to float32 first, as generate does before its processors (whose `__call__` ignores
+    input_ids), and shaped [1, vocab] as its batch of one (the top-p warper needs a batch
+    dimension), then back to the input's shape. Greedy applies no warper (generate with
+    do_sample=False doesn't either).
     """
     scores = logits.to(dtype=torch.float32, copy=True)
-    if settings.is_greedy:
-        return scores
-    for transform in _transforms(settings):
-        scores = transform(scores)
-    return scores
+    return scores if settings.is_greedy else warpers(settings)(None, scores.reshape(1, -1)).reshape(logits.shape)
 
 
 def next_token_probs(logits_row: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
@@ -186,6 +101,39 @@ def choose(logits_row: torch.Tensor, settings: SamplingSettings, generator: torc
     return int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
 
 
+# ---------------------------------------------------------------- temperatures the logits allow
+def largest_logit(logits: torch.Tensor | np.ndarray) -> float:
+    """max |logit| over the finite ids (masked -inf ids excluded); 0.0 when none is finite."""
+    values = torch.as_tensor(logits).detach().float()
+    finite = values[torch.isfinite(values)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def _overflows(largest: float, t: float) -> bool:
+    # The very division the warper makes: a float32 tensor by a Python float (IEEE, in float32;
+    # a T below float32's smallest subnormal becomes 0 there, and 0 / 0 is NaN).
+    return not bool(torch.isfinite(torch.tensor([largest], dtype=torch.float32) / t).all())
+
+
+def min_temperature(largest: float) -> float:
+    """The smallest temperature (3 significant digits, rounded up) whose float32 logits / T
+    stays finite for logits up to `largest` in absolute value."""
+    t = float(f"{max(largest / _F32_MAX, _F32_TINIEST):.3g}")
+    while _overflows(largest, t):
+        t = float(f"{t * 1.01:.3g}")
+    return t
+
+
+def check_temperature(key: str, t: float, largest: float, greedy: bool = True) -> None:
+    """Refuse a temperature > 0 whose scaled logits overflow float32 (they would become inf,
+    the kept set everything and the draw NaN); 0 (greedy, where `greedy`) divides nothing."""
+    if t > 0 and _overflows(largest, t):
+        raise bad_value(key, t, f"{'0 (greedy) or ' if greedy else ''}at least {min_temperature(largest):.3g} for "
+                                f"this run's logits (largest |logit| {largest:g}; a smaller temperature overflows "
+                                f"float32)")
+
+
+# ---------------------------------------------------------------- FP64 tables
 @dataclass(frozen=True, eq=False)
 class ProbTable:
     """softmax(logits / T) over all ids: p64 via float64, p32 via float32, and |sum - 1| of each."""
@@ -203,12 +151,9 @@ def _sum_error(p: np.ndarray) -> float:
 
 
 def probability_table(logits: torch.Tensor, temperatures: list[float]) -> dict[float, ProbTable]:
-    """One ProbTable per temperature for a 1-D logits row of any dtype (e.g. bf16)."""
+    """One ProbTable per temperature (validated > 0) for a 1-D logits row of any dtype (e.g. bf16)."""
     if logits.ndim != 1:
         raise ValueError(f"expected 1-D logits, got shape {tuple(logits.shape)}")
-    for t in temperatures:
-        if not _is_real(t) or not math.isfinite(t) or t <= 0:
-            raise bad_value("probs.temperatures", t, "finite numbers > 0")
     row = logits.detach().cpu()
     tables = {}
     for t in temperatures:
@@ -258,7 +203,7 @@ def filter_distribution(logits: torch.Tensor, settings: SamplingSettings) -> Kep
     if settings.is_greedy:
         kept = np.array([int(torch.argmax(row))], dtype=np.int64)
     else:
-        scores = warp(row.reshape(1, -1), settings)[0]  # [1, vocab] like `choose`, same sort
+        scores = warp(row, settings)
         kept = torch.nonzero(scores != _NEG_INF).flatten().numpy().astype(np.int64)
     kept = kept[np.lexsort((kept, -p64[kept]))]
     before = p64[kept]

@@ -359,9 +359,11 @@ def checks(inp: Inputs) -> list[str]:
              c["verdict"] if c["verdict"] == "pass" else f"**{c['verdict'].upper()}**", c["severity"],
              c.get("detail") or ""] for c in inp.checks]
     return out + [f"{len(inp.checks)} checks: {len(inp.checks) - len(failed)} pass, {len(failed)} fail "
-                  f"({len(errors)} of severity `error`). `report` checks record numerical findings; they never "
-                  f"fail the run.", ""] + table(
-        ["check", "what", "measured", "tolerance", "verdict", "severity", "detail"], rows, src(paths.CHECKS))
+                  f"({len(errors)} of severity `error`). Each compares a recorded number with a second derivation "
+                  f"of it (another implementation, another library or another path through the model): the "
+                  f"\"compares\" column names both. `report` checks record numerical findings; they never fail "
+                  f"the run.", ""] + table(
+        ["check", "compares", "measured", "tolerance", "verdict", "severity", "detail"], rows, src(paths.CHECKS))
 
 
 def _measured(x: float | None) -> str:

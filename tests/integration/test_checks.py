@@ -1,12 +1,15 @@
 """The checks stage on tiny_qwen2: a clean run passes every error check, and every check can fail.
 
-One module workspace runs the chain and the checks stage once. Each "can fail" test corrupts
+One module workspace runs the chain and the checks stage once. Each "can fail" test changes
 one input (a Parquet file written to tmp_path, or a copy of the captured tensors) and calls
-the pipeline.checks function directly; two tests run the whole stage as a subprocess.
+the pipeline.checks function directly; two tests run the whole stage as a subprocess. That a
+check catches a wrong *computation*, not only a changed file, is shown by
+tests/reliability/test_mutants.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -19,9 +22,9 @@ import pytest
 import torch
 import yaml
 
-from pipeline.checks import reference, suite, trajectory, verdicts
+from pipeline.checks import recompute, reference, suite, tables, trajectory, verdicts
 from pipeline.config import schema
-from pipeline.model import loader
+from pipeline.model import decode, loader
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
 from tests.conftest import copy_ws, run_module
@@ -93,15 +96,19 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
     assert errors and all(r["verdict"] == "pass" for r in errors), [r for r in errors if r["verdict"] != "pass"]
     names = [r["name"] for r in rows]
     assert len(names) == len(set(names)) and all(n.replace("_", "").isalnum() for n in names)
-    for required in ("tokenizer_retokenize", "tokenizer_round_trip", "tokenizer_expected_ids", "logits_file_rows",
-                     "logits_file_exact", "lm_head_recompute", "layer0_attention_attn_out", "residual_adds_layer0",
-                     "residual_adds_layer1", "future_attention_layer0", "future_attention_layer1",
-                     "capture_transparent", "repeat_deterministic", "probs_fp64_sum_T1", "probs_fp32_sum_T2",
-                     "probs_table_recompute", "probs_keep_logit_order", "filtered_sets_recompute",
-                     "filtered_renormalised_sum", "top_p_minimality", "step1_logits_sample_kv", "greedy_step1_argmax",
-                     "kv_cache_logits_sample", "kv_cache_choices_greedy", "generate_parity_sample",
-                     "generate_parity_greedy", "ref_token_ids", "ref_pieces", "ref_byte_split"):
+    for required in ("tokenizer_retokenize", "tokenizer_round_trip", "tokenizer_bytes", "tokenizer_expected_ids",
+                     "logits_file_rows", "logits_file_exact", "final_norm_recompute", "lm_head_recompute",
+                     "layer0_attention_attn_out", "residual_adds_layer0", "residual_adds_layer1",
+                     "future_attention_layer0", "future_attention_layer1", "capture_transparent",
+                     "repeat_deterministic", "probs_fp64_table_T1", "probs_fp32_sum_T2", "probs_table_logits",
+                     "probs_table_ranks", "filtered_sets_numpy", "filtered_sets_warpers", "filtered_rows",
+                     "filtered_probs", "step1_logits_sample_kv", "greedy_tokens_argmax", "kv_cache_logits_sample",
+                     "kv_cache_choices_greedy", "generate_parity_sample", "generate_parity_greedy_kv",
+                     "generate_logits_sample_kv", "generate_logits_greedy", "ref_token_ids", "ref_pieces",
+                     "ref_byte_split"):
         assert required in names, required
+    assert all(" vs " in r["what"] for r in rows if r["severity"] == "error" and not r["name"].startswith("ref_")), \
+        [r["what"] for r in rows if " vs " not in r["what"]]     # each says which two things it compares
     assert {r["severity"] for r in rows if r["name"].startswith(("kv_cache_", "probs_fp32_"))} == {"report"}
     metrics = json.loads((ws / "artifacts/checks/metrics.json").read_text())
     s = metrics["summary"]
@@ -119,9 +126,9 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
 def test_clean_run_measures_the_fp32_sums_and_the_kv_cache(ws, clean_run):
     rows = {r["name"]: r for r in pq.read_table(ws / "artifacts/checks/checks.parquet").to_pylist()}
     for t in ("0_5", "1", "2"):
-        fp32, fp64 = rows[f"probs_fp32_sum_T{t}"], rows[f"probs_fp64_sum_T{t}"]
-        assert fp32["measured"] > fp64["measured"] >= 0 and fp32["tolerance"] == 2e-6
-        assert fp32["verdict"] == ("pass" if fp32["measured"] <= 2e-6 else "fail")
+        fp32, fp64 = rows[f"probs_fp32_sum_T{t}"], rows[f"probs_fp64_table_T{t}"]
+        assert 1e-9 < fp32["measured"] < 1e-3 and fp32["tolerance"] == 2e-6 and fp32["severity"] == "report"
+        assert 0 < fp64["measured"] <= 1e-13 and fp64["tolerance"] == 1e-12     # numpy vs torch: rounding only
     for b in ("sample", "greedy"):
         kv = rows[f"kv_cache_logits_{b}"]
         assert kv["tolerance"] == 1e-2 and kv["detail"].startswith("per step: ") and math.isfinite(kv["measured"])
@@ -242,13 +249,17 @@ def test_max_abs_walks_chunks_and_both_kinds_of_input(monkeypatch):
 
 def test_logits_finite_counts_and_names_positions():
     logits = torch.zeros(1, 3, 10, dtype=torch.bfloat16)
+    logits[0, :, 9] = -float("inf")                              # a masked id: allowed
     clean = suite.logits_finite(logits, [4, 5, 6])
-    assert clean.passed and clean.measured == 0 and clean.severity == "error" and "all finite" in clean.detail
+    assert clean.passed and clean.measured == 0 and clean.severity == "error"
+    assert clean.detail == "30 values, none NaN or +inf; 3 masked (-inf)"
     logits[0, 1, 7] = float("nan")
     logits[0, 2, 2:4] = float("inf")
     bad = suite.logits_finite(logits, [4, 5, 6])
     assert not bad.passed and bad.measured == 3
     assert bad.detail == "positions 5-6 (2 of 3); position 5: 1 ids (first: [7]); position 6: 2 ids (first: [2, 3])"
+    logits[0, 0] = -float("inf")                                 # a whole position masked: no distribution
+    assert suite.logits_finite(logits, [4, 5, 6]).measured == 13
     assert suite._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and suite._ranges([3]) == "3"
 
 
@@ -259,13 +270,14 @@ def test_a_missing_stage_is_one_failed_error_check():
 
 
 # ---------------------------------------------------------------- tokenizer and capture
-def test_tokenizer_checks_fail_on_wrong_ids(tokenizer, stored, cfg):
+def test_tokenizer_checks_fail_on_wrong_ids(tokenizer, stored, cfg, ws):
     text, ids = cfg["prompt"].text, stored.token_ids
     wrong = ids[:5] + [ids[5] + 1] + ids[6:]
-    assert suite.tokenizer_retokenize(tokenizer, text, False, ids).passed
-    bad = suite.tokenizer_retokenize(tokenizer, text, False, wrong)
+    tokenizer_json = ws / "artifacts/prepare_model/tokenizer.json"
+    assert suite.tokenizer_retokenize(tokenizer_json, tokenizer, text, False, ids).passed
+    bad = suite.tokenizer_retokenize(tokenizer_json, tokenizer, text, False, wrong)
     assert not bad.passed and bad.measured == 1 and "index 5" in bad.detail
-    assert suite.tokenizer_retokenize(tokenizer, text, False, ids[:-1]).measured == 1   # one id short
+    assert suite.tokenizer_retokenize(None, tokenizer, text, False, ids[:-1]).measured == 1   # one id short
     assert suite.tokenizer_round_trip(tokenizer, text, ids).passed
     assert suite.tokenizer_round_trip(tokenizer, text + "x", ids).measured == 1
     assert not suite.tokenizer_round_trip(tokenizer, text, wrong).passed
@@ -281,6 +293,20 @@ def test_tokenizer_checks_fail_on_wrong_ids(tokenizer, stored, cfg):
     assert not stale.passed and stale.severity == "report" and stale.measured == 25
     assert suite.tokenizer_expected_ids(tokenizer, "gemma3", None, text, ids) == []
     assert suite.capture_input_ids(stored.tensors, wrong).measured == 1
+
+
+def test_stored_piece_bytes_are_checked_against_the_prompt_and_decode(tokenizer, stored, cfg):
+    text = cfg["prompt"].text
+    ok = suite.tokenizer_bytes(tokenizer, text, stored)
+    assert ok.passed and ok.detail == f"{len(text.encode())} bytes"
+    # " temperature" (position 6) stored as its byte-level stand-in characters: "Ġtemperature"
+    standin = [b"\xc4\xa0temperature" if b == b" temperature" else b for b in stored.token_bytes]
+    bad = suite.tokenizer_bytes(tokenizer, text, dataclasses.replace(stored, token_bytes=standin))
+    assert bad.measured == 2 and bad.detail == "joined bytes, position 6"
+    # the two halves of " 就" swapped: neither decodes alone, only the joined bytes show it
+    halves = stored.token_bytes[:15] + stored.token_bytes[16:14:-1] + stored.token_bytes[17:]
+    assert suite.tokenizer_bytes(tokenizer, text, dataclasses.replace(stored, token_bytes=halves)).detail == \
+        "joined bytes"
 
 
 def test_one_flipped_logit_in_logits_parquet_fails_logits_file_exact(stored, tmp_path):
@@ -334,11 +360,14 @@ def test_changed_mlp_out_of_the_last_layer_fails_its_residual_add(stored):
     assert not adds["residual_adds_layer1"].passed and adds["residual_adds_layer0"].passed
 
 
-def test_changed_final_norm_out_fails_the_lm_head_recompute(model, stored):
+def test_changed_final_norm_out_fails_the_final_norm_and_lm_head_recomputes(model, stored):
     tensors = tensors_with(stored, "final_norm_out", (0, 24, 7), 3.0)
-    bad = suite.lm_head(model, tensors, "error")
-    assert bad.name == "lm_head_recompute" and bad.measured > 0 and not bad.passed
-    assert suite.lm_head(model, stored.tensors, "error").measured == 0.0
+    got = by_name(suite.lm_head(model, tensors, "error"))
+    assert got["lm_head_recompute"].measured > 0 and got["final_norm_recompute"].measured > 0
+    assert all(c.measured == 0.0 for c in suite.lm_head(model, stored.tensors, "error"))
+    # the last layer's output changed: only the final norm recompute sees it (the LM head reads final_norm_out)
+    got = by_name(suite.lm_head(model, tensors_with(stored, "blocks.1.resid_post", (0, 3, 5), 50.0), "error"))
+    assert not got["final_norm_recompute"].passed and got["lm_head_recompute"].passed
 
 
 def test_weight_on_a_future_position_fails_future_attention(stored):
@@ -374,62 +403,105 @@ def rows(stored) -> dict[int, np.ndarray]:
     return {24: stored.last_row()}
 
 
-def test_non_finite_logits_fail_the_fp64_and_fp32_sums(rows):
+@pytest.fixture(scope="module")
+def named(cfg) -> list[probs.NamedFilter]:
+    return probs.filters(cfg["probs"], cfg["sampling"])
+
+
+@pytest.fixture(scope="module")
+def warpers_for(model):
+    return lambda f: decode.generate_warpers(model, f.settings)
+
+
+def rewrite_table(src: Path, dst: Path, edit) -> Path:
+    """Copy table.parquet with `edit(pyarrow table) -> table` applied, one row group per position."""
+    table = edit(pq.read_table(src))
+    pq.write_table(table, dst, row_group_size=V)
+    return dst
+
+
+def test_fp64_sum_is_not_enough_probs_fp64_table_fails_on_1e10_relative_error_that_still_sums_to_one(
+        stored, rows, tmp_path):
+    """The acceptance case: two probabilities off by 1e-10 relative, the sum still 1 (to 1e-16): a
+    sum check passes; the stored values against numpy's FP64 softmax do not."""
+    order = np.argsort(-rows[24])
+    a, b = int(order[0]), int(order[1])
+
+    def off(v):
+        delta = v[a] * 1e-10
+        v[a] += delta                 # +1e-10 relative
+        v[b] -= delta                 # the mass moved, not made
+    bad = rewrite(stored.table, tmp_path / "table.parquet", "p_T1", off)
+    stored_p, clean_p = pq.read_table(bad)["p_T1"].to_numpy(), pq.read_table(stored.table)["p_T1"].to_numpy()
+    assert math.fsum(stored_p.tolist()) == pytest.approx(math.fsum(clean_p.tolist()), abs=1e-17)   # still sums to 1
+    assert abs(math.fsum(stored_p.tolist()) - 1.0) < 1e-14
+    got = by_name(tables.fp64_tables(bad, rows, (0.5, 1.0, 2.0)))
+    t1 = got["probs_fp64_table_T1"]
+    assert not t1.passed and t1.severity == "error" and t1.measured == pytest.approx(1e-10 * stored_p[a] / stored_p[b],
+                                                                                    rel=1e-3)
+    assert f"id {b}" in t1.detail and got["probs_fp64_table_T0_5"].passed and got["probs_fp64_table_T2"].passed
+    assert all(c.passed for c in tables.fp64_tables(stored.table, rows, (0.5, 1.0, 2.0)))
+
+
+def test_a_nan_or_a_missing_row_fails_the_fp64_table_and_fp32_is_a_report(stored, rows, tmp_path):
     row = rows[24].copy()
     row[5] = np.nan
-    got = by_name(suite.prob_sums({24: row}, (1.0,), 1e-12, 2e-6))
-    assert math.isnan(got["probs_fp64_sum_T1"].measured) and not got["probs_fp64_sum_T1"].passed
-    assert got["probs_fp64_sum_T1"].severity == "error" and got["probs_fp32_sum_T1"].severity == "report"
-    clean = by_name(suite.prob_sums(rows, (1.0,), 1e-12, 0.0))
-    assert clean["probs_fp64_sum_T1"].passed and not clean["probs_fp32_sum_T1"].passed   # FP32 is never exact
+    got = by_name(tables.fp64_tables(stored.table, {24: row}, (1.0,)))
+    assert got["probs_fp64_table_T1"].measured == math.inf
+    short = rewrite_table(stored.table, tmp_path / "t.parquet", lambda t: t.slice(0, V - 1))
+    assert "rows missing" in tables.fp64_tables(short, rows, (1.0,))[0].detail
+    fp32 = by_name(tables.fp32_sums(rows, (1.0,), 0.0))["probs_fp32_sum_T1"]
+    assert fp32.severity == "report" and not fp32.passed                           # FP32 is never exact
 
 
-def test_a_changed_probability_in_table_parquet_fails_the_table_recompute(stored, rows, tmp_path):
-    top = int(np.argmax(rows[24]))
+def test_a_changed_logit_or_rank_in_table_parquet_fails_its_column_check(stored, rows, tmp_path):
+    assert all(c.passed for c in tables.table_columns(stored.table, rows))
 
-    def bump(v):          # the top id: far from its neighbours, so the order stays intact
-        v[top] -= 1e-9
-    bad = rewrite(stored.table, tmp_path / "table.parquet", "p_T1", bump)
-    got = by_name(suite.table_recompute(bad, rows, (0.5, 1.0, 2.0)))
-    assert got["probs_table_recompute"].measured == pytest.approx(1e-9, rel=1e-6)
-    assert "p_T1" in got["probs_table_recompute"].detail and got["probs_keep_logit_order"].passed
+    def shift(v):
+        v[100] += 1                    # rank 0-based here, say
+    got = by_name(tables.table_columns(rewrite(stored.table, tmp_path / "r.parquet", "rank", shift), rows))
+    assert got["probs_table_ranks"].measured == 1 and "first id 100" in got["probs_table_ranks"].detail
+    assert got["probs_table_logits"].passed
 
-
-def test_a_probability_out_of_logit_order_fails_keep_logit_order(stored, rows, tmp_path):
-    lowest = int(np.argmin(rows[24]))
-
-    def swap(v):
-        v[lowest] = 0.9
-    got = by_name(suite.table_recompute(rewrite(stored.table, tmp_path / "t.parquet", "p_T2", swap), rows,
-                                         (0.5, 1.0, 2.0)))
-    assert got["probs_keep_logit_order"].measured >= 1 and "p_T2" in got["probs_keep_logit_order"].detail
+    def bump(v):
+        v[7] += 0.5
+    got = by_name(tables.table_columns(rewrite(stored.table, tmp_path / "l.parquet", "logit", bump), rows))
+    assert got["probs_table_logits"].measured == 1 and got["probs_table_ranks"].passed
 
 
-def test_a_changed_kept_probability_fails_filtered_recompute_and_sum(stored, rows, cfg, tmp_path):
-    flt = pq.read_table(stored.filtered)
-    k2 = flt["filter"].to_pylist().index("top_k_2")
+def test_a_changed_kept_probability_fails_filtered_probs(stored, rows, named, warpers_for, tmp_path):
+    got = by_name(tables.filtered(stored.filtered, rows, named, warpers_for))
+    assert all(c.passed for c in got.values()), got
+    k2 = pq.read_table(stored.filtered)["filter"].to_pylist().index("top_k_2")
 
     def bump(v):
         v[k2] += 1e-9
-    bad = rewrite(stored.filtered, tmp_path / "f.parquet", "prob_after", bump)
-    got = by_name(suite.filtered(bad, rows, probs.filters(cfg["probs"], cfg["sampling"])))
-    assert got["filtered_sets_recompute"].measured == 1 and "top_k_2@24" in got["filtered_sets_recompute"].detail
-    assert got["filtered_renormalised_sum"].measured == pytest.approx(1e-9, rel=1e-3)
-    assert got["top_p_minimality"].passed
+    got = by_name(tables.filtered(rewrite(stored.filtered, tmp_path / "f.parquet", "prob_after", bump), rows, named,
+                                  warpers_for))
+    assert got["filtered_probs"].measured > 1e-9 and "top_k_2@24 prob_after" in got["filtered_probs"].detail
+    assert got["filtered_sets_numpy"].passed and got["filtered_sets_warpers"].passed and got["filtered_rows"].passed
 
 
-def test_a_top_p_set_with_an_extra_id_is_not_minimal(stored, rows, cfg, tmp_path):
+def test_a_top_p_set_with_an_extra_id_fails_both_set_derivations(stored, rows, named, warpers_for, tmp_path):
     table = pq.read_table(stored.filtered)
     p9 = [i for i, f in enumerate(table["filter"].to_pylist()) if f == "top_p_0.9"]
     kept = set(table["token_id"].to_pylist()[i] for i in p9)
-    extra = next(int(i) for i in np.argsort(-rows[24]) if int(i) not in kept)    # the next most likely id
+    extra = next(int(i) for i in np.argsort(-rows[24], kind="stable") if int(i) not in kept)   # the next id
     row = {k: [v[p9[-1]]] for k, v in table.to_pydict().items()}
     row.update(token_id=[extra], kept_rank=[len(p9) + 1])
     bad = tmp_path / "f.parquet"
     pq.write_table(pa.concat_tables([table, pa.table(row, schema=table.schema)]), bad)
-    got = by_name(suite.filtered(bad, rows, probs.filters(cfg["probs"], cfg["sampling"])))
-    assert got["top_p_minimality"].measured == 1 and "top_p_0.9@24" in got["top_p_minimality"].detail
-    assert not got["filtered_sets_recompute"].passed
+    got = by_name(tables.filtered(bad, rows, named, warpers_for))
+    assert got["filtered_sets_numpy"].measured == 1 and "top_p_0.9@24" in got["filtered_sets_numpy"].detail
+    assert got["filtered_sets_warpers"].measured == 1 and "1 ids differ" in got["filtered_sets_warpers"].detail
+
+
+def test_a_wrong_setting_in_filtered_parquet_fails_filtered_rows(stored, rows, named, warpers_for, tmp_path):
+    def t2(v):
+        v[:] = 2.0
+    got = by_name(tables.filtered(rewrite(stored.filtered, tmp_path / "f.parquet", "temperature", t2), rows, named,
+                                  warpers_for))
+    assert got["filtered_rows"].measured == len(named) and got["filtered_sets_numpy"].passed
 
 
 # ---------------------------------------------------------------- trajectories
@@ -438,7 +510,17 @@ def steps(stored) -> list[dict]:
     return pq.read_table(stored.steps).to_pylist()
 
 
-def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stored, steps, cfg, tmp_path):
+@pytest.fixture(scope="module")
+def step_rows(stored) -> dict:
+    return trajectory.step_logit_rows(stored.step_logits)
+
+
+@pytest.fixture(scope="module")
+def one_row(model, stored) -> np.ndarray:
+    return recompute.lm_head_rows(model, stored.tensors["final_norm_out"], 1)[0, -1].float().numpy()
+
+
+def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stored, steps, one_row, cfg, tmp_path):
     table = pq.read_table(stored.step_logits, columns=["branch", "kv_cache", "step"])
     first = next(i * V for i in range(table.num_rows // V)
                  if (table["branch"][i * V].as_py(), table["kv_cache"][i * V].as_py(),
@@ -447,8 +529,9 @@ def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stor
     def bump(v):
         v[first + 7] += 0.5
     rows = trajectory.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
-    got = by_name(trajectory.step1_logits(rows, stored.last_row(), "error"))
+    got = by_name(trajectory.step1_logits(rows, one_row, stored.last_row(), "error"))
     assert got["step1_logits_greedy"].measured == 0.5 and got["step1_logits_greedy_kv"].passed
+    assert got["step1_logits_greedy_kv"].detail == "vs the forward's logits row: max abs diff 0"
     kv = by_name(trajectory.kv_cache(steps, rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_logits_greedy"].measured == 0.5 and not kv["kv_cache_logits_greedy"].passed
     assert kv["kv_cache_logits_greedy"].severity == "report" and kv["kv_cache_logits_sample"].passed
@@ -459,41 +542,45 @@ def _with_token(steps: list[dict], branch: str, kv: bool, step: int, token: int)
             for r in steps]
 
 
-def test_a_changed_greedy_token_fails_argmax_and_generate_parity(model, stored, steps, cfg):
-    rows, last = trajectory.step_logit_rows(stored.step_logits), stored.last_row()
-    clean = by_name(trajectory.greedy_argmax(steps, rows, last))
-    assert clean["greedy_step1_argmax"].passed and clean["greedy_tokens_argmax"].passed
-    bad1 = _with_token(steps, "greedy", True, 1, 11)
-    assert trajectory.greedy_argmax(bad1, rows, last)[0].measured == 1
+def parity(model, stored, steps, step_rows, cfg, device="cpu") -> dict[str, verdicts.Check]:
+    return by_name(trajectory.generate_parity(model, stored.token_ids, steps, step_rows, cfg["sampling"],
+                                              loader.eos_ids(model), torch.device(device), "error"))
+
+
+def test_a_changed_greedy_token_fails_argmax_and_generate_parity(model, stored, steps, step_rows, cfg):
+    assert trajectory.greedy_argmax(steps, step_rows)[0].passed
     bad3 = _with_token(steps, "greedy", False, 3, 11)
-    got = by_name(trajectory.greedy_argmax(bad3, rows, last))
-    assert got["greedy_step1_argmax"].passed and got["greedy_tokens_argmax"].measured == 1
-    assert "greedy step 3" in got["greedy_tokens_argmax"].detail
-    bad3_kv = _with_token(steps, "greedy", True, 3, 11)
-    parity = by_name(trajectory.generate_parity(model, stored.token_ids, bad3_kv, cfg["sampling"],
-                                                       loader.eos_ids(model), torch.device("cpu")))
-    assert parity["generate_parity_greedy"].measured == 1 and parity["generate_parity_sample"].passed
-    kv = by_name(trajectory.kv_cache(bad3, rows, cfg["checks"].kv_cache_atol))
+    got = trajectory.greedy_argmax(bad3, step_rows)[0]
+    assert got.measured == 1 and got.detail == "greedy step 3"
+    got = parity(model, stored, _with_token(steps, "greedy", True, 3, 11), step_rows, cfg)
+    assert got["generate_parity_greedy_kv"].measured == 1 and "index 2" in got["generate_parity_greedy_kv"].detail
+    assert all(c.passed for n, c in got.items() if n != "generate_parity_greedy_kv")
+    kv = by_name(trajectory.kv_cache(bad3, step_rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_choices_greedy"].measured == 1 and "3 steps compared" in kv["kv_cache_choices_greedy"].detail
 
 
-def test_a_changed_sampled_token_fails_generate_parity(model, stored, steps, cfg):
-    bad = _with_token(steps, "sample", True, 2, 11)          # the KV-cache run: what generate does by default
-    no_cache_changed = _with_token(steps, "sample", False, 2, 11)   # kv_cache_choices finds that one
-    assert by_name(trajectory.generate_parity(model, stored.token_ids, no_cache_changed, cfg["sampling"],
-                                                     loader.eos_ids(model), torch.device("cpu")))[
-        "generate_parity_sample"].passed
-    got = by_name(trajectory.generate_parity(model, stored.token_ids, bad, cfg["sampling"],
-                                                    loader.eos_ids(model), torch.device("cpu")))
+def test_a_changed_sampled_token_or_step_logit_fails_generate_parity(model, stored, steps, step_rows, cfg, tmp_path):
+    got = parity(model, stored, _with_token(steps, "sample", False, 2, 11), step_rows, cfg)
     assert got["generate_parity_sample"].measured == 1 and got["generate_parity_sample"].severity == "error"
-    assert "index 1" in got["generate_parity_sample"].detail
+    assert "index 1" in got["generate_parity_sample"].detail and got["generate_parity_sample_kv"].passed
+    table = pq.read_table(stored.step_logits, columns=["branch", "kv_cache", "step"])
+    third = next(i * V for i in range(table.num_rows // V)
+                 if (table["branch"][i * V].as_py(), table["kv_cache"][i * V].as_py(),
+                     table["step"][i * V].as_py()) == ("sample", True, 3))
+
+    def bump(v):
+        v[third + 5] -= 0.25
+    rows = trajectory.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
+    got = parity(model, stored, steps, rows, cfg)
+    assert got["generate_logits_sample_kv"].measured == 0.25 and "per step: 0, 0, 0.25, 0" in \
+        got["generate_logits_sample_kv"].detail
+    assert [n for n, c in got.items() if not c.passed] == ["generate_logits_sample_kv"]
 
 
-def test_generate_parity_of_the_sample_branch_is_a_report_off_cpu(model, stored, steps, cfg):
+def test_generate_parity_of_the_sample_branch_is_a_report_off_cpu(model, stored, steps, step_rows, cfg):
     # The device only decides the severity here (the model stays on CPU): on CUDA generate
     # draws from the device RNG, the decode loop from a CPU generator.
-    got = by_name(trajectory.generate_parity(model, stored.token_ids, steps, cfg["sampling"],
-                                                    loader.eos_ids(model), torch.device("cuda")))
+    got = parity(model, stored, steps, step_rows, cfg, "cuda")
     assert got["generate_parity_sample"].severity == "report" and "device RNG" in got["generate_parity_sample"].what
     assert got["generate_parity_greedy"].severity == "error"
 
@@ -505,7 +592,7 @@ def test_tokenizer_part_of_the_reference_runs_and_passes_for_tiny_qwen2(stored, 
     assert all(c.passed for c in got.values())
 
 
-def test_full_reference_comparison_runs_on_tiny_artifacts(stored, model, tokenizer, cfg, ws):
+def test_full_reference_comparison_runs_on_tiny_artifacts(stored, model, tokenizer, cfg, ws, clean_run):
     # tiny_qwen2 is not the reference model: the run figures are gathered and compared, and
     # the model-size figures fail (as errors), naming what differs.
     ref = reference.load_reference("seed_article")
@@ -516,6 +603,10 @@ def test_full_reference_comparison_runs_on_tiny_artifacts(stored, model, tokeniz
     got = by_name(reference.compare(measured, ref, "all"))
     assert got["ref_shape_num_hidden_layers"].detail == "got 2, reference 28" and not got["ref_tokenizer_len"].passed
     assert got["ref_shape_logits"].passed and got["ref_lm_head_recompute"].passed and got["ref_token_ids"].passed
-    assert measured["filters"]["top_p_0.9_kept_count"] == pq.read_table(stored.filtered).to_pandas().query(
-        "filter == 'top_p_0.9'").shape[0]
-    assert all(c.passed for c in results if c.severity == "error")
+    # the kept count, against the warpers generate builds, on the stored logits
+    scores = decode.generate_warpers(model, decode.SamplingSettings(top_p=0.9))(
+        None, torch.from_numpy(stored.last_row()).reshape(1, -1))
+    assert measured["filters"]["top_p_0.9_kept_count"] == int(torch.isfinite(scores).sum())
+    # the same verdicts as the stage's own run (a subprocess) wrote
+    written = {r["name"]: r["verdict"] for r in pq.read_table(ws / "artifacts/checks/checks.parquet").to_pylist()}
+    assert {c.name: c.verdict for c in results} == {n: v for n, v in written.items() if not n.startswith("ref_")}

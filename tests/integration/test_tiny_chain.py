@@ -7,6 +7,7 @@ that need to change something work on their own copy.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -133,22 +134,32 @@ def test_vocab_marks_ids_past_the_tokenizer(ws):
     assert vocab.loc[9315, "piece"] == "Ġtemperature" and vocab.loc[9315, "text"] == " temperature"
 
 
-def test_probability_tables_sum_to_one_and_follow_the_logits(ws):
+def test_probability_tables_are_numpys_softmax_of_the_logits(ws):
     table = pq.read_table(ws / "artifacts/probs/table.parquet").to_pandas()
     assert set(table["position"]) == {24} and len(table) == 152064
-    for col in ("p_T0_5", "p_T1", "p_T2"):
-        assert abs(table[col].sum() - 1) < 1e-12
+    logits = table["logit"].to_numpy().astype(np.float64)
+    for col, t in (("p_T0_5", 0.5), ("p_T1", 1.0), ("p_T2", 2.0)):
+        e = np.exp((logits - logits.max()) / t)
+        np.testing.assert_allclose(table[col].to_numpy(), e / math.fsum(e.tolist()), rtol=1e-12, atol=0)
     by_logit = table.sort_values(["logit", "token_id"], ascending=[False, True])
-    assert (np.diff(by_logit["p_T1"].to_numpy()) <= 0).all()
-    assert by_logit["rank"].tolist()[:3] == [1, 2, 3]
+    assert by_logit["rank"].tolist() == list(range(1, 152065))
 
 
-def test_filtered_sets(ws):
+def _generate_kept(model, ids: list[int], **filter_) -> set[int]:
+    """The ids generate's warpers keep at its first step (its own prompt pass, its own warpers)."""
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, max_new_tokens=1, output_scores=True,
+                         return_dict_in_generate=True, **{**decode.NEUTRAL, "top_k": 0, **filter_})
+    return set(torch.nonzero(torch.isfinite(out.scores[0][0])).flatten().tolist())
+
+
+def test_filtered_sets_are_what_generate_keeps(ws):
     f = pq.read_table(ws / "artifacts/probs/filtered.parquet").to_pandas()
-    k2 = f[f["filter"] == "top_k_2"]
-    assert len(k2) == 2 and abs(k2["prob_after"].sum() - 1) < 1e-12
-    p9 = f[f["filter"] == "top_p_0.9"]
-    assert p9["prob_before"].sum() >= 0.9 > p9["prob_before"].iloc[:-1].sum()
+    model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    ids = pq.read_table(ws / "artifacts/tokenize/tokens.parquet")["token_id"].to_pylist()
+    k2, p9 = f[f["filter"] == "top_k_2"], f[f["filter"] == "top_p_0.9"]
+    assert set(k2["token_id"]) == _generate_kept(model, ids, top_k=2) and len(k2) == 2
+    assert set(p9["token_id"]) == _generate_kept(model, ids, top_p=0.9) and len(p9) > 2
 
 
 def _steps(ws):
@@ -162,19 +173,23 @@ def test_trajectories_match_generate(ws):
     sample = steps[(steps.branch == "sample") & ~steps.kv_cache]["token_id"].tolist()
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache]["token_id"].tolist()
     ref = decode.generate_reference(model, ids, SamplingSettings(1.0, 0, 1.0), 4, 20261002, kv_cache=False)
-    assert sample == ref
-    assert greedy == decode.generate_reference(model, ids, SamplingSettings(0.0, 0, 1.0), 4, 0, kv_cache=False)
+    assert sample == ref.ids
+    assert greedy == decode.generate_reference(model, ids, SamplingSettings(0.0, 0, 1.0), 4, 0, kv_cache=False).ids
     assert steps["prefix_len"].tolist()[:4] == [25, 26, 27, 28]
     assert steps.groupby(["branch", "kv_cache"]).size().eq(4).all()
 
 
-def test_step_one_uses_the_forward_logits(ws):
-    last = logits_io.read_position(ws / "artifacts/logits/logits.parquet", 24)
+def test_step_one_is_the_lm_head_on_the_captured_input_one_row(ws):
+    # generate's prompt pass computes one row of logits; so does step 1, from the same LM-head input
+    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
+    model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
+    with torch.no_grad():
+        one_row = model.lm_head(t["final_norm_out"][:, -1:, :])[0, -1].float().numpy()
     sl = pq.read_table(ws / "artifacts/trajectories/step_logits.parquet", filters=[("step", "==", 1)]).to_pandas()
     for (branch, kv), g in sl.groupby(["branch", "kv_cache"]):
-        assert np.array_equal(g.sort_values("token_id")["logit"].to_numpy(), last), (branch, kv)
+        assert np.array_equal(g.sort_values("token_id")["logit"].to_numpy(), one_row), (branch, kv)
     steps = _steps(ws)
-    assert steps[(steps.branch == "greedy") & (steps.step == 1)]["token_id"].eq(int(np.argmax(last))).all()
+    assert steps[(steps.branch == "greedy") & (steps.step == 1)]["token_id"].eq(int(np.argmax(one_row))).all()
 
 
 def test_text_so_far_is_decoded_not_joined(ws):

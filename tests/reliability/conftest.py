@@ -9,15 +9,18 @@ params.yaml byte-identical (`snapshot`).
 from __future__ import annotations
 
 import io
+import json
 import os
+import shutil
 import sys
-from contextlib import redirect_stderr, redirect_stdout
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from pipeline.store import paths
+from pipeline.store import paths, provenance
 from tests.conftest import snapshot
 
 
@@ -25,6 +28,46 @@ from tests.conftest import snapshot
 def chain_ws(tiny_chain) -> Path:
     """tiny_qwen2 through trajectories: the session's `tiny_chain` (read-only: copy it with `copy_ws`)."""
     return tiny_chain
+
+
+def link_copy(src: Path, dest: Path) -> Path:
+    """copy_ws with hard links: fast, and safe where files are only ever replaced (stages swap whole
+    folders; rewrite_weights writes a new file), never edited in place."""
+    shutil.copytree(src, dest, symlinks=True, copy_function=os.link, ignore=shutil.ignore_patterns(".nexttoken"))
+    return dest
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for in-process stage runs: on a busy shared CPU two threads oversubscribe
+    (2-3x slower). A workspace's runs and checks should all be made under the same setting."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def rewrite_weights(ws: Path, edit: Callable[[dict], None]) -> None:
+    """Edit the prepared model's weights in place (`edit(tensors)`), and record the new file as
+    what prepare_model made: a different *model*, not a tampered artifact (which the stages
+    refuse, see test_corrupt_artifacts.py)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = ws / "artifacts/prepare_model/model.safetensors"
+    tensors = load_file(str(weights))
+    edit(tensors)
+    weights.unlink()                   # a new inode: hard-linked copies keep the old file
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    manifest_path = paths.manifest_path("prepare_model", ws)
+    manifest = json.loads(manifest_path.read_text())
+    for out in manifest["outputs"]:
+        if out["path"].endswith("model.safetensors"):
+            out["sha256"] = provenance.sha256_file(weights)
+    manifest_path.unlink()
+    manifest_path.write_text(json.dumps(manifest, indent=2))
 
 
 def is_data_file(rel: str) -> bool:

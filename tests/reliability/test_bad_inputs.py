@@ -281,8 +281,23 @@ def _prompt_file(root: Path, name: str, data: bytes | None, link: str | None = N
     schema.load_section(p, "prompt", root)
 
 
+TINY_LARGEST_LOGIT = 19.125     # max |logit| of tiny_qwen2 at the reference prompt's last position
+
+
+def _overflowing_temperature(root: Path, key: str, value: Any) -> None:
+    p = set_key(base_params(), key, value)
+    probs_cfg, sampling_cfg = schema.load_section(p, "probs"), schema.load_section(p, "sampling")
+    probs.check_temperatures(probs_cfg, probs.filters(probs_cfg, sampling_cfg), TINY_LARGEST_LOGIT)
+
+
 def model_cases() -> list[Case]:
     return [
+        *[Case(f"model:{key}={value!r} (logits up to {TINY_LARGEST_LOGIT}: overflows float32)", shown_key, 1e-40,
+               "model", check=lambda r, k=key, v=value: _overflowing_temperature(r, k, v))
+          for key, value, shown_key in (("sampling.temperature", 1e-40, "sampling.temperature"),
+                                        ("probs.extra_filters[1].temperature", 1e-40,
+                                         "probs.extra_filters.top_p_0.9.temperature"),
+                                        ("probs.temperatures", [1.0, 1e-40], "probs.temperatures"))],
         Case("model:capture.attention_layers=[2] (2 layers)", "capture.attention_layers", 2, "model",
              check=lambda r: _attention_layer(r, 2)),
         Case("model:capture.attention_layers=[-3] (2 layers)", "capture.attention_layers", -3, "model",
@@ -511,6 +526,9 @@ SUBPROCESS = [
         ("the run's model snapshot is missing",), setup=_hide_snapshot),
     Run("verify --stages tokenize", ("nexttoken", "verify", "--stages", "tokenize"),
         ("--stages='tokenize' is not allowed: stages that compute:",)),
+    *[Run(f"stage {stage}: sampling.temperature=1e-40 (overflows float32)", ("stage", stage),
+          ("sampling.temperature=1e-40 is not allowed: 0 (greedy) or at least ", "overflows float32"),
+          params={"sampling.temperature": 1e-40}) for stage in ("probs", "trajectories")],
 ]
 
 # argparse's own errors (pipeline/tools/cli.py prints them as one line too).

@@ -14,36 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from pipeline.store import paths, provenance
+from pipeline.store import paths
 from tests.conftest import copy_ws, snapshot
-from tests.reliability.conftest import one_line_error, run_stage_here, staging_left
+from tests.reliability.conftest import one_line_error, rewrite_weights, run_stage_here, staging_left
 
 POISONED_ID = 100          # one vocabulary row of the LM head
 LAST = 24                  # the prompt has 25 tokens
 
 
 def poison(ws: Path, how: str) -> None:
-    """Change one weight of the prepared model, and record it as what prepare_model made.
-
-    Re-recording the manifest makes this a poisoned *model*, not a tampered artifact (which
-    the stages refuse, see test_corrupt_artifacts.py).
-    """
-    weights = ws / "artifacts/prepare_model/model.safetensors"
-    tensors = load_file(str(weights))
-    if how == "nan_lm_head_row":
-        tensors["lm_head.weight"][POISONED_ID] = float("nan")
-    else:                                                   # inf in the final norm: every logit breaks
-        tensors["model.norm.weight"][0] = float("inf")
-    weights.unlink()
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    manifest_path = paths.manifest_path("prepare_model", ws)
-    manifest = json.loads(manifest_path.read_text())
-    for out in manifest["outputs"]:
-        if out["path"].endswith("model.safetensors"):
-            out["sha256"] = provenance.sha256_file(weights)
-    manifest_path.write_text(json.dumps(manifest, indent=2))
+    """Change one weight of the prepared model (see `rewrite_weights`)."""
+    def edit(tensors: dict) -> None:
+        if how == "nan_lm_head_row":
+            tensors["lm_head.weight"][POISONED_ID] = float("nan")
+        else:                                               # inf in the final norm: every logit breaks
+            tensors["model.norm.weight"][0] = float("inf")
+    rewrite_weights(ws, edit)
 
 
 @pytest.fixture(scope="module", params=["nan_lm_head_row", "inf_final_norm"])

@@ -1,4 +1,5 @@
-"""pipeline.model.decode on a tiny random Qwen2: token-for-token parity with model.generate."""
+"""pipeline.model.decode on a tiny random Qwen2: token-for-token and logit-for-logit parity with
+model.generate, whose own loop is the reference throughout."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.config.schema import SamplingConfig
-from pipeline.model import trajectories
+from pipeline.errors import UserError
+from pipeline.model import decode, trajectories
 from pipeline.model.decode import generate_reference, prefill, run_branch
-from pipeline.numerics.sampling import SamplingSettings, next_token_probs
+from pipeline.numerics.sampling import SamplingSettings
 
 PROMPT = [11, 7, 300, 42, 5]
 N = 5
@@ -59,7 +61,7 @@ def test_sampled_tokens_equal_generate_fp32(models, seed, s):
     model = models[torch.float32]
     ours = tokens(run_branch(model, PROMPT, s, N, seed, kv_cache=False, eos_ids=set()))
     assert len(ours) == N
-    assert ours == generate_reference(model, PROMPT, s, N, seed, kv_cache=False)
+    assert ours == generate_reference(model, PROMPT, s, N, seed, kv_cache=False).ids
 
 
 @pytest.mark.parametrize("s", SETTINGS[::3], ids=str)
@@ -67,7 +69,7 @@ def test_sampled_tokens_equal_generate_bf16(models, s):
     model = models[torch.bfloat16]
     for seed in (3, 4):
         ours = tokens(run_branch(model, PROMPT, s, N, seed, kv_cache=False, eos_ids=set()))
-        assert ours == generate_reference(model, PROMPT, s, N, seed, kv_cache=False)
+        assert ours == generate_reference(model, PROMPT, s, N, seed, kv_cache=False).ids
 
 
 def test_seeds_matter_and_sampling_is_not_greedy(models):
@@ -85,17 +87,38 @@ def test_branch_does_not_touch_the_global_rng(models):
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_reference_ignores_the_models_generation_config(models):
-    # Hub checkpoints ship generation_config.json; generate fills every knob we leave None
-    # from it. Each trap below would change or cut short the trajectory if it leaked in.
+def test_every_generation_config_knob_is_handled_explicitly():
+    # A knob a new transformers adds fails here until decode places it (OURS, NEUTRAL or INERT).
+    fields = set(GenerationConfig().to_dict())
+    placed = [*decode.OURS, *decode.NEUTRAL, *decode.INERT]
+    assert len(placed) == len(set(placed)) and set(placed) == fields, set(placed) ^ fields
+
+
+# Hub checkpoints ship generation_config.json; generate fills every knob a call leaves None from
+# it. Each trap below changes the distribution, the ids allowed, when decoding stops or how many
+# sequences come back, if it leaks into the reference (`ours`: the ids the clean run draws).
+def traps(ours: list[int]) -> dict:
+    return dict(
+        do_sample=True, temperature=0.3, top_k=2, top_p=0.5, repetition_penalty=1.5, min_p=0.9, typical_p=0.5,
+        no_repeat_ngram_size=1, epsilon_cutoff=0.2, eta_cutoff=0.2, min_new_tokens=3, num_beams=2,
+        num_return_sequences=2, sequence_bias={(7,): 9.0}, renormalize_logits=True, guidance_scale=3.0,
+        remove_invalid_values=True, exponential_decay_length_penalty=(1, 1.5), suppress_tokens=[ours[1]],
+        begin_suppress_tokens=[ours[0]], bad_words_ids=[[ours[2]]], forced_eos_token_id=6, max_length=7,
+        length_penalty=2.0, encoder_repetition_penalty=1.5, encoder_no_repeat_ngram_size=2, low_memory=True,
+        eos_token_id=[ours[0]], pad_token_id=ours[0],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_reference_ignores_the_models_generation_config(models, kv_cache):
     model = copy.deepcopy(models[torch.float32])
     s = SamplingSettings(temperature=1.0, top_k=5, top_p=0.8)
-    ours = tokens(run_branch(model, PROMPT, s, N, 1, False, set()))
-    model.generation_config = GenerationConfig(
-        do_sample=True, temperature=0.3, top_k=2, top_p=0.5, repetition_penalty=1.5, min_p=0.2,
-        no_repeat_ngram_size=1, eos_token_id=[ours[0]], pad_token_id=ours[0],
-    )  # fmt: skip
-    assert generate_reference(model, PROMPT, s, N, 1, kv_cache=False) == ours
+    ours = tokens(run_branch(model, PROMPT, s, N, 1, kv_cache, set()))
+    model.generation_config = GenerationConfig(**traps(ours))
+    assert generate_reference(model, PROMPT, s, N, 1, kv_cache=kv_cache).ids == ours
+    greedy = tokens(run_branch(model, PROMPT, GREEDY, N, 0, kv_cache, set()))
+    model.generation_config = GenerationConfig(**traps(greedy))
+    assert generate_reference(model, PROMPT, GREEDY, N, 0, kv_cache=kv_cache).ids == greedy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -109,15 +132,29 @@ def test_greedy_equals_generate_without_sampling(models, dtype):
     assert ours == out[0, len(PROMPT) :].tolist()
 
 
+def generate_scores(model, s: SamplingSettings, n: int, seed: int, kv_cache: bool):
+    """model.generate's ids, raw logits and warped scores per step (its own loop, our knobs)."""
+    torch.manual_seed(seed)
+    ids = torch.tensor([PROMPT])
+    sample = {} if s.is_greedy else dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not s.is_greedy, max_new_tokens=n,
+                         use_cache=kv_cache, output_scores=True, output_logits=True, return_dict_in_generate=True,
+                         **sample, **decode.NEUTRAL)
+    return out.sequences[0, len(PROMPT):].tolist(), [x[0] for x in out.logits], [x[0] for x in out.scores]
+
+
 @pytest.mark.parametrize("kv_cache", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_step_one_logits_are_the_forward_logits_bit_for_bit(models, dtype, kv_cache):
+def test_every_step_computes_the_logits_generate_computes_bit_for_bit(models, dtype, kv_cache):
+    # Step 1 included: one row of logits, as generate's prompt pass (in float32 an all-rows LM head
+    # can round the last row an ulp away from it).
     model = models[dtype]
-    with torch.inference_mode():
-        expected = model(input_ids=torch.tensor([PROMPT])).logits[0, -1]
-    steps = run_branch(model, PROMPT, SamplingSettings(1.0), 2, 0, kv_cache, set())
-    assert steps[0].logits.dtype == dtype and steps[0].logits.shape == (512,)
-    assert torch.equal(steps[0].logits, expected)
+    s = SamplingSettings(1.5, 5, 0.8)
+    steps = run_branch(model, PROMPT, s, N, 4, kv_cache, set())
+    ids, logits, _ = generate_scores(model, s, N, 4, kv_cache)
+    assert tokens(steps) == ids
+    assert all(st.logits.dtype == dtype and st.logits.shape == (512,) for st in steps)
+    assert all(torch.equal(st.logits.float(), row) for st, row in zip(steps, logits, strict=True))
 
 
 def test_steps_record_position_prob_and_stop(models):
@@ -127,11 +164,12 @@ def test_steps_record_position_prob_and_stop(models):
     assert [st.step for st in steps] == list(range(1, N + 1))
     assert [st.prefix_len for st in steps] == [len(PROMPT) + i for i in range(N)]
     assert [st.stop_reason for st in steps] == [None] * (N - 1) + ["max_new_tokens"]
-    for st in steps:
-        probs = next_token_probs(st.logits, s)
-        assert st.prob == float(probs[st.token_id]) and 0 < st.prob <= 1
+    _, _, scores = generate_scores(model, s, N, 1, False)          # generate's warped scores: what it draws from
+    for st, sc in zip(steps, scores, strict=True):
+        assert st.prob == float(torch.softmax(sc, -1)[st.token_id]) and 0 < st.prob <= 1
     g = run_branch(model, PROMPT, GREEDY, 2, 0, False, set())
-    assert g[0].prob == float(torch.softmax(g[0].logits.float(), -1)[g[0].token_id])
+    _, logits, _ = generate_scores(model, GREEDY, 2, 0, False)
+    assert g[0].prob == float(torch.softmax(logits[0], -1)[g[0].token_id])
 
 
 def test_eos_stops_the_branch(models):
@@ -142,7 +180,7 @@ def test_eos_stops_the_branch(models):
     steps = run_branch(model, PROMPT, GREEDY, N, 0, False, {eos})
     assert tokens(steps) == greedy[:stop_at]
     assert steps[-1].stop_reason == "eos" and all(st.stop_reason is None for st in steps[:-1])
-    assert generate_reference(model, PROMPT, GREEDY, N, 0, False, eos_ids={eos}) == greedy[:stop_at]
+    assert generate_reference(model, PROMPT, GREEDY, N, 0, False, eos_ids={eos}).ids == greedy[:stop_at]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -159,13 +197,13 @@ def test_kv_cache_branch_records_every_step(models, dtype):
         assert tokens(cached) == tokens(full)
         for a, b in zip(cached, full):
             torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
-        assert tokens(cached) == generate_reference(model, PROMPT, s, N, 2, kv_cache=True)
+        assert tokens(cached) == generate_reference(model, PROMPT, s, N, 2, kv_cache=True).ids
 
 
 def test_zero_max_new_tokens(models):
     model = models[torch.float32]
     assert run_branch(model, PROMPT, GREEDY, 0, 0, False, set()) == []
-    assert generate_reference(model, PROMPT, GREEDY, 0, 0, False) == []
+    assert generate_reference(model, PROMPT, GREEDY, 0, 0, False).ids == []
 
 
 class _Calls:
@@ -186,28 +224,15 @@ class _Calls:
 
 
 @pytest.mark.parametrize("kv_cache", [False, True])
-def test_step_one_computes_every_row_later_steps_only_the_last(models, kv_cache):
-    # Step 1 makes the capture's call (all rows: its last row is the captured row bit for bit
-    # on any device); later steps need one row only, as generate computes them.
+def test_every_forward_call_is_the_one_generate_makes(models, kv_cache):
+    # logits_to_keep and the number of ids fed, call by call: the prompt pass included
     model = models[torch.bfloat16]
-    with _Calls(model) as calls:
+    with _Calls(model) as ours:
         run_branch(model, PROMPT, SamplingSettings(1.0), 3, 0, kv_cache, set())
+    with _Calls(model) as theirs:
+        generate_reference(model, PROMPT, SamplingSettings(1.0), 3, 0, kv_cache)
     fed = [len(PROMPT), 1, 1] if kv_cache else [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]
-    assert calls == [(0, fed[0]), (1, fed[1]), (1, fed[2])]
-
-
-@pytest.mark.parametrize("kv_cache", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_step_one_follows_capture_positions(models, dtype, kv_cache):
-    """capture.positions=last computes one row (logits_to_keep=1): step 1 makes that same call,
-    so its logits are the captured row bit for bit, whatever a 1-row matmul rounds to."""
-    from pipeline.model import capture
-    model = models[dtype]
-    with _Calls(model) as calls:
-        steps = run_branch(model, PROMPT, SamplingSettings(1.0), 2, 0, kv_cache, set(), positions="last")
-    assert calls[0] == (1, len(PROMPT))
-    captured = capture.plain_forward_logits(model, torch.tensor([PROMPT]), "last")[0, -1]
-    assert torch.equal(steps[0].logits, captured)
+    assert ours == theirs == [(1, n) for n in fed]
 
 
 @pytest.mark.parametrize("kv_cache", [False, True])
@@ -244,10 +269,23 @@ def test_run_all_does_one_prompt_pass_per_cache_mode(models):
                          branches=("sample", "greedy"), kv_cache=(False, True), top_n=5)
     with _Calls(model) as calls:
         runs = trajectories.run_all(model, PROMPT, cfg, set())
-    assert [(keep, fed) for keep, fed in calls if keep == 0] == [(0, len(PROMPT))] * 2
+    assert [fed for _, fed in calls if fed == len(PROMPT)] == [len(PROMPT)] * 2    # one prompt pass per mode
     assert [(r.branch, r.kv_cache) for r in runs] == [("sample", False), ("sample", True),
                                                       ("greedy", False), ("greedy", True)]
     for r in runs:
         alone = run_branch(model, PROMPT, r.settings, 3, 3, r.kv_cache, set())
         assert tokens(r.steps) == tokens(alone)
         assert all(torch.equal(a.logits, b.logits) for a, b in zip(alone, r.steps))
+
+
+def test_masked_ids_are_never_drawn_and_a_temperature_that_overflows_is_refused(models):
+    model = copy.deepcopy(models[torch.float32])
+    masked = torch.arange(512) % 2 == 0                       # a model that rules out every even id
+    model.lm_head.register_forward_hook(lambda module, args, out: out.masked_fill(masked, -float("inf")))
+    for kv_cache in (False, True):
+        for s, seed in ((SamplingSettings(1.0), 3), (SamplingSettings(0.7, 5, 0.8), 4), (GREEDY, 0)):
+            steps = run_branch(model, PROMPT, s, N, seed, kv_cache, set())
+            assert all(st.token_id % 2 == 1 and st.prob > 0 for st in steps)
+            assert tokens(steps) == generate_reference(model, PROMPT, s, N, seed, kv_cache).ids
+    with pytest.raises(UserError, match=r"^sampling.temperature=1e-40 is not allowed: 0 \(greedy\) or at least "):
+        run_branch(model, PROMPT, SamplingSettings(1e-40), 2, 0, False, set())

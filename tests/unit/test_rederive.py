@@ -1,0 +1,69 @@
+"""pipeline.checks.rederive: the numpy second implementations, on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.checks.rederive import TOP_P_BAND, kept_rule, ranks, relative_difference, softmax64
+
+INF = np.inf
+
+
+def test_softmax64_is_exact_to_rounding_and_masks_minus_inf():
+    row = np.array([0.0, math.log(3.0), -INF, math.log(4.0)], np.float64)
+    assert softmax64(row, 1.0).tolist() == pytest.approx([1 / 8, 3 / 8, 0.0, 4 / 8], rel=1e-15)
+    assert softmax64(row, 0.5).tolist() == pytest.approx([1 / 26, 9 / 26, 0.0, 16 / 26], rel=1e-15)
+    assert np.isnan(softmax64(np.array([0.0, np.nan]), 1.0)).all()
+
+
+def test_relative_difference():
+    d, at = relative_difference(np.array([1.0, 0.0, 2e-280]), np.array([1.0, 0.0, 1e-280]))
+    assert d == pytest.approx(1.0) and at == 2
+    # below TINY (1e-290) values compare absolutely: float64 has no relative precision left there
+    assert relative_difference(np.array([2e-300]), np.array([1e-300]))[0] == pytest.approx(1e-10)
+    assert relative_difference(np.array([1.0 + 1e-10, 0.5]), np.array([1.0, 0.5]))[0] == pytest.approx(1e-10)
+    assert relative_difference(np.array([np.nan]), np.array([1.0]))[0] == math.inf
+    assert relative_difference(np.array([1.0]), np.array([1.0, 2.0])) == (math.inf, -1)
+
+
+def test_ranks_descending_ties_by_lower_id():
+    assert ranks(np.array([1.0, 3.0, 3.0, 2.0, -INF], np.float32)).tolist() == [4, 1, 2, 3, 5]
+
+
+def test_top_k_keeps_ties_and_never_a_masked_id():
+    rule = kept_rule(np.array([1.0, 3.0, 3.0, 2.0, -INF], np.float32), 1.0, 1, 1.0)
+    assert rule.violation(np.array([1, 2])) is None
+    assert rule.violation(np.array([1])) is not None                  # a tie with the k-th score is kept
+    assert rule.violation(np.array([1, 2, 4])) == "1 kept ids outside the filter"
+    assert kept_rule(np.array([1.0, -INF], np.float32), 1.0, 5, 1.0).violation(np.array([0])) is None
+
+
+def test_top_p_counts_a_tie_at_the_cut_not_its_members():
+    # [1, 2, 2, 2, 0]: probabilities ~ [0.105, 0.285, 0.285, 0.285, 0.039]; p = 0.3 needs two of the tie
+    rule = kept_rule(np.array([1.0, 2.0, 2.0, 2.0, 0.0], np.float32), 1.0, 0, 0.3)
+    for ok in ([2, 3], [1, 2], [1, 3]):
+        assert rule.violation(np.array(ok)) is None
+    assert rule.violation(np.array([3])) == "1 of the 3 tied ids [1, 2, 3]... kept, 2-2 expected"
+    assert rule.violation(np.array([1, 2, 3])) is not None
+    assert rule.violation(np.array([2, 3, 0])) is not None
+
+
+def test_top_p_cut_within_the_float32_band_may_go_either_way():
+    # four equal ids: mass above the 2nd is exactly 0.25; p a hair above 0.25 needs two in exact
+    # arithmetic, but float32 could decide it either way
+    zeros = np.zeros(4, np.float32)
+    near = kept_rule(zeros, 1.0, 0, 0.25 + TOP_P_BAND / 2)
+    assert near.violation(np.array([3])) is None and near.violation(np.array([2, 3])) is None
+    far = kept_rule(zeros, 1.0, 0, 0.25 + 4 * TOP_P_BAND)
+    assert far.violation(np.array([3])) is not None and far.violation(np.array([2, 3])) is None
+
+
+def test_temperature_then_top_p_and_greedy():
+    row = np.array([4.0, 3.0, 2.0, 1.0, 0.0], np.float32)
+    assert kept_rule(row, 2.0, 0, 0.5).violation(np.array([0, 1])) is None   # [2, 1.5, ...]: 0.429 + 0.260
+    assert kept_rule(row, 1.0, 0, 0.5).violation(np.array([0])) is None      # 0.636
+    greedy = kept_rule(np.array([3.0, 5.0, 5.0], np.float32), 0.0, 3, 0.9)
+    assert greedy.violation(np.array([1])) is None and greedy.violation(np.array([2])) is not None
