@@ -104,9 +104,10 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def hardware() -> dict[str, Any]:
+def hardware(with_torch: bool = True) -> dict[str, Any]:
+    """The machine; with_torch=False leaves out what only torch can tell (threads, GPUs), for a
+    stage that never imports it (validate: seconds saved on every config change)."""
     import psutil
-    import torch
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
@@ -114,6 +115,12 @@ def hardware() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
+    }
+    if not with_torch:
+        return info
+    import torch
+
+    info |= {
         "torch_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
         "gpus": [],
@@ -182,9 +189,10 @@ def git_state(root: Path) -> dict[str, Any]:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def environment(root: Path) -> dict[str, Any]:
-    """The environment fields of a manifest, gathered once per stage run."""
-    return {"libraries": library_versions(), "hardware": hardware(), "determinism": determinism(),
+def environment(root: Path, with_torch: bool = True) -> dict[str, Any]:
+    """The environment fields of a manifest, gathered once per stage run (with_torch: see `hardware`)."""
+    return {"libraries": library_versions(), "hardware": hardware(with_torch),
+            "determinism": determinism() if with_torch else None,
             "git": git_state(root), "python_executable": sys.executable}
 
 
