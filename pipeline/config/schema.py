@@ -238,10 +238,14 @@ class FilterConfig(Filter):
     name: Text
 
 
+def _repeats(values: tuple) -> str | None:
+    return "distinct values" if len(set(values)) != len(values) else None
+
+
 class ProbsConfig(Section):
     positions: items(Int, "a non-empty list of prompt positions (integers; negative counts from the end)")
     temperatures: Annotated[items(Annotated[float, Strict(), Field(gt=0.0)], "a non-empty list of numbers > 0"),
-                            rule(lambda ts: len(set(ts)) != len(ts) and "distinct values")]
+                            rule(_repeats)]
     fp32_sum_tolerance: float = Field(ge=0.0)
     fp64_sum_tolerance: float = Field(ge=0.0)
     top_n: Count
@@ -251,8 +255,10 @@ class ProbsConfig(Section):
 class SamplingConfig(Filter):
     seed: int = Field(ge=0, le=2**63 - 1)
     max_new_tokens: int = Field(ge=0)
-    branches: items(Literal["sample", "greedy"], "a non-empty list of sample, greedy")
-    kv_cache: items(Annotated[bool, Strict()], "a non-empty list of true/false")
+    # Each branch is run with and without the cache, once: a repeated one would be a second
+    # branch with the same name (and the same draws).
+    branches: Annotated[items(Literal["sample", "greedy"], "a non-empty list of sample, greedy"), rule(_repeats)]
+    kv_cache: Annotated[items(Annotated[bool, Strict()], "a non-empty list of true/false"), rule(_repeats)]
     top_n: Count
 
 
@@ -353,6 +359,8 @@ def read_params(path: Path) -> dict:
         raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise bad_value(str(path), data, "a YAML mapping of config sections")
+    for extra in sorted(set(data) - set(SECTIONS), key=str):   # a hand-edited section no stage reads
+        raise bad_value(str(extra), data[extra], "a known section: " + ", ".join(SECTIONS))
     return data
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,15 @@ def _compose(args: argparse.Namespace) -> int:
     if args.check:
         if args.overrides:
             raise UserError("--check takes no overrides: it compares params.yaml with conf/ as committed")
-        differing = compose.check(root, params_file)
+        differing, overrides = compose.check(root, params_file)
+        how = f"`nexttoken compose{''.join(' ' + shlex.quote(o) for o in overrides)}`"
         if differing:
-            print(f"params.yaml differs from the composition of conf/ at: {', '.join(differing)}\n"
-                  f"run `nexttoken compose` to rewrite it", file=sys.stderr)
+            print(f"params.yaml differs from {how} (the overrides recorded in {compose.RECORD}) at: "
+                  f"{', '.join(differing)}\n"
+                  f"conf/ was edited since, or params.yaml was changed another way (by hand, or by `dvc exp run "
+                  f"-S`): run {how} to rewrite it, or `nexttoken compose OVERRIDES` for other ones", file=sys.stderr)
             return 1
-        print("params.yaml matches conf/")
+        print(f"params.yaml matches {how}")
         return 0
     params = compose.compose(args.overrides, root, params_file)
     print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={params['prompt']['name']}")
@@ -71,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compose", help="compose conf/ (+ Hydra overrides) into params.yaml")
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny_qwen2 prompt.text=...")
     c.add_argument("--check", action="store_true",
-                   help="exit 1 (naming the keys) when params.yaml differs from conf/")
+                   help="exit 1 (naming the keys) when params.yaml differs from conf/ composed with the "
+                        "overrides `nexttoken compose` recorded")
     c.set_defaults(func=_compose)
     b = sub.add_parser("bench", help="(in a checkout) measure what recording costs, as ratios with targets: "
                                      "`nexttoken bench --help` lists the sections", add_help=False)
