@@ -213,6 +213,8 @@ def range_cases() -> list[Case]:
         _r("sampling.max_new_tokens", -1),
         _r("sampling.branches", []),
         _r("sampling.branches", ["beam"], "name", shown="beam"),
+        _r("sampling.branches", ["greedy", "greedy"]),       # was accepted, then failed generate parity 44 s later
+        _r("sampling.kv_cache", [True, True]),
         _r("sampling.kv_cache", []),
         _r("sampling.top_n", 0),
         _r("sampling.nope", 1, "key"),
@@ -311,6 +313,8 @@ def model_cases() -> list[Case]:
         Case("key:params.yaml not YAML", "params.yaml is not valid YAML", DELETE, "key",
              check=lambda r: _params_file(r, "model: [unclosed\n")),
         Case("key:params.yaml a list", "params.yaml", DELETE, "key", check=lambda r: _params_file(r, "- 1\n- 2\n")),
+        Case("key:params.yaml with an unknown section foo: 1", "foo", 1, "key",
+             check=lambda r: _params_file(r, yaml.safe_dump(BASE) + "foo: 1\n")),
         Case("prompt:prompt.file not UTF-8 (Latin-1)", "prompt.file", "prompts/latin1.txt", "prompt",
              check=lambda r: _prompt_file(r, "latin1.txt", "café".encode("latin-1"))),
         Case("prompt:prompt.file not UTF-8 (UTF-16)", "prompt.file", "prompts/utf16.txt", "prompt",
@@ -491,6 +495,14 @@ SUBPROCESS = [
         params={**HUB, "model.source.hub_id": "../outside"}),
     Run("stage trajectories: sampling.top_p=0", ("stage", "trajectories"),
         ("sampling.top_p=0 is not allowed: a number in (0.0, 1.0]",), params={"sampling.top_p": 0}),
+    Run("stage validate: sampling.top_p=2", ("stage", "validate"),
+        ("nexttoken validate: error: sampling.top_p=2 is not allowed: a number in (0.0, 1.0]",),
+        params={"sampling.top_p": 2}),
+    Run("stage validate: an unknown section foo: 1", ("stage", "validate"),
+        ("foo=1 is not allowed: a known section: model, prompt",), params={"foo": 1}),
+    Run("stage prepare_model: model.source.architecture.vocab_size=1000", ("stage", "prepare_model"),
+        ("model.source.architecture.vocab_size=1000 is not allowed: an integer >= 151669",),
+        params={"model.source.architecture.vocab_size": 1000}),
 ]
 
 # argparse's own errors (pipeline/tools/cli.py prints them as one line too).

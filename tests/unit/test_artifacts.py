@@ -133,7 +133,8 @@ def test_an_input_made_with_another_config_is_named_stale(tmp_path):
     with artifacts.stage_run("probs", {"probs": {"top_n": 3}, "sampling": sampling}, tmp_path) as run:
         run.write_parquet("table.parquet", _table())
     _run_checks_on(tmp_path)                                          # in step: fine
-    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump({"probs": {"top_n": 3}, "sampling": {**sampling, "top_p": 1.0}}))
+    changed = {"probs": {"top_n": 3}, "sampling": {**sampling, "top_p": 1.0}}
+    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(changed))
     with pytest.raises(UserError, match=r"^artifacts/probs/table.parquet is stale: stage probs ran with "
                                         r"sampling.top_p=0.9, params.yaml has 1.0: re-run probs and the stages "
                                         r"after it \(`dvc repro`\)$"):

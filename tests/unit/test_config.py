@@ -10,8 +10,8 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.config import compose, schema
-from pipeline.tools import cli
 from pipeline.errors import UserError
+from pipeline.tools import cli
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
