@@ -4,6 +4,9 @@ A stage builds its whole output folder in a staging folder outside `artifacts/`
 (`.nexttoken/staging/`), writes `manifest.json` last, then moves the folder into
 `artifacts/<stage>/` with a rename. An interrupted or failed stage therefore leaves no
 partial file under `artifacts/`: either the old folder, none, or the complete new one.
+Every input is checked against the manifests before it is read: the file its stage
+recorded, the file the other inputs were made from, and made with params.yaml's config and
+the repository files as they are now (else it is stale, and named so).
 """
 
 from __future__ import annotations
@@ -135,12 +138,13 @@ class StageRun:
             path = str(i.get("path"))
             if path.startswith(paths.ARTIFACTS + "/"):
                 continue
+            if Path(path).is_absolute() or ".." in Path(path).parts:   # a tampered record: read nothing
+                raise UserError(f"{paths.manifest_path(stage).as_posix()} records an input outside the "
+                                f"repository ({path}): re-run `dvc repro`")
             file = self.root / path
             now_sha = provenance.sha256_file(file) if file.is_file() else "missing"
             if now_sha != i.get("sha256"):
-                raise UserError(f"{rel} is stale: stage {stage} read {path} (sha256 {str(i.get('sha256'))[:12]}), "
-                                f"which has changed since (now {now_sha[:12]}): re-run {stage} and the stages "
-                                f"after it (`dvc repro`)")
+                raise UserError(f"{rel} is stale: {_changed_since(stage, path, str(i.get('sha256')), now_sha)}")
 
     @cached_property
     def _params(self) -> dict | None:
@@ -153,6 +157,10 @@ class StageRun:
         seen = self._recorded.setdefault(rel, (sha, made_from_by))
         if seen[0] != sha:
             disk, claim = ((sha, seen) if made_from_by is None else (seen[0], (sha, made_from_by)))
+            if not rel.startswith(paths.ARTIFACTS + "/") and (made_from_by is None) != (seen[1] is None):
+                # a repository file (a prompt file) edited after that stage read it: its outputs are stale
+                stale = _changed_since(claim[1], rel, claim[0], disk)
+                raise UserError(f"{paths.ARTIFACTS}/{claim[1]} is stale: {stale}")
             raise UserError(f"{rel} (sha256 {disk[:12]}) is not the file stage {claim[1]} was made from "
                             f"(its manifest records sha256 {claim[0][:12]}): the artifacts come from different "
                             f"runs; re-run `dvc repro`")
@@ -251,9 +259,13 @@ def _swap_into_place(staging: Path, final: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _changed_since(stage: str, path: str, recorded: str, now: str) -> str:
+    return (f"stage {stage} read {path} (sha256 {recorded[:12]}), which has changed since (now {now[:12]}): "
+            f"re-run {stage} and the stages after it (`dvc repro`)")
+
+
 def _rel(path: Path, root: Path) -> str:
     return Path(os.path.relpath(path, root)).as_posix()
-
 
 
 @contextmanager
