@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.store import paths, provenance
+from tests.conftest import ON_CPU
 from tests.helpers.worktree import clone_worktree, sh
 
 pytestmark = pytest.mark.slow
 PROMPT = "prompts/story.txt"
-BASE = ("model=tiny_qwen2", f"prompt.file={PROMPT}", "prompt.text=null")
+BASE = ("model=tiny_qwen2", ON_CPU, f"prompt.file={PROMPT}", "prompt.text=null")
 EXP = [a for o in BASE for a in ("-S", o)]       # `dvc exp run` composes conf/ anew: repeat the run's overrides
 
 
