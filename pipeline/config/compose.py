@@ -13,6 +13,7 @@ when conf/ was edited since, or params.yaml was changed some other way (by hand,
 from __future__ import annotations
 
 import re
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
     conf = (root / CONF_DIR).resolve()
     try:
         compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str(root.resolve()), list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException, ValueError) as e:   # ValueError: Hydra on `=3`
         raise _explain(e, overrides, conf) from None
     params = schema.read_params(out_file)      # an unknown section is refused there
     for section in schema.SECTIONS:
@@ -48,11 +49,16 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
 
 
 def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
-    """Hydra's multi-line errors as one line naming the override; unknown choices and keys list the options."""
+    """Hydra's multi-line errors as one line naming the override; unknown choices and keys list the options,
+    a value Hydra reads as syntax (or as a sweep, `x, y`) says how to quote it."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     first = re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], first)   # one printable line
     for ov in overrides:
-        if not ov.partition("=")[0].lstrip("+~") or not _parses(ov):
+        key, eq, value = ov.partition("=")
+        if key.lstrip("+~") and eq and _parses(ov) is None:
+            return bad_value("override", ov, f"key=value in Hydra override syntax ({first}); "
+                             + quoting_hint(key, value))
+        if not key.lstrip("+~") or not _parses(ov):
             return bad_value("override", ov, f"key=value in Hydra override syntax, e.g. sampling.top_k=5 ({first})")
     for ov in overrides:
         key, _, value = ov.partition("=")
@@ -70,20 +76,73 @@ def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
     return UserError(f"cannot compose conf/ with overrides {overrides}: {first}")
 
 
-def _parses(override: str) -> bool:
+def _parses(override: str) -> bool | None:
+    """True: one value; None: the value is not valid Hydra (or is a sweep); False: not even key=value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    key = override.partition("=")[0]
     try:
-        OverridesParser.create().parse_overrides([override])
+        parsed = OverridesParser.create().parse_overrides([override])[0]
     except HydraException:
-        return False
-    return True
+        return None if key.lstrip("+~") and _parses(f"{key}=x") else False
+    return None if parsed.is_sweep_override() else True
 
 
-def compose(overrides: list[str], root: Path, params_file: Path) -> dict:
+def quote(text: str) -> str:
+    """text as a Hydra override value that composes back to exactly text: single quotes, a quote inside
+    escaped (\\'), backslashes doubled before a quote or at the end (Hydra's rule), `${` as `\\${` (OmegaConf's)."""
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)
+    return "'" + text.replace("'", "\\'") + "'"
+
+
+def quoting_hint(key: str, value: str) -> str:
+    """How to pass value verbatim: quoted for Hydra (and for a POSIX shell), or --prompt for a prompt."""
+    override = f"{key}={quote(value)}"
+    tail = (" or `nexttoken compose --prompt TEXT` / `--prompt-file PATH`, which quote it for you"
+            if key.lstrip("+~").startswith("prompt.") else "")
+    return f"quote the value for Hydra: {override} (in the shell: {shell_word(override)}; the same with " \
+           f"`dvc exp run -S`){tail}"
+
+
+def shell_word(word: str) -> str:
+    """word as one POSIX shell word: in double quotes where nothing in it is special there (an override's
+    single quotes then read plainly), else shlex's single-quoted form."""
+    return f'"{word}"' if not re.search(r'["$`]|\\\\|![^ ]', word) else shlex.quote(word)
+
+
+def prompt_overrides(overrides: list[str], text: str | None, file: str | None, root: Path) -> list[str]:
+    """overrides plus the ones that set the prompt verbatim: `--prompt TEXT` or `--prompt-file PATH`."""
+    if text is None and file is None:
+        return list(overrides)
+    given = [ov for ov in overrides if ov.partition("=")[0].lstrip("+~") in ("prompt.text", "prompt.file")]
+    if given:
+        raise UserError(f"--prompt / --prompt-file set the prompt, and so does {given[0]!r}: give one of them")
+    if text is not None:
+        return [*overrides, f"prompt.text={quote(text)}"]
+    path = Path(file)
+    if path.is_absolute() and path.resolve().is_relative_to(root.resolve()):
+        path = path.resolve().relative_to(root.resolve())      # the config records a path inside the repository
+    return [*overrides, "prompt.text=null", f"prompt.file={quote(path.as_posix())}"]
+
+
+def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: str | None = None) -> dict:
     """Write params_file atomically from conf/ + overrides, and record the overrides beside it
-    (nothing is written when invalid)."""
-    params = write_atomic(params_file, lambda tmp: compose_to(tmp, overrides, root))
+    (nothing is written when invalid); prompt_text: what prompt.text must come out as (--prompt),
+    verified before writing."""
+    def write(tmp: Path) -> dict:
+        try:
+            params = compose_to(tmp, overrides, root)
+            verbatim = prompt_text is None or params["prompt"]["text"] == prompt_text
+        except UserError:
+            if prompt_text is None:
+                raise
+            verbatim = False    # OmegaConf refuses what it reads as an unclosed interpolation, `${`
+        if not verbatim:
+            raise bad_value("--prompt", prompt_text, "text that passes through Hydra's composition unchanged "
+                            "(this one does not): put it in a file under prompts/ and use --prompt-file")
+        return params
+    params = write_atomic(params_file, write)
     write_atomic(params_file.with_name(RECORD), lambda tmp: tmp.write_text(
         RECORD_HEADER + yaml.safe_dump({"overrides": list(overrides)}, allow_unicode=True), encoding="utf-8"))
     return params

@@ -13,12 +13,12 @@ from pipeline.store import paths
 
 
 def _compose(args: argparse.Namespace) -> int:
-    from pipeline.config import compose
+    from pipeline.config import compose, schema
     root = Path.cwd()
     params_file = root / paths.PARAMS
     if args.check:
-        if args.overrides:
-            raise UserError("--check takes no overrides: it compares params.yaml with conf/ as committed")
+        if args.overrides or args.prompt is not None or args.prompt_file is not None:
+            raise UserError("--check takes no overrides (nor --prompt): it composes conf/ with the recorded ones")
         differing, overrides = compose.check(root, params_file)
         how = f"`nexttoken compose{''.join(' ' + shlex.quote(o) for o in overrides)}`"
         if differing:
@@ -29,8 +29,13 @@ def _compose(args: argparse.Namespace) -> int:
             return 1
         print(f"params.yaml matches {how}")
         return 0
-    params = compose.compose(args.overrides, root, params_file)
-    print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={params['prompt']['name']}")
+    overrides = compose.prompt_overrides(args.overrides, args.prompt, args.prompt_file, root)
+    params = compose.compose(overrides, root, params_file, prompt_text=args.prompt)
+    prompt = schema.load_section(params, "prompt", root)
+    print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={prompt.name}")
+    if args.prompt is not None or args.prompt_file is not None:     # the same prompt for `dvc exp run -S`
+        added = overrides[len(args.overrides):]
+        print("the same for dvc: dvc exp run " + " ".join(f"-S {compose.shell_word(ov)}" for ov in added))
     return 0
 
 
@@ -77,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check", action="store_true",
                    help="exit 1 (naming the keys) when params.yaml differs from conf/ composed with the "
                         "overrides `nexttoken compose` recorded")
+    given = c.add_mutually_exclusive_group()
+    given.add_argument("--prompt", metavar="TEXT",
+                       help="the prompt, verbatim (any characters: quoted for Hydra here); its name is derived "
+                            "from it unless prompt.name=NAME is given")
+    given.add_argument("--prompt-file", metavar="PATH",
+                       help="a UTF-8 file under prompts/ holding the prompt (sets prompt.file, prompt.text=null)")
     c.set_defaults(func=_compose)
     b = sub.add_parser("bench", help="(in a checkout) measure what recording costs, as ratios with targets: "
                                      "`nexttoken bench --help` lists the sections", add_help=False)

@@ -151,7 +151,7 @@ def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path
             manifest["config"]["prompt"]["expected_token_ids"]["qwen2"][3] = 445
         manifest_path.write_text(json.dumps(manifest))
     params = yaml.safe_load((copy / paths.PARAMS).read_text())
-    params["prompt"]["expected_token_ids"]["qwen2"][3] = 445          # the article says 444
+    params["prompt"]["known"]["expected_token_ids"]["qwen2"][3] = 445   # the article says 444
     (copy / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True))
     proc = run_module("stages.checks", copy)
     assert proc.returncode == 1 and "error checks failed: logits_file_exact " in proc.stderr, proc.stderr
