@@ -28,7 +28,7 @@ def main() -> None:
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         results, source, facts = stage.compute(params, run.use)
         run.model = provenance.model_record(source)
-        run.facts = {**facts, **verdicts.metrics(results)["summary"]}
+        run.facts = {**facts, **verdicts.summary(results)}
         run.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
         run.write_json(paths.METRICS[1], verdicts.metrics(results))
     print(stage.summary_text(results))

@@ -52,7 +52,7 @@ def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: P
 
 def summary_text(results: list[verdicts.Check]) -> str:
     """The counts, then one line per failing check (what the stage prints)."""
-    s = verdicts.metrics(results)["summary"]
+    s = verdicts.summary(results)
     return (f"{s['checks']} checks: {s['passed']} pass, {s['failed_error']} error and "
             f"{s['failed_report']} report checks fail"
             + "".join(f"\n  {c.verdict} ({c.severity}) {c.name}: {c.measured:g} > {c.tolerance:g}  {c.detail}"

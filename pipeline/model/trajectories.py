@@ -8,6 +8,7 @@ compare its logits.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -24,6 +25,7 @@ STEPS_SCHEMA = pa.schema([
     ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
     ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
 ])
+TEXT_CHARS = 24   # of a continuation's text in the DVC metrics (a `dvc exp show` column)
 STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
 
 
@@ -115,7 +117,30 @@ def summary(runs: list[Run], tokenizer) -> dict:
 
 
 def sweep_metrics(summary_by_run: dict) -> dict:
-    """Per branch on the reference path (no cache): ids as one string, text, steps."""
-    return {v["branch"]: {"ids": " ".join(map(str, v["token_ids"])), "text": v["text"],
-                          "steps": len(v["token_ids"])}
-            for v in summary_by_run.values() if not v["kv_cache"]}
+    """What a sweep compares per branch, on the reference path (no cache), as DVC metrics with short
+    keys (`dvc exp show` columns): the text (escaped, first TEXT_CHARS characters; the ids are in
+    steps.parquet), `loop` (the period of a cycle the last ids repeat, 0 for none), `kv_diff` (the
+    first step where the KV-cache run chose another id, 0 for none) and, for `sample`, `vs_greedy`
+    (the first step where it left the greedy path, 0 for none)."""
+    runs = {v["branch"]: v["token_ids"] for v in summary_by_run.values() if not v["kv_cache"]}
+    cached = {v["branch"]: v["token_ids"] for v in summary_by_run.values() if v["kv_cache"]}
+    out = {}
+    for v in summary_by_run.values():
+        if v["kv_cache"]:
+            continue
+        ids, text = v["token_ids"], json.dumps(v["text"], ensure_ascii=False)[1:-1]
+        out[v["branch"]] = {"text": text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS - 1] + "…",
+                            "loop": loop_period(ids), "kv_diff": first_difference(ids, cached.get(v["branch"], ids))}
+        if v["branch"] == "sample" and "greedy" in runs:
+            out["sample"]["vs_greedy"] = first_difference(ids, runs["greedy"])
+    return out
+
+
+def loop_period(ids: list[int]) -> int:
+    """The smallest p such that the last 2p ids are one block of p ids twice (0: no such cycle)."""
+    return next((p for p in range(1, len(ids) // 2 + 1) if ids[-2 * p:-p] == ids[-p:]), 0)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The 1-based step where two id sequences first differ (one ending early counts), 0 if equal."""
+    return next((i + 1 for i in range(max(len(a), len(b))) if i >= min(len(a), len(b)) or a[i] != b[i]), 0)
