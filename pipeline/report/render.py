@@ -62,8 +62,13 @@ class Inputs:
         return f"position {self.position}" + (" (the last prompt position)" if self.position == last else "")
 
     def top_logit_ids(self) -> list[int]:
-        # rank 1 = highest logit; ties go to the lower id (pipeline.numerics.sampling's rule)
-        return np.argsort(-self.logits.astype(np.float64), kind="stable")[: self.top_n].tolist()
+        return top_ids(self.logits, self.top_n)
+
+
+def top_ids(logits: np.ndarray, n: int) -> list[int]:
+    """The n best ids: rank 1 = highest logit, equal logits by lower id (pipeline.numerics.sampling's
+    rule, and DuckDB's `order by logit desc, token_id`)."""
+    return np.argsort(-logits.astype(np.float64), kind="stable")[:n].tolist()
 
 
 def src(item) -> str:

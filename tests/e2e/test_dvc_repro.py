@@ -6,9 +6,12 @@ commit of the current tree would hold), with its own git history and DVC cache, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -71,11 +74,12 @@ def test_sampling_change_reruns_only_the_sampling_stages(clone):
 
 
 def test_exp_run_with_a_new_prompt_composes_and_runs(clone):
-    sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text=Hello world")
+    # The override as the README and `nexttoken compose --prompt` give it: quoted for Hydra.
+    sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text='Hello world, it\\'s me!'")
     params = yaml.safe_load((clone / "params.yaml").read_text())
-    assert params["prompt"]["text"] == "Hello world"
+    assert params["prompt"]["text"] == "Hello world, it's me!"
     tokens = __import__("pyarrow.parquet", fromlist=["x"]).read_table(clone / "artifacts/tokenize/tokens.parquet")
-    assert tokens.num_rows == 2   # "Hello", " world"
+    assert tokens.num_rows == 7   # "Hello", " world", ",", " it", "'s", " me", "!"
 
 
 def test_bad_prompt_in_exp_run_fails_cleanly(clone):
@@ -89,3 +93,21 @@ def test_bad_prompt_in_exp_run_fails_cleanly(clone):
     staging = clone / ".nexttoken/staging"
     assert not staging.exists() or not any(staging.iterdir())
     assert "tokenize" in sh(clone, "dvc", "status").stdout
+
+
+def test_compose_prompt_then_repro_names_the_prompt_in_the_report(clone):
+    """Issue 13's acceptance: `nexttoken compose model=tiny_qwen2 --prompt "Hello! it's (me) = 🍕, ok"`
+    composes, `dvc repro` runs it, and the report's title names that prompt (not the reference one's name,
+    whose expected ids are not checked against it)."""
+    text = "Hello! it's (me) = 🍕, ok"
+    out = sh(clone, "nexttoken", "compose", "model=tiny_qwen2", "--prompt", text).stdout
+    name = f"hello_it_s-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+    assert f"prompt={name}" in out
+    sh(clone, "dvc", "repro")
+    title = (clone / "artifacts/report/report.md").read_text(encoding="utf-8").splitlines()[0]
+    assert title == f'# Next-token report: tiny_qwen2 on prompt {name} ("{text}")'
+    tok = json.loads((clone / "artifacts/tokenize/tokenize.json").read_text(encoding="utf-8"))
+    assert tok["prompt"] == text and tok["expected_token_ids"] is None
+    checks = pq.read_table(clone / "artifacts/checks/checks.parquet").to_pylist()
+    assert "tokenizer_expected_ids" not in {c["name"] for c in checks}
+    assert all(c["verdict"] == "pass" for c in checks if c["severity"] == "error")
