@@ -9,6 +9,7 @@ compare its logits.
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -25,7 +26,7 @@ STEPS_SCHEMA = pa.schema([
     ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
     ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
 ])
-TEXT_CHARS = 24   # of a continuation's text in the DVC metrics (a `dvc exp show` column)
+TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metrics (`dvc exp show`)
 STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
 
 
@@ -117,23 +118,34 @@ def summary(runs: list[Run], tokenizer) -> dict:
 
 
 def sweep_metrics(summary_by_run: dict) -> dict:
-    """What a sweep compares per branch, on the reference path (no cache), as DVC metrics with short
-    keys (`dvc exp show` columns): the text (escaped, first TEXT_CHARS characters; the ids are in
-    steps.parquet), `loop` (the period of a cycle the last ids repeat, 0 for none), `kv_diff` (the
-    first step where the KV-cache run chose another id, 0 for none) and, for `sample`, `vs_greedy`
-    (the first step where it left the greedy path, 0 for none)."""
-    runs = {v["branch"]: v["token_ids"] for v in summary_by_run.values() if not v["kv_cache"]}
+    """What a sweep compares, as DVC metrics with short flat keys (`dvc exp show` columns), from the
+    reference path (no cache): per branch its text (`sample`, `greedy`: escaped, clipped to
+    TEXT_COLUMNS terminal columns; the ids are in steps.parquet) and `<branch>_loop` (the period of
+    a cycle its last ids repeat, 0 for none); `diverge`, the first step where `sample` left the
+    greedy path; `kv_diff`, the first step where a KV-cache run chose another id than the full
+    prefix (steps count from 1; 0 for never)."""
+    ref = {v["branch"]: v for v in summary_by_run.values() if not v["kv_cache"]}
     cached = {v["branch"]: v["token_ids"] for v in summary_by_run.values() if v["kv_cache"]}
-    out = {}
-    for v in summary_by_run.values():
-        if v["kv_cache"]:
-            continue
-        ids, text = v["token_ids"], json.dumps(v["text"], ensure_ascii=False)[1:-1]
-        out[v["branch"]] = {"text": text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS - 1] + "…",
-                            "loop": loop_period(ids), "kv_diff": first_difference(ids, cached.get(v["branch"], ids))}
-        if v["branch"] == "sample" and "greedy" in runs:
-            out["sample"]["vs_greedy"] = first_difference(ids, runs["greedy"])
+    out: dict = {}
+    for branch, v in ref.items():
+        out[branch] = clip(json.dumps(v["text"], ensure_ascii=False)[1:-1], TEXT_COLUMNS)
+        out[f"{branch}_loop"] = loop_period(v["token_ids"])
+    if "sample" in ref and "greedy" in ref:
+        out["diverge"] = first_difference(ref["sample"]["token_ids"], ref["greedy"]["token_ids"])
+    steps = [first_difference(ref[b]["token_ids"], ids) for b, ids in cached.items() if b in ref]
+    out["kv_diff"] = min((s for s in steps if s), default=0)
     return out
+
+
+def clip(text: str, columns: int) -> str:
+    """text cut to fit `columns` terminal columns (East Asian wide characters take two), `…` marking a cut."""
+    width = [2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text]
+    if sum(width) <= columns:
+        return text
+    n, used = 0, 1                                 # the ellipsis takes one column
+    while used + width[n] <= columns:
+        used, n = used + width[n], n + 1
+    return text[:n] + "…"
 
 
 def loop_period(ids: list[int]) -> int:

@@ -133,18 +133,19 @@ def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int
 
 
 def sweep_metrics(row: np.ndarray, sampling_filter: dict) -> dict:
-    """The figures a sweep compares (DVC metrics, one row of `dvc exp show`): the configured filter at
-    the last probability position. Flat, short keys (DVC's column headers). Probabilities the filter
-    can leave tiny are given in bits, -log2 p, which DVC prints faithfully at any size (`dvc metrics
-    show` rounds to 5 decimals: p = 1.3876e-05 would read 1e-05; as bits it reads 16.137); the
+    """The figures a sweep compares (DVC metrics, columns of `dvc exp show`): the configured filter
+    at the last probability position, under short names so a sweep's table fits a terminal. `kept`
+    and `mass` (the ids the filter keeps and their probability), `top_bits` (the top candidate's
+    probability in bits, -log2 p: DVC prints it faithfully at any size, where `dvc metrics show`
+    rounds p = 1.3876e-05 to 1e-05; after renormalising it is p / mass) and `entropy` (bits). The
     per-temperature detail stays in summary.json and the report. Temperature 0 is greedy: its
     distribution is reported at T = 1, as the filter's.
     """
     s = sampling_filter
     t = s["temperature"] if s["temperature"] > 0 else 1.0
     p = torch.softmax(torch.from_numpy(row).to(torch.float64) / t, dim=-1).numpy()
-    return {"kept": s["kept_count"], "kept_mass": s["kept_mass"], "top_bits": bits(float(p.max())),
-            "top_after_bits": bits(s["top_prob_after"]), "entropy_bits": entropy_nats(p) / math.log(2)}
+    return {"kept": s["kept_count"], "mass": s["kept_mass"], "top_bits": bits(float(p.max())),
+            "entropy": entropy_nats(p) / math.log(2)}
 
 
 def bits(p: float) -> float:

@@ -34,10 +34,10 @@ MARKERS = "osD^v<>"   # one per series (model / prompt / top_k ...) when more th
 LABEL_CHARS = 24      # of a param value in a legend entry
 SERIES_KEYS = {"prompt.name": "prompt", "model.name": "model"}   # legend names of a series' params
 # Metric columns are `<stage>:<dotted key>` (DVC writes `<file>:<key>`): never confused with params.
-KEPT, ENTROPY = "probs:kept", "probs:entropy_bits"
-# The probs metrics give the top candidate's probability in bits (-log2 p); the table adds p itself.
+KEPT, MASS, ENTROPY, TOP_BITS = "probs:kept", "probs:mass", "probs:entropy", "probs:top_bits"
+# The probs metrics give the top candidate's probability in bits (-log2 p); the table adds p itself,
+# and after the filter (the top candidate is always kept: renormalised, it is p / kept mass).
 TOP, TOP_AFTER = "probs:top_prob", "probs:top_prob_after"
-FROM_BITS = {TOP: "probs:top_bits", TOP_AFTER: "probs:top_after_bits"}
 
 
 def cli(args) -> int:
@@ -116,9 +116,9 @@ def table(rows: list[dict]):
     varying = [c for c in params if c not in PARAM_COLUMNS and df[c].astype(str).nunique() > 1]
     shown = [c for c in PARAM_COLUMNS if c in df.columns] + varying
     df = df[["exp", "rev", "state", "baseline", *shown, *metric_cols]].copy()
-    for prob, bits in FROM_BITS.items():
-        if bits in df.columns:
-            df[prob] = 2.0 ** -pd.to_numeric(df[bits], errors="coerce")
+    if TOP_BITS in df.columns and MASS in df.columns:
+        df[TOP] = 2.0 ** -pd.to_numeric(df[TOP_BITS], errors="coerce")
+        df[TOP_AFTER] = df[TOP] / pd.to_numeric(df[MASS], errors="coerce")
     return df.sort_values([*shown, "exp"], kind="stable").reset_index(drop=True)
 
 

@@ -26,11 +26,10 @@ NAMED = {**REFERENCE, "text": "问题：模型为什么会重复？", "name": "�
 
 def _exp(name: str, prompt: dict, t: float, top_p: float, seed: int = 0, dtype: str = "bfloat16") -> dict:
     entropy = 3.0 + t
-    metrics = {"artifacts/probs/metrics.json": {"data": {"kept": int(100 * t * top_p) + 1, "kept_mass": top_p,
-                                                         "top_bits": 1.0 / t, "top_after_bits": 0.9 / t,
-                                                         "entropy_bits": entropy}},
-               "artifacts/trajectories/metrics.json": {"data": {"sample": {"text": "好的", "loop": 0, "kv_diff": 0,
-                                                                           "vs_greedy": 2}}},
+    metrics = {"artifacts/probs/metrics.json": {"data": {"kept": int(100 * t * top_p) + 1, "mass": top_p,
+                                                         "top_bits": 1.0 / t, "entropy": entropy}},
+               "artifacts/trajectories/metrics.json": {"data": {"sample": "好的", "sample_loop": 0, "greedy": "好",
+                                                                "greedy_loop": 1, "diverge": 2, "kv_diff": 0}},
                "artifacts/checks/metrics.json": {"data": {"checks": 40, "passed": 39, "failed_error": 0,
                                                           "failed_report": 1, "failing": "probs_fp32_sum_T2"}}}
     params = {"model": {"name": "tiny_qwen2"}, "prompt": prompt, "capture": {"dtype": dtype},
@@ -58,7 +57,7 @@ def test_prompt_name_is_the_runs_own(df):
     assert names["named"] == NAMED["name"]
     # the table gives the probability the metrics give in bits
     row = df[df["exp"] == "ref-warm"].iloc[0]
-    assert row[sweep.TOP] == pytest.approx(0.5) and row[sweep.TOP_AFTER] == pytest.approx(2 ** -0.9)
+    assert row[sweep.TOP] == pytest.approx(0.5) and row[sweep.TOP_AFTER] == pytest.approx(0.5 / 0.9)
 
 
 @pytest.mark.parametrize("draw", [sweep.kept_plot, sweep.temperature_plot])
