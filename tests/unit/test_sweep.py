@@ -93,3 +93,34 @@ def test_packaged_cjk_font_covers_the_reference_prompt_and_is_used():
         path = fm.findfont(fm.FontProperties(family=font.cjk), fallback_to_default=False)
     charmap = FT2Font(path).get_charmap()
     assert all(ord(c) in charmap for c in "问题实践设置幻觉回答")
+
+
+# ---------------------------------------------------------------- the metrics the sweep reads
+def test_probs_metrics_give_small_probabilities_in_bits():
+    import numpy as np
+
+    from pipeline.numerics.probs import sweep_metrics
+    row = np.log(np.array([1.3876e-05, 1 - 1.3876e-05 - 0.5, 0.5])).astype(np.float32)   # top p = 0.5: 1 bit
+    m = sweep_metrics(row, {"temperature": 1.0, "kept_count": 2, "kept_mass": 0.99998})
+    assert set(m) == {"kept", "mass", "top_bits", "entropy"} and m["kept"] == 2 and m["mass"] == 0.99998
+    assert m["top_bits"] == pytest.approx(1.0, abs=1e-6) and 0 < m["entropy"] < 1.01
+    tiny = sweep_metrics(np.log(np.full(72064, 1 / 72064)).astype(np.float32),
+                         {"temperature": 2.0, "kept_count": 1, "kept_mass": 1 / 72064})
+    assert f"{tiny['top_bits']:.5g}" == "16.137"           # p = 1.3877e-05, faithful at DVC's 5 digits
+    assert sweep_metrics(np.array([0.0, -1e9], np.float32), {"temperature": 1.0, "kept_count": 1,
+                                                             "kept_mass": 1.0})["top_bits"] == 0.0   # not -0.0
+
+
+def test_trajectory_metrics_text_loops_and_divergence():
+    from pipeline.model import trajectories as tr
+    run = lambda branch, kv, ids, text: {"branch": branch, "kv_cache": kv, "token_ids": ids, "text": text}
+    summary = {"sample": run("sample", False, [5, 6, 7, 6, 7], "问题：实践中 LLM 的 temperature"),
+               "sample_kv": run("sample", True, [5, 6, 7, 6, 9], "x"),
+               "greedy": run("greedy", False, [5, 8, 8, 8, 8], "a\nb"),
+               "greedy_kv": run("greedy", True, [5, 8, 8, 8, 8], "a\nb")}
+    m = tr.sweep_metrics(summary)
+    assert m == {"sample": "问题：实践…", "sample_loop": 2, "greedy": "a\\nb", "greedy_loop": 1, "diverge": 2,
+                 "kv_diff": 5}
+    assert tr.clip("abcdefghijklmnop", 12) == "abcdefghijk…" and tr.clip("abc", 12) == "abc"
+    assert tr.loop_period([1, 2, 3]) == 0 and tr.first_difference([1, 2], [1, 2]) == 0
+    assert tr.first_difference([1, 2], [1, 2, 3]) == 3                     # one run stopped early
