@@ -88,9 +88,9 @@ def test_exp_show_lists_the_sweep_metrics(swept, shown):
 
 
 def test_exp_show_only_changed_fits_160_columns_with_the_swept_params(swept):
-    """The sweep dashboard as the README gives it (DVC's hash columns of the changed artifacts dropped):
-    no column cut (DVC would print `…`), the swept params shown."""
-    out = sh(swept, "dvc", "exp", "show", "--only-changed", "--drop", "^artifacts/", "--no-pager",
+    """The sweep dashboard as the README gives it (DVC's hash columns of the changed artifacts and its
+    Executor column dropped): no column cut (DVC would print `…`), the swept params shown."""
+    out = sh(swept, "dvc", "exp", "show", "--only-changed", "--drop", "^artifacts/|^Executor$", "--no-pager",
              env={"COLUMNS": "160"}).stdout
     assert max(cell_len(line) for line in out.splitlines()) <= 160, out     # terminal columns (CJK: two)
     header = out.splitlines()[1].split()
