@@ -137,6 +137,8 @@ def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: st
         except UserError:
             if prompt_text is None:
                 raise
+            plain = [ov if ov != f"prompt.text={quote(prompt_text)}" else "prompt.text=x" for ov in overrides]
+            compose_to(tmp, plain, root)    # another override's error is that one's, not the prompt's
             verbatim = False    # OmegaConf refuses what it reads as an unclosed interpolation, `${`
         if not verbatim:
             raise bad_value("--prompt", prompt_text, "text that passes through Hydra's composition unchanged "

@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:        # every argument after it is the bench's own
             return _bench(argv[1:])
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command == "compose" and not any(e.startswith("-") for e in extra):
+            args.overrides += extra       # overrides after an option: `compose model=x --prompt T sampling.top_k=5`
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.func(args)
     except UserError as e:
         print(f"nexttoken {argv[0] if argv else ''}: error: {e}", file=sys.stderr)

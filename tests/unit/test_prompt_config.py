@@ -117,3 +117,15 @@ def _workspace(tmp_path: Path, monkeypatch) -> None:
     """conf/ copied into tmp_path, made the current directory (`nexttoken compose` composes ./conf)."""
     shutil.copytree(REPO / "conf", tmp_path / "conf")
     monkeypatch.chdir(tmp_path)
+
+
+def test_overrides_after_prompt_count_and_their_errors_stay_theirs(tmp_path, monkeypatch, capsys):
+    _workspace(tmp_path, monkeypatch)
+    assert cli.main(["compose", "model=tiny_qwen2", "--prompt", "hi there", "sampling.top_k=3"]) == 0
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))
+    assert (params["prompt"]["text"], params["sampling"]["top_k"]) == ("hi there", 3)
+    assert cli.main(["compose", "--prompt", "a ${ b", "sampling.top_k=-1"]) == 2
+    assert "sampling.top_k=-1 is not allowed" in capsys.readouterr().err     # not blamed on the prompt
+    assert cli.main(["compose", "--prompt", "a ${ b"]) == 2
+    assert "--prompt='a ${ b' is not allowed" in capsys.readouterr().err
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8")) == params   # nothing written
