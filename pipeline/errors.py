@@ -16,3 +16,8 @@ class UserError(Exception):
 def bad_value(key: str, value: object, allowed: str) -> UserError:
     """`key=value` is not allowed; say what is."""
     return UserError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def interrupted(stage: str) -> str:
+    """The one line a stage prints when Ctrl-C stops it (before or after its imports)."""
+    return f"nexttoken {stage}: interrupted; nothing was written to artifacts/{stage}"

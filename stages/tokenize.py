@@ -28,7 +28,7 @@ def main() -> None:
         tok = tokenization.tokenize_prompt(tokenizer, prompt.text, model_cfg.tokenizer.add_special_tokens,
                                            max_positions=loader.max_positions(snapshot))
         expected = prompt.expected_ids_for(model_cfg.tokenizer.family)
-        summary = {**tok.summary, "tokenizer_family": model_cfg.tokenizer.family,
+        summary = {**tok.summary, "prompt_name": prompt.name, "tokenizer_family": model_cfg.tokenizer.family,
                    "expected_token_ids": expected,
                    "expected_token_ids_match": None if expected is None else expected == tok.ids}
         run.model = provenance.model_record(source)

@@ -55,7 +55,7 @@ def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
     """Run every check on the run in stage.root and write checks.parquet + metrics.json into `stage`."""
     results, source, facts = compute(params, stage.use, stage.root)
     stage.model = provenance.model_record(source)
-    stage.facts = {**facts, **verdicts.metrics(results)["summary"]}
+    stage.facts = {**facts, **verdicts.summary(results)}
     stage.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
     stage.write_json(paths.METRICS[1], verdicts.metrics(results))
     return results
@@ -63,7 +63,7 @@ def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
 
 def summary_text(results: list[verdicts.Check]) -> str:
     """The counts, then one line per failing check (what the stage prints)."""
-    s = verdicts.metrics(results)["summary"]
+    s = verdicts.summary(results)
     return (f"{s['checks']} checks: {s['passed']} pass, {s['failed_error']} error and "
             f"{s['failed_report']} report checks fail"
             + "".join(f"\n  {c.verdict} ({c.severity}) {c.name}: {c.measured:g} > {c.tolerance:g}  {c.detail}"

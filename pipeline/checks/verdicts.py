@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 SEVERITIES = ("error", "report")
+FAILING_SHOWN = 3   # failing check names in metrics.json (a `dvc exp show` column)
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")   # DVC metric keys: no spaces, no dots (dots nest)
 SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
                     ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
@@ -109,18 +110,23 @@ def to_table(checks: list[Check]) -> pa.Table:
     return pa.table({f: [getattr(c, f) for c in checks] for f in SCHEMA.names}, schema=SCHEMA)
 
 
-def _number(x: float) -> float | None:
-    return x if math.isfinite(x) else None   # JSON has no NaN / inf
+def summary(checks: list[Check]) -> dict:
+    """The counts: checks, passed, and failed by severity."""
+    failed = [c for c in checks if not c.passed]
+    return {"checks": len(checks), "passed": len(checks) - len(failed),
+            "failed_error": sum(c.severity == "error" for c in failed),
+            "failed_report": sum(c.severity == "report" for c in failed)}
 
 
 def metrics(checks: list[Check]) -> dict:
-    """metrics.json: a summary and, per check, measured / tolerance / pass / severity."""
-    failed = [c for c in checks if not c.passed]
-    return {"summary": {"checks": len(checks), "passed": len(checks) - len(failed),
-                        "failed_error": sum(c.severity == "error" for c in failed),
-                        "failed_report": sum(c.severity == "report" for c in failed)},
-            "checks": {c.name: {"measured": _number(c.measured), "tolerance": _number(c.tolerance),
-                                "pass": c.passed, "severity": c.severity} for c in checks}}
+    """metrics.json (DVC metrics, `dvc exp show` columns): the counts and the names of the failing
+    checks, worst first (error before report), at most FAILING_SHOWN then `+N more`, or `none`.
+    Each check's measured value and tolerance stay in checks.parquet and the report: as metrics
+    they made hundreds of columns and DVC rounds small tolerances (2e-06) to 0."""
+    failing = [c.name for c in sorted(checks, key=lambda c: c.severity != "error") if not c.passed]
+    shown = ", ".join(failing[:FAILING_SHOWN]) + (f" +{len(failing) - FAILING_SHOWN} more"
+                                                  if len(failing) > FAILING_SHOWN else "")
+    return {**summary(checks), "failing": shown or "none"}
 
 
 def failed_errors(checks: list[Check]) -> list[str]:

@@ -3,20 +3,32 @@
 DVC's Hydra integration (`hydra.enabled = true` in .dvc/config) composes `conf/` into
 params.yaml for `dvc exp run -S ...`. `nexttoken compose` calls the same DVC function, so
 both paths write the same bytes; every section is validated before anything is written.
+
+`nexttoken compose` also records its overrides in params.overrides.yaml (DVC never reads it),
+so `--check` (run by `make repro`) composes conf/ with the same overrides: it then fails only
+when conf/ was edited since, or params.yaml was changed some other way (by hand, or by
+`dvc exp run -S`, which composes without recording).
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from pipeline.atomic import write_atomic
 from pipeline.config import schema
+from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError, bad_value
 
 CONF_DIR = "conf"
 CONFIG_NAME = "config"
+RECORD = "params.overrides.yaml"   # beside params.yaml: the overrides it was composed with
+RECORD_HEADER = ("# Written by `nexttoken compose`: the Hydra overrides params.yaml was composed with.\n"
+                 "# `nexttoken compose --check` (run by `make repro`) composes conf/ with them and compares.\n")
 
 
 def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
@@ -28,22 +40,25 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
     conf = (root / CONF_DIR).resolve()
     try:
         compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str(root.resolve()), list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException, ValueError) as e:   # ValueError: Hydra on `=3`
         raise _explain(e, overrides, conf) from None
-    params = schema.read_params(out_file)
-    for extra in sorted(set(params) - set(schema.SECTIONS), key=str):
-        raise bad_value(str(extra), params[extra], "a config section: " + ", ".join(schema.SECTIONS))
+    params = schema.read_params(out_file)      # an unknown section is refused there
     for section in schema.SECTIONS:
         schema.load_section(params, section, root)
     return params
 
 
 def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
-    """Hydra's multi-line errors as one line naming the override; unknown choices and keys list the options."""
+    """Hydra's multi-line errors as one line naming the override; unknown choices and keys list the options,
+    a value Hydra reads as syntax (or as a sweep, `x, y`) says how to quote it."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     first = re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], first)   # one printable line
     for ov in overrides:
-        if not ov.partition("=")[0].lstrip("+~") or not _parses(ov):
+        key, eq, value = ov.partition("=")
+        if key.lstrip("+~") and eq and _parses(ov) is None:
+            return bad_value("override", ov, f"key=value in Hydra override syntax ({first}); "
+                             + quoting_hint(key, value))
+        if not key.lstrip("+~") or not _parses(ov):
             return bad_value("override", ov, f"key=value in Hydra override syntax, e.g. sampling.top_k=5 ({first})")
     for ov in overrides:
         key, _, value = ov.partition("=")
@@ -53,43 +68,108 @@ def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
             options = sorted(p.stem for p in group.glob("*.yaml"))
             return bad_value(name, value, "one of " + ", ".join(options))
         if f"Could not override '{name}'" in first:
-            known = schema.known_keys(name.rpartition(".")[0])
+            parent, _, leaf = name.rpartition(".")
+            known = schema.known_keys(parent)
+            if leaf in known:     # the schema takes it, conf/ does not set it: Hydra adds keys with +
+                return bad_value(name, value, f"a key conf/ sets; add one it does not set as +{name}={value}")
             return bad_value(name, value, "a known key: " + ", ".join(known) if known else "a key that exists in conf/")
     return UserError(f"cannot compose conf/ with overrides {overrides}: {first}")
 
 
-def _parses(override: str) -> bool:
+def _parses(override: str) -> bool | None:
+    """True: one value; None: the value is not valid Hydra (or is a sweep); False: not even key=value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    key = override.partition("=")[0]
     try:
-        OverridesParser.create().parse_overrides([override])
+        parsed = OverridesParser.create().parse_overrides([override])[0]
     except HydraException:
-        return False
-    return True
+        return None if key.lstrip("+~") and _parses(f"{key}=x") else False
+    return None if parsed.is_sweep_override() else True
 
 
-def compose(overrides: list[str], root: Path, params_file: Path) -> dict:
-    """Write params_file atomically from conf/ + overrides (nothing is written when invalid)."""
-    return write_atomic(params_file, lambda tmp: compose_to(tmp, overrides, root))
+def quote(text: str) -> str:
+    """text as a Hydra override value that composes back to exactly text: single quotes, a quote inside
+    escaped (\\'), backslashes doubled before a quote or at the end (Hydra's rule), `${` as `\\${` (OmegaConf's)."""
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)
+    return "'" + text.replace("'", "\\'") + "'"
 
 
-def check(root: Path, params_file: Path) -> list[str]:
-    """Keys where params_file differs from the composition of conf/ (empty: in step)."""
+def quoting_hint(key: str, value: str) -> str:
+    """How to pass value verbatim: quoted for Hydra (and for a POSIX shell), or --prompt for a prompt."""
+    override = f"{key}={quote(value)}"
+    tail = (" or `nexttoken compose --prompt TEXT` / `--prompt-file PATH`, which quote it for you"
+            if key.lstrip("+~").startswith("prompt.") else "")
+    return f"quote the value for Hydra: {override} (in the shell: {shell_word(override)}; the same with " \
+           f"`dvc exp run -S`){tail}"
+
+
+def shell_word(word: str) -> str:
+    """word as one POSIX shell word: in double quotes where nothing in it is special there (an override's
+    single quotes then read plainly), else shlex's single-quoted form."""
+    return f'"{word}"' if not re.search(r'["$`]|\\\\|![^ ]', word) else shlex.quote(word)
+
+
+def prompt_overrides(overrides: list[str], text: str | None, file: str | None, root: Path) -> list[str]:
+    """overrides plus the ones that set the prompt verbatim: `--prompt TEXT` or `--prompt-file PATH`."""
+    if text is None and file is None:
+        return list(overrides)
+    given = [ov for ov in overrides if ov.partition("=")[0].lstrip("+~") in ("prompt.text", "prompt.file")]
+    if given:
+        raise UserError(f"--prompt / --prompt-file set the prompt, and so does {given[0]!r}: give one of them")
+    if text is not None:
+        return [*overrides, f"prompt.text={quote(text)}"]
+    path = Path(file)
+    if path.is_absolute() and path.resolve().is_relative_to(root.resolve()):
+        path = path.resolve().relative_to(root.resolve())      # the config records a path inside the repository
+    return [*overrides, "prompt.text=null", f"prompt.file={quote(path.as_posix())}"]
+
+
+def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: str | None = None) -> dict:
+    """Write params_file atomically from conf/ + overrides, and record the overrides beside it
+    (nothing is written when invalid); prompt_text: what prompt.text must come out as (--prompt),
+    verified before writing."""
+    def write(tmp: Path) -> dict:
+        try:
+            params = compose_to(tmp, overrides, root)
+            verbatim = prompt_text is None or params["prompt"]["text"] == prompt_text
+        except UserError:
+            if prompt_text is None:
+                raise
+            plain = [ov if ov != f"prompt.text={quote(prompt_text)}" else "prompt.text=x" for ov in overrides]
+            compose_to(tmp, plain, root)    # another override's error is that one's, not the prompt's
+            verbatim = False    # OmegaConf refuses what it reads as an unclosed interpolation, `${`
+        if not verbatim:
+            raise bad_value("--prompt", prompt_text, "text that passes through Hydra's composition unchanged "
+                            "(this one does not): put it in a file under prompts/ and use --prompt-file")
+        return params
+    params = write_atomic(params_file, write)
+    write_atomic(params_file.with_name(RECORD), lambda tmp: tmp.write_text(
+        RECORD_HEADER + yaml.safe_dump({"overrides": list(overrides)}, allow_unicode=True), encoding="utf-8"))
+    return params
+
+
+def recorded_overrides(params_file: Path) -> list[str]:
+    """The overrides `nexttoken compose` recorded for params_file ([] without a record)."""
+    record = params_file.with_name(RECORD)
+    if not record.exists():
+        return []
+    try:
+        overrides = (yaml.safe_load(record.read_text(encoding="utf-8")) or {}).get("overrides")
+    except (yaml.YAMLError, AttributeError):
+        overrides = None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"{record} is not a record of overrides (a list `overrides`): run `nexttoken compose` "
+                        f"to rewrite it")
+    return overrides
+
+
+def check(root: Path, params_file: Path) -> tuple[list[str], list[str]]:
+    """(keys where params_file differs from conf/ composed with its recorded overrides (empty:
+    in step), those overrides)."""
+    overrides = recorded_overrides(params_file)
     with tempfile.TemporaryDirectory() as d:
-        expected = compose_to(Path(d) / "params.yaml", [], root)
+        expected = compose_to(Path(d) / "params.yaml", overrides, root)
     actual = schema.read_params(params_file)
-    return diff_keys(expected, actual)
-
-
-def diff_keys(a, b, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested mappings."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out: list[str] = []
-        for k in sorted(set(a) | set(b), key=str):
-            key = f"{prefix}.{k}" if prefix else str(k)
-            if k not in a or k not in b:
-                out.append(key)
-            else:
-                out.extend(diff_keys(a[k], b[k], key))
-        return out
-    return [] if a == b and type(a) is type(b) else [prefix or "<root>"]
+    return diff_keys(expected, actual), overrides

@@ -8,6 +8,7 @@ given by the rule that failed. Library code receives these objects and never re-
 them. Nothing else happens here (no seeding; no I/O but reading a prompt file).
 """
 
+import hashlib
 import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -195,14 +196,23 @@ class ModelConfig(Section):
         description="null or the plain name of a file in pipeline/reference/ (letters, digits, _ and -)")
 
 
-class PromptConfig(Section):
+class KnownPrompt(Section):
+    """What is known about one exact prompt text: its name and, per tokenizer family, its expected ids."""
+
+    text_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="the sha256 of the text's UTF-8 bytes (64 hex)")
     name: Text
+    expected_token_ids: dict[str, list[Annotated[int, Field(ge=0)]]] = Field(
+        default_factory=dict, description="a mapping tokenizer family -> list of ids")
+
+
+class PromptConfig(Section):
+    # null: `known.name` while the text is the known one, else derived from the text or the file (prompt_name).
+    name: Text | None = None
     # The prompt; read from `file` when that is set (then text is null in params.yaml).
     text: Annotated[str | None, rule(_prompt_problem)] = Field(
         None, description="a non-empty string (or null with prompt.file set)")
-    expected_token_ids: dict[str, list[Annotated[int, Field(ge=0)]]] = Field(
-        default_factory=dict, description="a mapping tokenizer family -> list of ids")
     file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
+    known: KnownPrompt | None = None     # applies only to the text whose sha256 it names
 
     @model_validator(mode="after")
     def _text_or_file(self):
@@ -213,8 +223,32 @@ class PromptConfig(Section):
                             "file, not both (set prompt.text=null to use the file)")
         return self
 
+    @property
+    def known_here(self) -> KnownPrompt | None:
+        """`known`, when it describes this very text (another text inherits neither its name nor its ids)."""
+        k = self.known
+        return k if k is not None and self.text is not None and k.text_sha256 == text_sha256(self.text) else None
+
     def expected_ids_for(self, family: str) -> list[int] | None:
-        return self.expected_token_ids.get(family)
+        return self.known_here.expected_token_ids.get(family) if self.known_here else None
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def prompt_name(prompt: PromptConfig) -> str:
+    """The run's prompt name: `name` as given, else the known one for this text, else derived from
+    the file's name or the text's first words, plus the first 8 hex digits of the text's sha256."""
+    if prompt.name is not None:
+        return prompt.name
+    if prompt.known_here is not None:
+        return prompt.known_here.name
+    if prompt.file is not None:
+        stem = PurePosixPath(prompt.file.replace("\\", "/")).stem
+    else:
+        stem = "_".join(re.findall(r"\w+", prompt.text)[:3])
+    return f"{stem.lower()[:24].strip('_') or 'prompt'}-{text_sha256(prompt.text)[:8]}"
 
 
 class CaptureConfig(Section):
@@ -240,10 +274,14 @@ class FilterConfig(Filter):
     name: Text
 
 
+def _repeats(values: tuple) -> str | None:
+    return "distinct values" if len(set(values)) != len(values) else None
+
+
 class ProbsConfig(Section):
     positions: items(Int, "a non-empty list of prompt positions (integers; negative counts from the end)")
     temperatures: Annotated[items(Annotated[float, Strict(), Field(gt=0.0)], "a non-empty list of numbers > 0"),
-                            rule(lambda ts: len(set(ts)) != len(ts) and "distinct values")]
+                            rule(_repeats)]
     fp32_sum_tolerance: float = Field(ge=0.0)
     fp64_sum_tolerance: float = Field(ge=0.0)
     top_n: Count
@@ -253,8 +291,10 @@ class ProbsConfig(Section):
 class SamplingConfig(Filter):
     seed: int = Field(ge=0, le=2**63 - 1)
     max_new_tokens: int = Field(ge=0)
-    branches: items(Literal["sample", "greedy"], "a non-empty list of sample, greedy")
-    kv_cache: items(Annotated[bool, Strict()], "a non-empty list of true/false")
+    # Each branch is run with and without the cache, once: a repeated one would be a second
+    # branch with the same name (and the same draws).
+    branches: Annotated[items(Literal["sample", "greedy"], "a non-empty list of sample, greedy"), rule(_repeats)]
+    kv_cache: Annotated[items(Annotated[bool, Strict()], "a non-empty list of true/false"), rule(_repeats)]
     top_n: Count
 
 
@@ -355,6 +395,8 @@ def read_params(path: Path) -> dict:
         raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise bad_value(str(path), data, "a YAML mapping of config sections")
+    for extra in sorted(set(data) - set(SECTIONS), key=str):   # a hand-edited section no stage reads
+        raise bad_value(str(extra), data[extra], "a known section: " + ", ".join(SECTIONS))
     return data
 
 
@@ -363,9 +405,11 @@ def load_section(params: dict, name: str, root: Path | str = "."):
     if name not in params:
         raise UserError(f"params.yaml has no `{name}` section: run `nexttoken compose`")
     section = parse(SECTIONS[name], params[name], name)
-    if isinstance(section, PromptConfig) and section.file is not None:
-        # Validated above (text null, file under prompts/); its text is checked as a prompt when read.
-        return section.model_copy(update={"text": read_prompt_file("prompt.file", section.file, root)})
+    if isinstance(section, PromptConfig):
+        if section.file is not None:
+            # Validated above (text null, file under prompts/); its text is checked as a prompt when read.
+            section = section.model_copy(update={"text": read_prompt_file("prompt.file", section.file, root)})
+        return section.model_copy(update={"name": prompt_name(section)})
     return section
 
 

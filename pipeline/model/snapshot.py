@@ -109,9 +109,17 @@ def _prepare_tiny_qwen2(source: SourceConfig, out_dir: Path, show: bool) -> dict
     tok_dir = _package_dir(source) / "tokenizer_files"
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     tokenizer.eos_token = QWEN_EOS
+    eos = tokenizer.convert_tokens_to_ids(QWEN_EOS)
+    # Every id the tokenizer can give needs an embedding row (the pad id, eos, among them):
+    # refused before the model is built, not as an AssertionError from inside it.
+    needed = max(tokenizer.get_vocab().values()) + 1
+    if source.architecture.vocab_size < needed:
+        raise bad_value("model.source.architecture.vocab_size", source.architecture.vocab_size,
+                        f"an integer >= {needed} (this tokenizer's ids go up to {needed - 1}; "
+                        f"its pad id {QWEN_EOS} is {eos})")
     arch = source.architecture.model_dump()
     lm_head_std = float(arch["lm_head_std"])
-    model = tiny.build(arch, source.seed, tokenizer.convert_tokens_to_ids(QWEN_EOS))
+    model = tiny.build(arch, source.seed, eos)
     _check_dense(model, {k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")})
     _save(model, tokenizer, out_dir, source.kind, show)
     inputs = {f"tokenizer_files/{p.name}": sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}

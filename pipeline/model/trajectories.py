@@ -9,6 +9,8 @@ compare its logits. `record` is the stage's whole body, given its `StageRun` (ru
 
 from __future__ import annotations
 
+import json
+import unicodedata
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -28,6 +30,7 @@ STEPS_SCHEMA = pa.schema([
     ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
     ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
 ])
+TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metrics (`dvc exp show`)
 STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
 
 
@@ -117,10 +120,44 @@ def summary(runs: list[Run], tokenizer) -> dict:
 
 
 def sweep_metrics(summary_by_run: dict) -> dict:
-    """Per branch on the reference path (no cache): ids as one string, text, steps."""
-    return {v["branch"]: {"ids": " ".join(map(str, v["token_ids"])), "text": v["text"],
-                          "steps": len(v["token_ids"])}
-            for v in summary_by_run.values() if not v["kv_cache"]}
+    """What a sweep compares, as DVC metrics with short flat keys (`dvc exp show` columns), from the
+    reference path (no cache): per branch its text (`sample`, `greedy`: escaped, clipped to
+    TEXT_COLUMNS terminal columns; the ids are in steps.parquet) and `<branch>_loop` (the period of
+    a cycle its last ids repeat, 0 for none); `diverge`, the first step where `sample` left the
+    greedy path; `kv_diff`, the first step where a KV-cache run chose another id than the full
+    prefix (steps count from 1; 0 for never)."""
+    ref = {v["branch"]: v for v in summary_by_run.values() if not v["kv_cache"]}
+    cached = {v["branch"]: v["token_ids"] for v in summary_by_run.values() if v["kv_cache"]}
+    out: dict = {}
+    for branch, v in ref.items():
+        out[branch] = clip(json.dumps(v["text"], ensure_ascii=False)[1:-1], TEXT_COLUMNS)
+        out[f"{branch}_loop"] = loop_period(v["token_ids"])
+    if "sample" in ref and "greedy" in ref:
+        out["diverge"] = first_difference(ref["sample"]["token_ids"], ref["greedy"]["token_ids"])
+    steps = [first_difference(ref[b]["token_ids"], ids) for b, ids in cached.items() if b in ref]
+    out["kv_diff"] = min((s for s in steps if s), default=0)
+    return out
+
+
+def clip(text: str, columns: int) -> str:
+    """text cut to fit `columns` terminal columns (East Asian wide characters take two), `…` marking a cut."""
+    width = [2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text]
+    if sum(width) <= columns:
+        return text
+    n, used = 0, 1                                 # the ellipsis takes one column
+    while used + width[n] <= columns:
+        used, n = used + width[n], n + 1
+    return text[:n] + "…"
+
+
+def loop_period(ids: list[int]) -> int:
+    """The smallest p such that the last 2p ids are one block of p ids twice (0: no such cycle)."""
+    return next((p for p in range(1, len(ids) // 2 + 1) if ids[-2 * p:-p] == ids[-p:]), 0)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The 1-based step where two id sequences first differ (one ending early counts), 0 if equal."""
+    return next((i + 1 for i in range(max(len(a), len(b))) if i >= min(len(a), len(b)) or a[i] != b[i]), 0)
 
 
 def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig) -> None:

@@ -154,25 +154,25 @@ def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int
     return out
 
 
-def sweep_metrics(position: int, row: np.ndarray, sampling_filter: dict, by_temperature: list[dict]) -> dict:
-    """The numbers a sweep compares, at one position (DVC metrics: flat keys, no dots).
-
-    `sampling`: the configured filter and the distribution it draws from (temperature 0 is
-    greedy: its distribution is reported at T = 1, as the filter's).
+def sweep_metrics(row: np.ndarray, sampling_filter: dict) -> dict:
+    """The figures a sweep compares (DVC metrics, columns of `dvc exp show`): the configured filter
+    at the last probability position, under short names so a sweep's table fits a terminal. `kept`
+    and `mass` (the ids the filter keeps and their probability), `top_bits` (the top candidate's
+    probability in bits, -log2 p: DVC prints it faithfully at any size, where `dvc metrics show`
+    rounds p = 1.3876e-05 to 1e-05; after renormalising it is p / mass) and `entropy` (bits). The
+    per-temperature detail stays in summary.json and the report. Temperature 0 is greedy: its
+    distribution is reported at T = 1, as the filter's.
     """
     s = sampling_filter
     t = s["temperature"] if s["temperature"] > 0 else 1.0
     p = torch.softmax(torch.from_numpy(row).to(torch.float64) / t, dim=-1).numpy()
-    return {
-        "position": position,
-        "sampling": {"kept_count": s["kept_count"], "kept_mass": s["kept_mass"],
-                     "top_prob_after": s["top_prob_after"], "top_prob": float(p.max()),
-                     "entropy_bits": entropy_nats(p) / math.log(2)},
-        "temperatures": {prob_column(e["temperature"]): {"top_prob": e["top"][0]["prob"],
-                                                        "entropy_bits": e["entropy_bits"],
-                                                        "sum_error_fp32": e["sum_error_fp32"]}
-                         for e in by_temperature if e["position"] == position},
-    }
+    return {"kept": s["kept_count"], "mass": s["kept_mass"], "top_bits": bits(float(p.max())),
+            "entropy": entropy_nats(p) / math.log(2)}
+
+
+def bits(p: float) -> float:
+    """-log2 p (0 for p = 1, not -0)."""
+    return -math.log2(p) + 0.0
 
 
 # ---------------------------------------------------------------- the stage's outputs
@@ -211,7 +211,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     outputs = {paths.TABLE: pa.concat_tables(tables),
                paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
-               paths.PROBS_METRICS: sweep_metrics(last, row, sampling_filter, summary["temperatures"])}
+               paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}

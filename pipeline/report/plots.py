@@ -7,8 +7,9 @@ against temperature. Each also writes the numbers it draws as a small CSV beside
 
 Reproducible bytes: no pyplot (no global state), a fixed size and dpi, the Agg canvas, and
 no `Software` metadata in the PNG (it would carry the matplotlib version). The same inputs
-and fonts give byte-identical files; which fonts exist is a property of the machine, and
-the report says which were used.
+give byte-identical files: the fonts come with the pinned packages (DejaVu Sans with
+matplotlib, Noto Sans CJK JP with noto-cjk-sans-jp-regular), registered at run time, so
+Chinese and Japanese text draws as glyphs on any machine; the report names them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +28,9 @@ SIZE_IN = (9.0, 5.0)
 DPI = 110
 PNG_METADATA = {"Software": None}   # matplotlib would otherwise stamp its version
 BASE_FONT = "DejaVu Sans"           # ships with matplotlib: always there
-# Families that show Chinese and Japanese, the reference prompt's scripts, by preference.
-CJK_FAMILIES = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans SC", "Source Han Sans SC",
-                "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "Droid Sans Fallback", "AR PL UMing CN")
-# File-name stems of the same fonts, for when matplotlib's font cache predates their install.
-CJK_FILE_HINTS = ("NotoSansCJK", "NotoSansSC", "SourceHanSans", "wqy-zenhei", "wqy-microhei",
-                  "DroidSansFallback", "uming")
+# Chinese and Japanese (the reference prompt is Chinese) from the pinned PyPI package
+# noto-cjk-sans-jp-regular (Noto Sans CJK JP, SIL OFL 1.1): the same glyphs on every machine.
+CJK_PACKAGE = "noto_cjk_sans_jp_regular"
 
 
 # ---------------------------------------------------------------- fonts and labels
@@ -47,31 +46,29 @@ class Fonts:
     def covers(self, text: str) -> bool:
         return all(ord(c) in self.codepoints and c.isprintable() for c in text)
 
+    def drawable(self, text: str) -> str:
+        """text with each character the fonts cannot draw escaped (\\uXXXX), so no glyph goes missing."""
+        return "".join(c if c in "\n" or self.covers(c) else json.dumps(c)[1:-1] for c in text)
+
 
 @lru_cache(maxsize=1)
 def fonts() -> Fonts:
-    """DejaVu Sans plus the first CJK family this machine has (none is fine)."""
+    """DejaVu Sans plus the packaged CJK font, registered with matplotlib's font manager (no download,
+    no system font search); DejaVu alone if the package is missing."""
     from matplotlib import font_manager as fm
     from matplotlib.ft2font import FT2Font
 
-    def path_of(family: str) -> str | None:
-        try:
-            return fm.findfont(fm.FontProperties(family=family), fallback_to_default=False)
-        except ValueError:
-            return None
-
-    cjk = next((f for f in CJK_FAMILIES if path_of(f)), None)
-    if cjk is None:
-        # Fonts installed after matplotlib built its cache are not in it: register them.
-        for path in fm.findSystemFonts():
-            if any(h.lower() in Path(path).name.lower() for h in CJK_FILE_HINTS):
-                fm.fontManager.addfont(path)
-        cjk = next((f for f in CJK_FAMILIES if path_of(f)), None)
-    families = (BASE_FONT,) + ((cjk,) if cjk else ())
-    points: set[int] = set()
-    for family in families:
-        points |= set(FT2Font(path_of(family)).get_charmap())
-    return Fonts(families, frozenset(points))
+    paths = [fm.findfont(fm.FontProperties(family=BASE_FONT), fallback_to_default=False)]
+    try:
+        cjk = import_module(CJK_PACKAGE)
+    except ImportError:
+        cjk = None
+    if cjk is not None:
+        fm.fontManager.addfont(str(cjk.FONT_PATH))
+        paths.append(str(cjk.FONT_PATH))
+    families = tuple(fm.FontProperties(fname=path).get_name() for path in paths)
+    points = frozenset().union(*(FT2Font(path).get_charmap() for path in paths))
+    return Fonts(families, points)
 
 
 def token_label(token_id: int, info: dict | None, font: Fonts) -> str:
@@ -153,7 +150,8 @@ def _save(fig, path: Path) -> None:
     fig.savefig(path, dpi=DPI, format="png", metadata=PNG_METADATA)
 
 
-def _rc(font: Fonts) -> dict:
+def rc(font: Fonts) -> dict:
+    """matplotlib settings of every figure (the report's and the sweep's): the fonts, sizes, stable ids."""
     return {"font.family": list(font.families), "font.size": 10, "axes.titlesize": 12,
             "svg.hashsalt": "nexttoken", "path.simplify": True}
 
@@ -172,7 +170,7 @@ def temperature_bars(out: Callable[[str], Path], position: int, temps: list[dict
                [[float(t["temperature"]), *(float(v) for v in values[k])] for k, t in enumerate(temps)])
     _write_csv(out("plots/temperature_top_ids.csv"), ["rank", "token_id", "label"],
                [[k + 1, i, labels[i].replace("\n", " ")] for k, i in enumerate(ids)])
-    with matplotlib.rc_context(_rc(font)):
+    with matplotlib.rc_context(rc(font)):
         fig = _new_figure()
         ax = fig.add_subplot()
         width = 0.8 / len(temps)
@@ -204,7 +202,7 @@ def cumulative_curve(out: Callable[[str], Path], position: int, logits: np.ndarr
     ranks = log_ranks(p.size, extra=tuple(c["kept_count"] for c in cuts))
     _write_csv(out("plots/cumulative.csv"), ["rank", "log10_rank", "prob", "cumulative"],
                [[int(r), float(np.log10(r)), float(p[r - 1]), float(cum[r - 1])] for r in ranks])
-    with matplotlib.rc_context(_rc(font)):
+    with matplotlib.rc_context(rc(font)):
         fig = _new_figure()
         ax = fig.add_subplot()
         ax.plot(ranks, cum[ranks - 1], color="tab:blue", lw=1.8, label=f"cumulative probability, T = {t:g}")
@@ -244,7 +242,7 @@ def entropy_plot(out: Callable[[str], Path], position: int, logits: np.ndarray, 
                [[float(t), float(v), float(v / np.log(2))] for t, v in zip(grid, h)])
     _write_csv(out("plots/entropy_configured.csv"), ["temperature", "entropy_nats", "entropy_bits"],
                [[float(t["temperature"]), float(t["entropy_nats"]), float(t["entropy_bits"])] for t in temps])
-    with matplotlib.rc_context(_rc(font)):
+    with matplotlib.rc_context(rc(font)):
         fig = _new_figure()
         ax = fig.add_subplot()
         ax.plot(grid, h, color="tab:purple", lw=1.8, label="entropy of softmax(logits / T)")

@@ -63,8 +63,13 @@ class Inputs:
         return f"position {self.position}" + (" (the last prompt position)" if self.position == last else "")
 
     def top_logit_ids(self) -> list[int]:
-        # rank 1 = highest logit; ties go to the lower id (pipeline.numerics.sampling's rule)
-        return np.argsort(-self.logits.astype(np.float64), kind="stable")[: self.top_n].tolist()
+        return top_ids(self.logits, self.top_n)
+
+
+def top_ids(logits: np.ndarray, n: int) -> list[int]:
+    """The n best ids: rank 1 = highest logit, equal logits by lower id (pipeline.numerics.sampling's
+    rule, and DuckDB's `order by logit desc, token_id`)."""
+    return np.argsort(-logits.astype(np.float64), kind="stable")[:n].tolist()
 
 
 def src(item) -> str:
@@ -118,8 +123,14 @@ def load(use: Use, root: Path | str = ".") -> Inputs:
 
 # ---------------------------------------------------------------- Markdown helpers
 def code(s: Any) -> str:
-    """A table cell showing `s` exactly: JSON-quoted (spaces, newlines visible) in a code span."""
-    text = json.dumps(s, ensure_ascii=False) if isinstance(s, str) else str(s)
+    """A table cell showing text `s` exactly: JSON-quoted (spaces, newlines visible) in a code span.
+    For token text and pieces, where white space is the point; names and versions use `name()`."""
+    return name(json.dumps(s, ensure_ascii=False) if isinstance(s, str) else s)
+
+
+def name(s: Any) -> str:
+    """A name, version or id in a code span, as it is (no quotes)."""
+    text = str(s)
     fence = "``" if "`" in text else "`"
     text = text.replace("|", "\\|")     # a bare pipe would end the table cell
     return f"{fence}{text}{fence}"
@@ -189,7 +200,7 @@ def conditions(inp: Inputs) -> list[str]:
     origin = s.get("hub_id") or (f"pip {s.get('pip')} {s.get('package_version')}" if s.get("pip") else "local")
     git = fwd.get("git", {})
     rows = [
-        ["model", code(s.get("name"))], ["kind", s.get("kind")], ["revision", code(s.get("revision"))],
+        ["model", name(s.get("name"))], ["kind", s.get("kind")], ["revision", name(s.get("revision"))],
         ["from", origin],
         ["architecture", f"{f['model_type']}: {f['num_layers']} layers, hidden {f['hidden_size']}, "
                          f"{f['num_heads']} heads ({f['num_kv_heads']} KV), head dim {f['head_dim']}, "
@@ -217,10 +228,10 @@ def conditions(inp: Inputs) -> list[str]:
                                     "git commit"], stage_rows, "artifacts/*/manifest.json")
     libs = fwd.get("libraries", {})
     lib_rows = []
-    for name, version in libs.items():
-        other = sorted({f"{st}: {m['libraries'].get(name)}" for st, m in inp.manifests.items()
-                        if m.get("libraries", {}).get(name) != version})
-        lib_rows.append([name, code(version), "; ".join(other) or "same in every stage"])
+    for lib, version in libs.items():
+        other = sorted({f"{st}: {m['libraries'].get(lib)}" for st, m in inp.manifests.items()
+                        if m.get("libraries", {}).get(lib) != version})
+        lib_rows.append([lib, name(version), "; ".join(other) or "same in every stage"])
     return out + ["Library versions:", ""] + table(["library", "version (forward)", "other stages"], lib_rows,
                                                     "artifacts/*/manifest.json")
 
@@ -233,7 +244,7 @@ def tokens(inp: Inputs) -> list[str]:
             rows.append(["...", "", "", "", "", ""])
             continue
         r = inp.tokens[p]
-        rows.append([r["position"], r["token_id"], code(r["piece"]), code(r["text"]), code(r["piece_bytes_hex"]),
+        rows.append([r["position"], r["token_id"], code(r["piece"]), code(r["text"]), name(r["piece_bytes_hex"]),
                      yes(r["decodes_alone"])])
     return ["## 2. Prompt and tokens", "", "```text", t["prompt"], "```", "",
             f"{t['n_tokens']} tokens (add_special_tokens = {t['add_special_tokens']}); decoding them gives the "
@@ -247,10 +258,10 @@ def tokens(inp: Inputs) -> list[str]:
 def shapes(inp: Inputs) -> list[str]:
     names, f = inp.facts["names"], inp.facts
 
-    def row(label: str, name: str) -> list:
-        return [label, code(name), str(names[name]["shape"]), names[name]["dtype"]]
+    def row(label: str, tensor: str) -> list:
+        return [label, name(tensor), str(names[tensor]["shape"]), names[tensor]["dtype"]]
     shape, dtype = inp.input_ids
-    rows = [["input ids", code("input_ids"), str(shape), SAFETENSORS_DTYPES.get(dtype, dtype)],
+    rows = [["input ids", name("input_ids"), str(shape), SAFETENSORS_DTYPES.get(dtype, dtype)],
             row("embeddings", act_name("embed"))]
     rows += [row(f"layer {i} output", act_name("resid_post", i)) for i in range(f["num_layers"])
              if act_name("resid_post", i) in names]
@@ -307,11 +318,11 @@ def temperatures(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
                 f"FP32 {tol.get('fp32_sum_tolerance')}) and entropy, position {pos}:", ""] + table(
             ["T", "entropy (nats)", "entropy (bits)", "FP64 error", "FP64 within", "FP32 error", "FP32 within"],
             sums, [src(paths.PROBS_SUMMARY), src(paths.manifest_path("probs"))])
-    return out + [line for name in ("temperature_top", "entropy") if name in figures for line in figure(figures[name])]
+    return out + [line for f in ("temperature_top", "entropy") if f in figures for line in figure(figures[f])]
 
 
 def filters(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
-    rows = [[code(f["filter"]), f["position"], f"{f['temperature']:g}", f["top_k"], f"{f['top_p']:g}",
+    rows = [[name(f["filter"]), f["position"], f"{f['temperature']:g}", f["top_k"], f"{f['top_p']:g}",
              f["kept_count"], f"{f['kept_mass']:.6f}", f"{f['mass_without_last_kept']:.6f}"]
             for f in inp.summary["filters"]]
     out = ["## 7. Top-k and top-p", "",
@@ -320,7 +331,7 @@ def filters(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
            "mass falls below p.", ""]
     out += table(["filter", "position", "T", "top_k", "top_p", "kept ids", "kept mass", "mass without last"],
                  rows, src(paths.PROBS_SUMMARY))
-    kept = [[code(r["filter"]), r["position"], r["kept_rank"], r["token_id"], token_text(inp, r["token_id"]),
+    kept = [[name(r["filter"]), r["position"], r["kept_rank"], r["token_id"], token_text(inp, r["token_id"]),
              prob(r["prob_before"]), prob(r["prob_after"])] for r in inp.kept_top]
     out += [f"Renormalised probabilities of the top {inp.top_n} kept ids of each filter:", ""] + table(
         ["filter", "position", "kept rank", "id", "text", "p before", "p after (renormalised)"], kept,
@@ -355,7 +366,7 @@ def checks(inp: Inputs) -> list[str]:
         return out + [f"`{src(paths.CHECKS)}` is missing: the checks stage has not run (`dvc repro checks`).", ""]
     failed = [c for c in inp.checks if c["verdict"] != "pass"]
     errors = [c for c in failed if c["severity"] == "error"]
-    rows = [[code(c["name"]), c["what"], _measured(c["measured"]), _measured(c["tolerance"]),
+    rows = [[name(c["name"]), c["what"], _measured(c["measured"]), _measured(c["tolerance"]),
              c["verdict"] if c["verdict"] == "pass" else f"**{c['verdict'].upper()}**", c["severity"],
              c.get("detail") or ""] for c in inp.checks]
     return out + [f"{len(inp.checks)} checks: {len(inp.checks) - len(failed)} pass, {len(failed)} fail "
@@ -385,10 +396,12 @@ def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figu
 
 
 def render(inp: Inputs, figures: dict[str, Figure], font: Fonts) -> str:
-    prompt_name = inp.manifests.get("tokenize", {}).get("config", {}).get("prompt", {}).get("name", "?")
+    prompt_name = inp.tokenize.get("prompt_name", "?")    # the run's name (schema.prompt_name), not params' null
     fonts = ", ".join(font.families) + ("" if font.cjk else " (no CJK font: labels the fonts cannot draw are "
                                                             "escaped, \\uXXXX)")
-    lines = [f"# Next-token report: `{inp.source.get('name')}` on prompt `{prompt_name}`", "",
+    shown = json.dumps(inp.tokenize["prompt"][:40] + ("…" if len(inp.tokenize["prompt"]) > 40 else ""),
+                       ensure_ascii=False)
+    lines = [f"# Next-token report: {inp.source.get('name')} on prompt {prompt_name} ({shown})", "",
              "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
              f"from. Figures are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
     for part in (conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),

@@ -4,6 +4,9 @@ A stage builds its whole output folder in a staging folder outside `artifacts/`
 (`.nexttoken/staging/`), writes `manifest.json` last, then moves the folder into
 `artifacts/<stage>/` with a rename. An interrupted or failed stage therefore leaves no
 partial file under `artifacts/`: either the old folder, none, or the complete new one.
+Every input is checked against the manifests before it is read: the file its stage
+recorded, the file the other inputs were made from, and made with params.yaml's config and
+the repository files as they are now (else it is stale, and named so).
 """
 
 from __future__ import annotations
@@ -12,20 +15,27 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pipeline import progress
-from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.config import registry, schema
+from pipeline.errors import EXIT_USER_ERROR, UserError, interrupted
 from pipeline.store import paths, provenance
 
 PARQUET_META_KEY = b"nexttoken"
+# Files in a stage folder that are not the stage's outputs but git's record of them: DVC
+# writes a .gitignore there for a stage whose outs are files (probs, trajectories, checks).
+# The swap keeps them, or a failed run under DVC would leave the folder's files untracked.
+KEPT_ON_SWAP = (".gitignore",)
 
 
 class StageRun:
@@ -35,6 +45,7 @@ class StageRun:
         self.stage = stage
         self.root = Path(root).resolve()
         self.config = config
+        self.with_torch = True     # False: the manifest leaves out what only torch tells (validate)
         self.seeds: dict[str, int] = {}
         self.model: dict[str, Any] | None = None
         self.facts: dict[str, Any] = {}
@@ -105,12 +116,51 @@ class StageRun:
                             f"(sha256 {sha[:12]} != manifest {str(made[rel])[:12]}): re-run `dvc repro`")
         for i in manifest.get("inputs") or []:
             self._agree(i.get("path"), i.get("sha256"), stage)
+        self._fresh(rel, stage, manifest)
+
+    def _fresh(self, rel: str, stage: str, manifest: dict) -> None:
+        """Refuse an input whose stage ran with another config than params.yaml's, or read a
+        repository file (a prompt file) that has changed since: its numbers belong to another
+        run, and the checks would blame them instead of naming what is stale."""
+        params = self._params
+        keys = registry.PARAMS.get(stage)
+        if params is not None and keys is not None:
+            try:
+                now = schema.subset(params, keys)
+            except UserError:
+                now = {}
+            recorded = manifest.get("config") or {}
+            for key in registry.diff_keys(recorded, now)[:1]:
+                was, has = registry.dotted(recorded, key), registry.dotted(now, key)
+                raise UserError(f"{rel} is stale: stage {stage} ran with {key}={was!r}, params.yaml has {has!r}: "
+                                f"re-run {stage} and the stages after it (`dvc repro`)")
+        for i in manifest.get("inputs") or []:
+            path = str(i.get("path"))
+            if path.startswith(paths.ARTIFACTS + "/"):
+                continue
+            if Path(path).is_absolute() or ".." in Path(path).parts:   # a tampered record: read nothing
+                raise UserError(f"{paths.manifest_path(stage).as_posix()} records an input outside the "
+                                f"repository ({path}): re-run `dvc repro`")
+            file = self.root / path
+            now_sha = provenance.sha256_file(file) if file.is_file() else "missing"
+            if now_sha != i.get("sha256"):
+                raise UserError(f"{rel} is stale: {_changed_since(stage, path, str(i.get('sha256')), now_sha)}")
+
+    @cached_property
+    def _params(self) -> dict | None:
+        """params.yaml as it is now (None without one: nothing to compare a recorded config with)."""
+        file = self.root / paths.PARAMS
+        return schema.read_params(file) if file.exists() else None
 
     def _agree(self, rel: str, sha: str, made_from_by: str | None) -> None:
         """Note a sha256 for rel (on disk: made_from_by None; else recorded as an input of that stage)."""
         seen = self._recorded.setdefault(rel, (sha, made_from_by))
         if seen[0] != sha:
             disk, claim = ((sha, seen) if made_from_by is None else (seen[0], (sha, made_from_by)))
+            if not rel.startswith(paths.ARTIFACTS + "/") and (made_from_by is None) != (seen[1] is None):
+                # a repository file (a prompt file) edited after that stage read it: its outputs are stale
+                stale = _changed_since(claim[1], rel, claim[0], disk)
+                raise UserError(f"{paths.ARTIFACTS}/{claim[1]} is stale: {stale}")
             raise UserError(f"{rel} (sha256 {disk[:12]}) is not the file stage {claim[1]} was made from "
                             f"(its manifest records sha256 {claim[0][:12]}): the artifacts come from different "
                             f"runs; re-run `dvc repro`")
@@ -161,7 +211,7 @@ class StageRun:
             "facts": self.facts,
             "inputs": self._inputs,
             "outputs": outputs,
-            **provenance.environment(self.root),
+            **provenance.environment(self.root, self.with_torch),
             "command": sys.argv,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "duration_s": round(time.time() - self._started, 3),
@@ -196,13 +246,22 @@ def _alive(pid: int) -> bool:
 
 
 def _swap_into_place(staging: Path, final: Path) -> None:
-    """Replace `final` by `staging` with renames (same filesystem, no copy)."""
+    """Replace `final` by `staging` with renames (same filesystem, no copy); the files of
+    KEPT_ON_SWAP in `final` are copied over first (copied: until the rename, `final` is whole)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     trash = staging.with_name(staging.name + ".old")
     if final.exists():
+        for name in KEPT_ON_SWAP:
+            if (final / name).is_file() and not (staging / name).exists():
+                shutil.copy2(final / name, staging / name)
         os.replace(final, trash)
     os.replace(staging, final)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _changed_since(stage: str, path: str, recorded: str, now: str) -> str:
+    return (f"stage {stage} read {path} (sha256 {recorded[:12]}), which has changed since (now {now[:12]}): "
+            f"re-run {stage} and the stages after it (`dvc repro`)")
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -227,13 +286,16 @@ def stage_main(stage: str, body: Callable[[], None]) -> None:
     they would be thousands of carriage-return lines.
     """
     progress.quiet_off_terminal()
+    # Ctrl-C is a KeyboardInterrupt again, so the staging folder is removed on the way out
+    # (stages/__init__.py made it a quiet exit while the stage module was importing).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         body()
     except UserError as e:
         print(f"nexttoken {stage}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
-        print(f"nexttoken {stage}: interrupted; nothing was written to artifacts/{stage}", file=sys.stderr)
+        print(interrupted(stage), file=sys.stderr)
         sys.exit(130)
 
 

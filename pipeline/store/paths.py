@@ -14,7 +14,8 @@ MANIFEST = "manifest.json"
 PARAMS = "params.yaml"
 STAGING = ".nexttoken/staging"   # stage outputs are built here, then moved into place whole
 
-STAGES = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
+# validate comes first: it refuses a bad params.yaml before DVC touches any other stage's outputs.
+STAGES = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
 
 # (stage, file name) of every data file a later stage or a user reads.
 SOURCE = ("prepare_model", "source.json")
@@ -41,6 +42,11 @@ def stage_dir(stage: str, root: Path | str = ".") -> Path:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGES)}")
     return Path(root) / ARTIFACTS / stage
+
+
+def validated(stage: str, root: Path | str = ".") -> Path:
+    """The validate stage's copy of what `stage` reads, resolved: the file DVC re-runs `stage` on."""
+    return stage_dir("validate", root) / f"{stage}.json"
 
 
 def artifact(item: tuple[str, str], root: Path | str = ".") -> Path:

@@ -109,9 +109,10 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def hardware() -> dict[str, Any]:
+def hardware(with_torch: bool = True) -> dict[str, Any]:
+    """The machine; with_torch=False leaves out what only torch can tell (threads, GPUs), for a
+    stage that never imports it (validate: seconds saved on every config change)."""
     import psutil
-    import torch
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
@@ -119,6 +120,12 @@ def hardware() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
+    }
+    if not with_torch:
+        return info
+    import torch
+
+    info |= {
         "torch_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
         "gpus": [],
@@ -227,10 +234,13 @@ def git_state(root: Path) -> dict[str, Any]:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def environment(root: Path) -> dict[str, Any]:
-    """The environment fields of a manifest, gathered once per stage run."""
-    return {"libraries": library_versions(), "hardware": hardware(), "determinism": determinism(),
-            "kernels": kernel_path(), "git": git_state(root), "python_executable": sys.executable}
+def environment(root: Path, with_torch: bool = True) -> dict[str, Any]:
+    """The environment fields of a manifest, gathered once per stage run (with_torch: see `hardware`;
+    without torch no kernel path either: such a stage computes nothing kernel-bound)."""
+    return {"libraries": library_versions(), "hardware": hardware(with_torch),
+            "determinism": determinism() if with_torch else None,
+            "kernels": kernel_path() if with_torch else None,
+            "git": git_state(root), "python_executable": sys.executable}
 
 
 def file_record(path: Path, root: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from pipeline import kernels, progress
 from pipeline.config import registry, schema
-from pipeline.config.compose import diff_keys
+from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import parquet_facts, read_json, read_parquet
@@ -142,6 +142,8 @@ def verify_chain(root: Path, manifests: dict[str, dict], outputs: dict[str, str]
 
     A stage may read another stage's manifest (the report does): that file is the record,
     not one of the recorded outputs, so its own bytes are what the reader must have seen.
+    A file of the repository (a prompt file) has no producer: it must still be the file the
+    stage read (for a revision, the file committed there).
     """
     recorded = {**outputs, **{paths.manifest_path(s).as_posix(): provenance.sha256_file(paths.manifest_path(s, root))
                               for s in manifests}}
@@ -150,7 +152,9 @@ def verify_chain(root: Path, manifests: dict[str, dict], outputs: dict[str, str]
         for inp in m.get("inputs", []):
             n += 1
             producer = _producer(inp["path"])
-            if producer not in manifests:
+            if producer is None:
+                _repository_input(root, stage, inp, result)
+            elif producer not in manifests:
                 result.find("chain", f"{stage} read {inp['path']}, but {producer} has no manifest")
             elif inp["path"] not in recorded:
                 result.find("chain", f"{stage} read {inp['path']}, which {producer} did not record as an output")
@@ -160,9 +164,26 @@ def verify_chain(root: Path, manifests: dict[str, dict], outputs: dict[str, str]
     result.notes.append(f"checked {n} recorded inputs against their producers")
 
 
-def _producer(path: str) -> str:
+def _producer(path: str) -> str | None:
+    """The stage whose folder holds `path`; None for a file of the repository (not under artifacts/)."""
     parts = Path(path).parts
-    return parts[1] if len(parts) > 2 and parts[0] == paths.ARTIFACTS else "?"
+    if parts[:1] != (paths.ARTIFACTS,):
+        return None
+    return parts[1] if len(parts) > 2 else "?"
+
+
+def _repository_input(root: Path, stage: str, inp: dict, result: Audit) -> None:
+    path = root / inp["path"]
+    if Path(inp["path"]).is_absolute() or ".." in Path(inp["path"]).parts:   # a tampered record: read nothing
+        result.find("chain", f"{stage} records an input outside the repository: {inp['path']}")
+        return
+    if not path.is_file():
+        result.find("chain", f"{stage} read {inp['path']}, which is not there now")
+        return
+    now = provenance.sha256_file(path)
+    if now != inp["sha256"]:
+        result.find("chain", f"{stage} read {inp['path']} with sha256 {inp['sha256'][:12]}, the file has "
+                             f"{now[:12]} now (edited after the run)")
 
 
 def verify_config(params: dict, manifests: dict[str, dict], result: Audit) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +13,29 @@ from pipeline.store import paths
 
 
 def _compose(args: argparse.Namespace) -> int:
-    from pipeline.config import compose
+    from pipeline.config import compose, schema
     root = Path.cwd()
     params_file = root / paths.PARAMS
     if args.check:
-        if args.overrides:
-            raise UserError("--check takes no overrides: it compares params.yaml with conf/ as committed")
-        differing = compose.check(root, params_file)
+        if args.overrides or args.prompt is not None or args.prompt_file is not None:
+            raise UserError("--check takes no overrides (nor --prompt): it composes conf/ with the recorded ones")
+        differing, overrides = compose.check(root, params_file)
+        how = f"`nexttoken compose{''.join(' ' + shlex.quote(o) for o in overrides)}`"
         if differing:
-            print(f"params.yaml differs from the composition of conf/ at: {', '.join(differing)}\n"
-                  f"run `nexttoken compose` to rewrite it", file=sys.stderr)
+            print(f"params.yaml differs from {how} (the overrides recorded in {compose.RECORD}) at: "
+                  f"{', '.join(differing)}\n"
+                  f"conf/ was edited since, or params.yaml was changed another way (by hand, or by `dvc exp run "
+                  f"-S`): run {how} to rewrite it, or `nexttoken compose OVERRIDES` for other ones", file=sys.stderr)
             return 1
-        print("params.yaml matches conf/")
+        print(f"params.yaml matches {how}")
         return 0
-    params = compose.compose(args.overrides, root, params_file)
-    print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={params['prompt']['name']}")
+    overrides = compose.prompt_overrides(args.overrides, args.prompt, args.prompt_file, root)
+    params = compose.compose(overrides, root, params_file, prompt_text=args.prompt)
+    prompt = schema.load_section(params, "prompt", root)
+    print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={prompt.name}")
+    if args.prompt is not None or args.prompt_file is not None:     # the same prompt for `dvc exp run -S`
+        added = overrides[len(args.overrides):]
+        print("the same for dvc: dvc exp run " + " ".join(f"-S {compose.shell_word(ov)}" for ov in added))
     return 0
 
 
@@ -76,7 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compose", help="compose conf/ (+ Hydra overrides) into params.yaml")
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny_qwen2 prompt.text=...")
     c.add_argument("--check", action="store_true",
-                   help="exit 1 (naming the keys) when params.yaml differs from conf/")
+                   help="exit 1 (naming the keys) when params.yaml differs from conf/ composed with the "
+                        "overrides `nexttoken compose` recorded")
+    given = c.add_mutually_exclusive_group()
+    given.add_argument("--prompt", metavar="TEXT",
+                       help="the prompt, verbatim (any characters: quoted for Hydra here); its name is derived "
+                            "from it unless prompt.name=NAME is given")
+    given.add_argument("--prompt-file", metavar="PATH",
+                       help="a UTF-8 file under prompts/ holding the prompt (sets prompt.file, prompt.text=null)")
     c.set_defaults(func=_compose)
     b = sub.add_parser("bench", help="(in a checkout) measure what recording costs, as ratios with targets: "
                                      "`nexttoken bench --help` lists the sections", add_help=False)
@@ -108,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:        # every argument after it is the bench's own
             return _bench(argv[1:])
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command == "compose" and not any(e.startswith("-") for e in extra):
+            args.overrides += extra       # overrides after an option: `compose model=x --prompt T sampling.top_k=5`
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.func(args)
     except UserError as e:
         print(f"nexttoken {argv[0] if argv else ''}: error: {e}", file=sys.stderr)

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from pipeline.config import schema
+from pipeline.config.registry import ABSENT, dotted  # noqa: F401  (revisions.dotted / ABSENT: the tools' names)
 from pipeline.errors import UserError
 from pipeline.store import paths
 from pipeline.store.artifacts import read_json
@@ -223,18 +223,6 @@ def load_manifests(root: Path) -> dict[str, dict]:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("outputs"), list):
             raise UserError(f"{paths.manifest_path(stage, root)} is not a stage manifest (no `outputs` list)")
     return found
-
-
-ABSENT = "<absent>"
-
-
-def dotted(d: Any, key: str) -> Any:
-    """d["a"]["b"] for key "a.b"; ABSENT where the path does not exist."""
-    for part in key.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return ABSENT
-        d = d[part]
-    return d
 
 
 def recorded_environment(manifests: dict[str, dict]) -> dict[str, list]:

@@ -1,11 +1,14 @@
 """`nexttoken diff A B`: explain how two runs differ, from their recorded files.
 
 Sections: config (dotted params.yaml keys that differ), environment (library versions,
+Sections: config (dotted params.yaml keys that differ), environment (library versions,
 hardware, dtype, device), the kernel path (one line: which fields differ), the capture (the
 first diverging tensor in forward order, its max |Δ| and where), numbers (max |Δlogit| per
 prompt position, the largest probability change per temperature, kept counts per filter) and
 trajectories (per branch, the first step whose chosen id differs, with both candidates'
-probabilities). A and B are each a git revision, an experiment name or `workspace`, read as
+probabilities). Runs of different prompts are compared at their last prompt positions,
+aligned from the end (the next-token distributions), and the diff says the prompts differ.
+A and B are each a git revision, an experiment name or `workspace`, read as
 `pipeline.tools.revisions` reads them. The comparisons are functions over tensors, tables and
 summaries (`pipeline.tools.divergence`, `kept_lines_from`, `trajectory_lines_from`), shared
 with `nexttoken verify`; nothing here imports torch at import time (verify pins the kernels
@@ -110,8 +113,40 @@ def capture_line(a: Path, b: Path) -> str:
 
 
 # ---------------------------------------------------------------- numbers
+class Alignment:
+    """Which position of B is compared with a position of A. The same prompt: the same position.
+    Different prompts: the last prompt positions are aligned (A's last with B's last: the next-token
+    distributions), and only positions counted from the end that both prompts have are compared."""
+
+    def __init__(self, a: Path, b: Path):
+        ia, ib = _prompt_ids(a), _prompt_ids(b)
+        self.same = ia == ib
+        self.lengths = (len(ia or []), len(ib or []))
+        self.offset = 0 if self.same or ia is None or ib is None else len(ib) - len(ia)
+
+    def b_of(self, pos_a: int) -> int:
+        return pos_a + self.offset
+
+    def label(self, pos_a: int) -> str:
+        return f"position {pos_a}" if not self.offset else f"position {pos_a} | {self.b_of(pos_a)}"
+
+    def lines(self) -> list[str]:
+        if self.same:
+            return []
+        na, nb = self.lengths
+        return [f"  prompts differ (A {na} tokens, B {nb}): positions aligned at the last prompt position "
+                f"(A {na - 1} | B {nb - 1}: the next-token distributions); earlier ones hold other prefixes"]
+
+
+def _prompt_ids(root: Path) -> list[int] | None:
+    path = paths.artifact(paths.TOKENS, root)
+    return pq.read_table(path, columns=["token_id"])["token_id"].to_pylist() if path.exists() else None
+
+
 def number_lines(a: Path, b: Path) -> list[str]:
-    return ["numbers:", *logit_lines(a, b), *probability_lines(a, b), *kept_lines(a, b)]
+    align = Alignment(a, b)
+    return ["numbers:", *align.lines(), *logit_lines(a, b, align), *probability_lines(a, b, align),
+            *kept_lines(a, b, align)]
 
 
 def _same_file(a: Path, b: Path, item: tuple[str, str]) -> bool | None:
@@ -128,7 +163,7 @@ def _by_position(path: Path, column: str) -> dict[int, np.ndarray]:
     return {int(p): values[pos == p] for p in np.unique(pos)}
 
 
-def logit_lines(a: Path, b: Path) -> list[str]:
+def logit_lines(a: Path, b: Path, align: Alignment) -> list[str]:
     same = _same_file(a, b, paths.LOGITS)
     if same is None:
         return ["  logits: not in both runs"]
@@ -136,21 +171,27 @@ def logit_lines(a: Path, b: Path) -> list[str]:
     if same:
         return [f"  logits: identical {paths.LOGITS[1]} (same sha256): max |Δlogit| = 0 at all {len(la)} positions"]
     lb = _by_position(paths.artifact(paths.LOGITS, b), "logit")
-    out, same_at = ["  logits: max |Δlogit| per position (token id of the largest change)"], 0
-    for p in sorted(set(la) | set(lb)):
-        if p not in la or p not in lb or la[p].shape != lb[p].shape:
-            out.append(f"    position {p}: not comparable (only in one run, or another vocabulary size)")
+    head = "per position" if align.same else "at the aligned last position (A | B)"
+    out, same_at = [f"  logits: max |Δlogit| {head} (token id of the largest change)"], 0
+    # different prompts: the last positions only (the next-token distributions); the rest are other prefixes
+    pairs = [(p, align.b_of(p)) for p in sorted(la)] if align.same else \
+        [(p, align.b_of(p)) for p in sorted(la)[-1:]]
+    for p, q in pairs:
+        if q not in lb or la[p].shape != lb[q].shape:
+            out.append(f"    {align.label(p)}: not comparable (only in one run, or another vocabulary size)")
             continue
-        d = np.abs(la[p] - lb[p])
+        d = np.abs(la[p] - lb[q])
         if d.max() == 0:
             same_at += 1
         else:
-            out.append(f"    position {p}: {d.max():.6g} (token {int(d.argmax())}: {la[p][d.argmax()]:g} | "
-                       f"{lb[p][d.argmax()]:g})")
-    return out + ([f"    0 at the other {same_at} positions"] if same_at else [])
+            out.append(f"    {align.label(p)}: {d.max():.6g} (token {int(d.argmax())}: {la[p][d.argmax()]:g} | "
+                       f"{lb[q][d.argmax()]:g})")
+    only = len(set(lb) - {q for _, q in pairs}) if align.same else 0
+    return out + ([f"    0 at the other {same_at} positions"] if same_at else []) + \
+        ([f"    {only} position(s) only in B"] if only else [])
 
 
-def probability_lines(a: Path, b: Path) -> list[str]:
+def probability_lines(a: Path, b: Path, align: Alignment) -> list[str]:
     same = _same_file(a, b, paths.TABLE)
     if same is None:
         return ["  probabilities: not in both runs"]
@@ -163,31 +204,38 @@ def probability_lines(a: Path, b: Path) -> list[str]:
             out.append(f"    {col}: only in one run")
             continue
         ta, tb = _by_position(paths.artifact(paths.TABLE, a), col), _by_position(paths.artifact(paths.TABLE, b), col)
-        worst = max(((float(np.abs(ta[p] - tb[p]).max()), p, int(np.abs(ta[p] - tb[p]).argmax()))
-                     for p in set(ta) & set(tb) if ta[p].shape == tb[p].shape), default=None)
+        pairs = [(ta[p], tb[align.b_of(p)], p) for p in ta
+                 if align.b_of(p) in tb and ta[p].shape == tb[align.b_of(p)].shape]
+        worst = max(((float(np.abs(x - y).max()), p, int(np.abs(x - y).argmax())) for x, y, p in pairs), default=None)
         if worst is None or worst[0] == 0:
             out.append(f"    {col}: {'no common position' if worst is None else '0 (identical values)'}")
         else:
             d, p, i = worst
-            out.append(f"    {col}: {d:.6g} (position {p}, token {i}: {ta[p][i]:.6g} | {tb[p][i]:.6g})")
+            out.append(f"    {col}: {d:.6g} ({align.label(p)}, token {i}: {ta[p][i]:.6g} | {tb[align.b_of(p)][i]:.6g})")
     return out
 
 
-def kept_lines(a: Path, b: Path) -> list[str]:
+def kept_lines(a: Path, b: Path, align: Alignment) -> list[str]:
     def filters(root: Path) -> list[dict]:
         path = paths.artifact(paths.PROBS_SUMMARY, root)
         return read_json(path)["filters"] if path.exists() else []
 
-    return kept_lines_from(filters(a), filters(b))
+    return kept_lines_from(filters(a), filters(b), offset=None if align.same else align.offset)
 
 
-def kept_lines_from(entries_a: list[dict], entries_b: list[dict], labels: tuple[str, str] = ("A", "B")) -> list[str]:
-    """Kept count per (position, filter) of two probs summaries' `filters` entries."""
-    fa, fb = ({(f["position"], f["filter"]): f for f in e} for e in (entries_a, entries_b))
-    out = [f"  kept counts per filter (position, filter: {labels[0]} | {labels[1]})"]
+def kept_lines_from(entries_a: list[dict], entries_b: list[dict], labels: tuple[str, str] = ("A", "B"),
+                    offset: int | None = None) -> list[str]:
+    """Kept count per (position, filter) of two probs summaries' `filters` entries; offset (runs of
+    different prompts): B's position = A's + offset, keyed by A's position."""
+    fa = {(f["position"], f["filter"]): f for f in entries_a}
+    fb = {(f["position"] - (offset or 0), f["filter"]): f for f in entries_b}
+    a_, b_ = labels
+    out = [f"  kept counts per filter ({'position' if offset is None else f'aligned positions {a_} | {b_}'}, "
+           f"filter: {a_} | {b_})"]
     for key in sorted(set(fa) | set(fb)):
         x, y = fa.get(key), fb.get(key)
-        out.append(f"    {key[0]}, {key[1]}: {_kept(x)} | {_kept(y)}"
+        where = key[0] if offset is None else f"{key[0]} | {key[0] + offset}"
+        out.append(f"    {where}, {key[1]}: {_kept(x)} | {_kept(y)}"
                    + ("" if x and y and x["kept_count"] == y["kept_count"] else "  <- differs"))
     return out
 

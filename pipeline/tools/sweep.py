@@ -18,21 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import write_atomic
+from pipeline.config import schema
 from pipeline.errors import UserError
 from pipeline.report import plots
 from pipeline.store import paths
+from pipeline.tools import revisions
 
 OUT = Path(paths.ARTIFACTS) / "sweep"
 TABLE, CSV = "sweep.parquet", "sweep.csv"
 KEPT_PLOT, TEMPERATURE_PLOT = "kept_count_vs_top_p.png", "top_prob_entropy_vs_temperature.png"
 # Always shown, varying or not; any other param that varies across the experiments is added.
 PARAM_COLUMNS = ("model.name", "prompt.name", "sampling.temperature", "sampling.top_k", "sampling.top_p")
-SKIP_METRICS = ("checks:checks.",)   # per-check details: the summary counts are the sweep's view
 T, TOP_P = "sampling.temperature", "sampling.top_p"
 MARKERS = "osD^v<>"   # one per series (model / prompt / top_k ...) when more than the swept axes vary
+LABEL_CHARS = 24      # of a param value in a legend entry
+SERIES_KEYS = {"prompt.name": "prompt", "model.name": "model"}   # legend names of a series' params
 # Metric columns are `<stage>:<dotted key>` (DVC writes `<file>:<key>`): never confused with params.
-KEPT, TOP, TOP_AFTER, ENTROPY = ("probs:sampling.kept_count", "probs:sampling.top_prob",
-                                 "probs:sampling.top_prob_after", "probs:sampling.entropy_bits")
+KEPT, MASS, ENTROPY, TOP_BITS = "probs:kept", "probs:mass", "probs:entropy", "probs:top_bits"
+# The probs metrics give the top candidate's probability in bits (-log2 p); the table adds p itself,
+# and after the filter (the top candidate is always kept: renormalised, it is p / kept mass).
+TOP, TOP_AFTER = "probs:top_prob", "probs:top_prob_after"
 
 
 def cli(args) -> int:
@@ -61,8 +66,12 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): json.dumps(d, ensure_ascii=False) if isinstance(d, list) else d}
 
 
-def experiment_rows(shown: list[dict]) -> list[dict]:
-    """One dict per experiment: name, rev, state, baseline, all params, all metrics (dotted)."""
+def experiment_rows(shown: list[dict], repo: Path | None = None) -> list[dict]:
+    """One dict per experiment: name, rev, state, baseline, all params, all metrics (dotted).
+
+    `prompt.name` is the run's prompt name (`schema.prompt_name`: params.yaml's null becomes the
+    known or derived name), with the prompt file read from git at the experiment's commit.
+    """
     rows = []
     for baseline in shown:
         for exp in baseline.get("experiments") or []:
@@ -73,13 +82,29 @@ def experiment_rows(shown: list[dict]) -> list[dict]:
                    "baseline": baseline.get("rev")}
             for fname, content in (data.get("params") or {}).items():
                 prefix = "" if fname == paths.PARAMS else f"{fname}:"
-                row.update({prefix + k: v for k, v in flatten((content or {}).get("data") or {}).items()})
+                params = (content or {}).get("data") or {}
+                row.update({prefix + k: v for k, v in flatten(params).items()})
+                if fname == paths.PARAMS and isinstance(params.get("prompt"), dict):
+                    row["prompt.name"] = run_prompt_name(params["prompt"], repo, rev.get("rev"))
             for fname, content in (data.get("metrics") or {}).items():
                 stage = Path(fname).parent.name   # artifacts/<stage>/metrics.json -> <stage>:
-                row.update({f"{stage}:{k}": v for k, v in flatten((content or {}).get("data") or {}).items()
-                            if not f"{stage}:{k}".startswith(SKIP_METRICS)})
+                row.update({f"{stage}:{k}": v for k, v in flatten((content or {}).get("data") or {}).items()})
             rows.append(row)
     return rows
+
+
+def run_prompt_name(prompt: dict, repo: Path | None, commit: str | None) -> str | None:
+    """The name the run's stages gave its prompt; params' own `name` when it cannot be worked out."""
+    try:
+        cfg = schema.parse(schema.PromptConfig, prompt, "prompt")
+        if cfg.file is not None:
+            data = revisions.git_file(repo, commit, cfg.file) if repo is not None and commit else None
+            if data is None:
+                return prompt.get("name")
+            cfg = cfg.model_copy(update={"text": data.decode("utf-8", errors="replace")})
+        return schema.prompt_name(cfg)
+    except UserError:
+        return prompt.get("name")
 
 
 def table(rows: list[dict]):
@@ -90,12 +115,15 @@ def table(rows: list[dict]):
     params = [c for c in df.columns if c not in metric_cols and c not in ("exp", "rev", "state", "baseline")]
     varying = [c for c in params if c not in PARAM_COLUMNS and df[c].astype(str).nunique() > 1]
     shown = [c for c in PARAM_COLUMNS if c in df.columns] + varying
-    df = df[["exp", "rev", "state", "baseline", *shown, *metric_cols]]
+    df = df[["exp", "rev", "state", "baseline", *shown, *metric_cols]].copy()
+    if TOP_BITS in df.columns and MASS in df.columns:
+        df[TOP] = 2.0 ** -pd.to_numeric(df[TOP_BITS], errors="coerce")
+        df[TOP_AFTER] = df[TOP] / pd.to_numeric(df[MASS], errors="coerce")
     return df.sort_values([*shown, "exp"], kind="stable").reset_index(drop=True)
 
 
 def collect(repo: Path, out_dir: Path) -> dict:
-    rows = experiment_rows(exp_show(repo))
+    rows = experiment_rows(exp_show(repo), repo)
     if not rows:
         raise UserError("no experiments of the current baseline: queue some with "
                         "`dvc exp run --queue -S 'sampling.temperature=0.5,1.0,2.0'` and `dvc queue start`")
@@ -116,14 +144,24 @@ def collect(repo: Path, out_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------- plots
-def _series(df, exclude: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """(label, sub-frame) per combination of the varying params not on an axis or in the legend key."""
-    cols = [c for c in df.columns[4:] if ":" not in c and c not in exclude and df[c].astype(str).nunique() > 1]
+def _series(df, exclude: tuple[str, ...], font: plots.Fonts) -> list[tuple[str, Any]]:
+    """(label, sub-frame) per combination of the varying params not on an axis: a prompt by its name and
+    a model by its name (not by each of their keys), other params (seed, dtype, top_k ...) by value."""
+    cols = [c for c in df.columns[4:] if ":" not in c and c not in exclude and df[c].astype(str).nunique() > 1
+            and (not c.startswith(("prompt.", "model.")) or c in ("prompt.name", "model.name"))]
     if not cols:
         return [("", df)]
-    return [(", ".join(f"{c.removeprefix('sampling.')}={v}" for c, v in zip(cols, key if isinstance(key, tuple)
-                                                                              else (key,))),
-             sub) for key, sub in df.groupby(cols, sort=True)]
+    out = []
+    for key, sub in df.groupby(cols, sort=True, dropna=False):
+        values = key if isinstance(key, tuple) else (key,)
+        out.append((", ".join(f"{SERIES_KEYS.get(c, c.rpartition('.')[2])}={_short(v, font)}"
+                              for c, v in zip(cols, values)), sub))
+    return out
+
+
+def _short(value: Any, font: plots.Fonts, width: int = LABEL_CHARS) -> str:
+    text = font.drawable(str(value).replace("\n", " "))
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _figure(ncols: int = 1):
@@ -134,76 +172,103 @@ def _figure(ncols: int = 1):
     return fig
 
 
+def _legend(fig, axes, title: str | None = None) -> None:
+    """One legend for the figure, below the axes (never over the data), as many columns as fit;
+    the figure grows taller for a long legend instead of squeezing the axes."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if not entries:
+        return
+    width = max(len(label) for label in entries)
+    ncols = max(1, min(len(entries), int(fig.get_figwidth() * 11 // (width + 4))))
+    rows = -(-len(entries) // ncols)
+    fig.set_figheight(fig.get_figheight() + 0.22 * rows + (0.25 if title else 0))
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=ncols, fontsize=8,
+               title=title, title_fontsize=8, frameon=False)
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=plots.DPI, format="png", metadata=plots.PNG_METADATA)
+
+
 def _colors(n: int):
     import matplotlib
     import numpy as np
     return matplotlib.colormaps["plasma"](np.linspace(0.1, 0.8, max(n, 1)))   # cool -> hot, as the report
 
 
-def kept_plot(df, path: Path) -> None:
-    """Kept count (log scale: 1 .. vocabulary size) against top_p, one line per temperature."""
-    fig = _figure()
-    ax = fig.add_subplot()
-    temps = sorted(df[T].unique())
-    labelled: set[tuple[float, int]] = set()
-    last = max(df[TOP_P])
-    for (label, sub), marker in zip(_series(df, (T, TOP_P)), MARKERS):
-        for t, color in zip(temps, _colors(len(temps))):
-            pts = sub[sub[T] == t].sort_values(TOP_P)
-            if len(pts):
-                ax.plot(pts[TOP_P], pts[KEPT], marker=marker, color=color,
-                        label=f"T={t:g}" + (f" ({label})" if label else ""))
-            for x, y in zip(pts[TOP_P], pts[KEPT]):
-                if (x, int(y)) not in labelled:   # lines meet at top_p = 1 (the whole vocabulary)
-                    labelled.add((x, int(y)))
-                    right = x == last   # labels point inwards, away from the axes
-                    ax.annotate(f"{int(y):,}", (x, y), textcoords="offset points", xytext=(-7 if right else 7, 5),
-                                fontsize=8, ha="right" if right else "left")
-    ax.set_yscale("log")
-    ax.margins(x=0.1, y=0.15)
-    ax.set_xticks(sorted(df[TOP_P].unique()))
-    ax.set_xlabel("top_p (1 = off: every id kept)")
-    ax.set_ylabel("ids kept by the filter (log scale)")
-    ax.set_title("Candidates kept by the sampling filter")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(title="temperature", fontsize=8)
-    fig.savefig(path, dpi=plots.DPI, format="png", metadata=plots.PNG_METADATA)
+def kept_plot(df, path: Path):
+    """Kept count (log scale: 1 .. vocabulary size) against top_p, one line per temperature (and series)."""
+    import matplotlib
+    font = plots.fonts()
+    with matplotlib.rc_context(plots.rc(font)):
+        fig = _figure()
+        ax = fig.add_subplot()
+        temps = sorted(df[T].unique())
+        labelled: set[tuple[float, int]] = set()
+        last = max(df[TOP_P])
+        for i, (label, sub) in enumerate(_series(df, (T, TOP_P), font)):
+            for t, color in zip(temps, _colors(len(temps))):
+                pts = sub[sub[T] == t].sort_values(TOP_P)
+                if len(pts):
+                    ax.plot(pts[TOP_P], pts[KEPT], marker=MARKERS[i % len(MARKERS)], color=color,
+                            label=f"T={t:g}" + (f" ({label})" if label else ""))
+                for x, y in zip(pts[TOP_P], pts[KEPT]):
+                    if (x, int(y)) not in labelled:   # lines meet at top_p = 1 (the whole vocabulary)
+                        labelled.add((x, int(y)))
+                        right = x == last   # labels point inwards, away from the axes
+                        ax.annotate(f"{int(y):,}", (x, y), textcoords="offset points",
+                                    xytext=(-7 if right else 7, 5), fontsize=8, ha="right" if right else "left")
+        ax.set_yscale("log")
+        ax.margins(x=0.1, y=0.15)
+        ax.set_xticks(sorted(df[TOP_P].unique()))
+        ax.set_xlabel("top_p (1 = off: every id kept)")
+        ax.set_ylabel("ids kept by the filter (log scale)")
+        ax.set_title("Candidates kept by the sampling filter")
+        ax.grid(True, which="major", alpha=0.3)
+        _legend(fig, [ax], title="temperature")
+        _save(fig, path)
+    return fig
 
 
-def temperature_plot(df, path: Path) -> None:
+def temperature_plot(df, path: Path):
     """Left: the top candidate's probability, before and after the filter; right: entropy (bits).
 
     Both "before" curves depend on the temperature only; top_p = 1 is off, so its "after"
     curve is the "before" one and is not drawn twice.
     """
-    fig = _figure(ncols=2)
-    left, right = fig.subplots(1, 2)
-    top_ps = [p for p in sorted(df[TOP_P].unique()) if p < 1.0]
-    for (label, sub), marker in zip(_series(df, (T, TOP_P)), MARKERS):
-        suffix = f" ({label})" if label else ""
-        per_t = sub.sort_values(T).drop_duplicates(T)
-        left.plot(per_t[T], per_t[TOP], marker=marker, color="black", lw=2, label="before the filter" + suffix)
-        right.plot(per_t[T], per_t[ENTROPY], marker=marker, color="black", label=label or None)
-        for x, y in zip(per_t[T], per_t[ENTROPY]):
-            right.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=8)
-        off = sub[sub[TOP_P] >= 1.0]   # top_p off keeps every id: the vocabulary, the entropy's ceiling
-        if len(off):
-            vocab = int(off[KEPT].max())
-            right.axhline(math.log2(vocab), linestyle=":", color="grey",
-                          label=f"uniform over {vocab:,} ids" + suffix)
-        for p, color in zip(top_ps, _colors(len(top_ps) + 1)):
-            pts = sub[sub[TOP_P] == p].sort_values(T)
-            left.plot(pts[T], pts[TOP_AFTER], linestyle="--", marker=marker, color=color,
-                      label=f"after top_p={p:g}, renormalised" + suffix)
-    temps = sorted(df[T].unique())
-    left.set(xlabel="temperature", ylabel="probability of the top candidate", ylim=(0, 1.05), xticks=temps,
-             title="Top candidate's probability")
-    right.set(xlabel="temperature", ylabel="entropy before the filter (bits)", xticks=temps,
-              title="Entropy of the next-token distribution")
-    for ax in (left, right):
-        ax.grid(True, alpha=0.3)
-        ax.margins(x=0.08)
-    left.legend(fontsize=8)
-    if any(not line.get_label().startswith("_") for line in right.get_lines()):
-        right.legend(fontsize=8, loc="lower right")
-    fig.savefig(path, dpi=plots.DPI, format="png", metadata=plots.PNG_METADATA)
+    import matplotlib
+    font = plots.fonts()
+    with matplotlib.rc_context(plots.rc(font)):
+        fig = _figure(ncols=2)
+        left, right = fig.subplots(1, 2)
+        top_ps = [p for p in sorted(df[TOP_P].unique()) if p < 1.0]
+        for i, (label, sub) in enumerate(_series(df, (T, TOP_P), font)):
+            marker, suffix = MARKERS[i % len(MARKERS)], f" ({label})" if label else ""
+            per_t = sub.sort_values(T).drop_duplicates(T)
+            left.plot(per_t[T], per_t[TOP], marker=marker, color="black", lw=2, label="before the filter" + suffix)
+            right.plot(per_t[T], per_t[ENTROPY], marker=marker, color="black", label="entropy" + suffix)
+            for x, y in zip(per_t[T], per_t[ENTROPY]):
+                right.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=8)
+            off = sub[sub[TOP_P] >= 1.0]   # top_p off keeps every id: the vocabulary, the entropy's ceiling
+            if len(off):
+                vocab = int(off[KEPT].max())
+                right.axhline(math.log2(vocab), linestyle=":", color="grey",
+                              label=f"uniform over {vocab:,} ids" + suffix)
+            for p, color in zip(top_ps, _colors(len(top_ps) + 1)):
+                pts = sub[sub[TOP_P] == p].sort_values(T)
+                left.plot(pts[T], pts[TOP_AFTER], linestyle="--", marker=marker, color=color,
+                          label=f"after top_p={p:g}, renormalised" + suffix)
+        temps = sorted(df[T].unique())
+        left.set(xlabel="temperature", ylabel="probability of the top candidate", ylim=(0, 1.05), xticks=temps,
+                 title="Top candidate's probability")
+        right.set(xlabel="temperature", ylabel="entropy before the filter (bits)", xticks=temps,
+                  title="Entropy of the next-token distribution")
+        for ax in (left, right):
+            ax.grid(True, alpha=0.3)
+            ax.margins(x=0.08)
+        _legend(fig, [left, right])
+        _save(fig, path)
+    return fig

@@ -6,9 +6,12 @@ commit of the current tree would hold), with its own git history and DVC cache, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -59,7 +62,8 @@ def test_forced_tokenize_is_byte_identical(clone):
 
 
 def test_compose_check_detects_a_conf_change(clone):
-    assert sh(clone, "nexttoken", "compose", "--check", check=False).returncode == 1   # params = tiny_qwen2
+    # params.yaml was composed for tiny_qwen2: in step with conf/ + the recorded overrides (make repro passes)
+    assert sh(clone, "nexttoken", "compose", "--check").returncode == 0
     work = clone.parent / "check_copy"
     shutil.copytree(clone, work, ignore=shutil.ignore_patterns("artifacts", ".dvc"))
     sh(work, "nexttoken", "compose")
@@ -82,20 +86,40 @@ def test_sampling_change_reruns_only_the_sampling_stages(clone):
 
 
 def test_exp_run_with_a_new_prompt_composes_and_runs(clone):
-    sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text=Hello world")
+    # The override as the README and `nexttoken compose --prompt` give it: quoted for Hydra.
+    sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text='Hello world, it\\'s me!'")
     params = yaml.safe_load((clone / "params.yaml").read_text())
-    assert params["prompt"]["text"] == "Hello world"
+    assert params["prompt"]["text"] == "Hello world, it's me!"
     tokens = __import__("pyarrow.parquet", fromlist=["x"]).read_table(clone / "artifacts/tokenize/tokens.parquet")
-    assert tokens.num_rows == 2   # "Hello", " world"
+    assert tokens.num_rows == 7   # "Hello", " world", ",", " it", "'s", " me", "!"
 
 
 def test_bad_prompt_in_exp_run_fails_cleanly(clone):
-    # DVC itself removes a stage's outputs before running it; the stage must then fail
-    # with one clear line and leave nothing behind, and DVC must know to re-run it.
+    # The validate stage refuses it with one clear line before DVC removes any stage's outputs
+    # (it used to be tokenize, after DVC had deleted artifacts/tokenize); DVC knows to re-run.
+    before = sorted(p.name for p in (clone / "artifacts/tokenize").iterdir())
     proc = sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text=' '", check=False)
     assert proc.returncode != 0
-    assert "nexttoken tokenize: error: prompt.text=' ' is not allowed: a non-empty string" in proc.stdout + proc.stderr
-    assert not (clone / "artifacts/tokenize").exists() or not any((clone / "artifacts/tokenize").iterdir())
+    assert "nexttoken validate: error: prompt.text=' ' is not allowed: a non-empty string" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in (clone / "artifacts/tokenize").iterdir()) == before
     staging = clone / ".nexttoken/staging"
     assert not staging.exists() or not any(staging.iterdir())
     assert "tokenize" in sh(clone, "dvc", "status").stdout
+
+
+def test_compose_prompt_then_repro_names_the_prompt_in_the_report(clone):
+    """Issue 13's acceptance: `nexttoken compose model=tiny_qwen2 --prompt "Hello! it's (me) = 🍕, ok"`
+    composes, `dvc repro` runs it, and the report's title names that prompt (not the reference one's name,
+    whose expected ids are not checked against it)."""
+    text = "Hello! it's (me) = 🍕, ok"
+    out = sh(clone, "nexttoken", "compose", "model=tiny_qwen2", "--prompt", text).stdout
+    name = f"hello_it_s-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+    assert f"prompt={name}" in out
+    sh(clone, "dvc", "repro")
+    title = (clone / "artifacts/report/report.md").read_text(encoding="utf-8").splitlines()[0]
+    assert title == f'# Next-token report: tiny_qwen2 on prompt {name} ("{text}")'
+    tok = json.loads((clone / "artifacts/tokenize/tokenize.json").read_text(encoding="utf-8"))
+    assert tok["prompt"] == text and tok["expected_token_ids"] is None
+    checks = pq.read_table(clone / "artifacts/checks/checks.parquet").to_pylist()
+    assert "tokenizer_expected_ids" not in {c["name"] for c in checks}
+    assert all(c["verdict"] == "pass" for c in checks if c["severity"] == "error")

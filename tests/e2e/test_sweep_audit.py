@@ -15,6 +15,7 @@ import time
 import pandas as pd
 import pytest
 import yaml
+from rich.cells import cell_len
 
 from pipeline.tools import revisions, sweep
 from tests.helpers.worktree import clone_worktree, sh, wait_for_queue
@@ -77,12 +78,24 @@ def test_exp_show_lists_the_sweep_metrics(swept, shown):
     stages = yaml.safe_load((swept / "dvc.yaml").read_text())["stages"]
     for name, e in shown.items():
         metrics = e["revs"][0]["data"]["metrics"]
-        probs = metrics["artifacts/probs/metrics.json"]["data"]["sampling"]
-        assert {"kept_count", "kept_mass", "top_prob", "entropy_bits"} <= set(probs), name
+        probs = metrics["artifacts/probs/metrics.json"]["data"]
+        assert set(probs) == {"kept", "mass", "top_bits", "entropy"}, name
         traj = metrics["artifacts/trajectories/metrics.json"]["data"]
-        assert traj["sample"]["ids"] and traj["greedy"]["text"] is not None, name
+        assert set(traj) == {"sample", "greedy", "sample_loop", "greedy_loop", "diverge", "kv_diff"}, name
         if "checks" in stages:
-            assert metrics["artifacts/checks/metrics.json"]["data"]["summary"]["checks"] > 0, name
+            checks = metrics["artifacts/checks/metrics.json"]["data"]
+            assert checks["checks"] > 0 and checks["failing"], name
+
+
+def test_exp_show_only_changed_fits_160_columns_with_the_swept_params(swept):
+    """The sweep dashboard as the README gives it (DVC's hash columns of the changed artifacts and its
+    Executor column dropped): no column cut (DVC would print `…`), the swept params shown."""
+    out = sh(swept, "dvc", "exp", "show", "--only-changed", "--drop", "^artifacts/|^Executor$", "--no-pager",
+             env={"COLUMNS": "160"}).stdout
+    assert max(cell_len(line) for line in out.splitlines()) <= 160, out     # terminal columns (CJK: two)
+    header = out.splitlines()[1].split()
+    for name in ("sampling.temperature", "sampling.top_p", "kept", "mass", "entropy", "sample"):
+        assert name in header, f"{name} cut or hidden:\n{out}"       # DVC cuts a column to `…` when short of room
 
 
 def test_sweep_writes_the_table_and_deterministic_plots(swept, tmp_path):

@@ -110,9 +110,9 @@ def test_top_p_kept_count_and_renormalised_probs(ws, md):
     filtered = pq.read_table(paths.artifact(paths.FILTERED, ws)).to_pandas()
     kept = filtered[filtered["filter"] == "top_p_0.9"]
     summary_rows, kept_rows = tables(section(md, 7))[:2]
-    row = next(r for r in summary_rows if unquote(r["filter"]) == "top_p_0.9")
+    row = next(r for r in summary_rows if r["filter"] == "`top_p_0.9`")
     assert int(row["kept ids"]) == len(kept) > 0
-    top_k2 = [r for r in kept_rows if unquote(r["filter"]) == "top_k_2"]
+    top_k2 = [r for r in kept_rows if r["filter"] == "`top_k_2`"]
     stored = filtered[filtered["filter"] == "top_k_2"].sort_values("kept_rank")
     assert [int(r["id"]) for r in top_k2] == stored["token_id"].tolist()
     assert [float(r["p after (renormalised)"]) for r in top_k2] == pytest.approx(stored["prob_after"].tolist(),
@@ -145,12 +145,34 @@ def test_coordinates_are_the_captured_bf16_values(ws, md):
 
 
 def test_checks_table_shows_every_verdict(md):
-    rows = {unquote(r["check"]): r for r in tables(section(md, 9))[0]}
+    rows = {r["check"].strip("`"): r for r in tables(section(md, 9))[0]}     # names plainly, no JSON quotes
     assert set(rows) == {c["name"] for c in CHECKS}
     assert rows["fp32_sum_T1"]["verdict"] == "**FAIL**" and rows["fp32_sum_T1"]["severity"] == "report"
     assert rows["lm_head_recompute"]["verdict"] == "pass"
     assert rows["kv_cache_parity"]["measured"] == "-"          # NaN is shown as missing, not "nan"
     assert "3 checks: 2 pass, 1 fail (0 of severity `error`)" in section(md, 9)
+
+
+def test_title_names_the_runs_prompt_and_names_are_plain(ws, md):
+    tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
+    assert tok["prompt_name"] == "temperature_question"       # the known name of the reference text
+    title = md.splitlines()[0]
+    assert title.startswith("# Next-token report: tiny_qwen2 on prompt temperature_question (\"问题：实践中")
+    rows = {r[""]: r["value"] for r in tables(section(md, 1))[0]}
+    assert rows["model"] == "`tiny_qwen2`"                     # not `"tiny_qwen2"`
+    assert all(r["filter"].startswith("`") and not r["filter"].startswith('`"') for r in tables(section(md, 7))[0])
+
+
+def test_ties_rank_the_lower_id_first_as_duckdb_orders_them(tmp_path):
+    import duckdb
+    import torch
+
+    from pipeline.numerics.sampling import rank_order
+    logits = np.array([1.0, 3.0, 2.0, 3.0, 2.0, 3.0], dtype=np.float32)
+    pq.write_table(pa.table({"token_id": np.arange(6, dtype=np.int32), "logit": logits}), tmp_path / "l.parquet")
+    sql = f"select token_id from '{tmp_path / 'l.parquet'}' order by logit desc, token_id limit 4"   # the README's
+    assert render.top_ids(logits, 4) == [r[0] for r in duckdb.sql(sql).fetchall()] == [1, 3, 5, 2]
+    assert rank_order(torch.from_numpy(logits))[:4].tolist() == [1, 3, 5, 2]
 
 
 def test_shapes_follow_the_capture(ws, md):

@@ -65,10 +65,12 @@ def _foreign_tokens(ws, mp, tmp):
     _swap_in(ws, _other_prompt(ws, mp, tmp), "artifacts/tokenize/tokens.parquet")
 
 
-def _foreign_tokenize_folder(ws, mp, tmp):
+def _foreign_tokenize_folder(ws, mp, tmp, params_too: bool = True):
+    """tokenize's whole folder from a run on another prompt. params_too: params.yaml names that
+    prompt too (so tokenize is not stale, and only forward's record of its tokens can tell)."""
     other = _other_prompt(ws, mp, tmp)
-    for name in ("tokens.parquet", "tokenize.json", "manifest.json"):
-        _swap_in(ws, other, f"artifacts/tokenize/{name}")
+    for name in ("tokens.parquet", "tokenize.json", "manifest.json") + ((paths.PARAMS,) if params_too else ()):
+        _swap_in(ws, other, f"artifacts/tokenize/{name}" if name != paths.PARAMS else name)
 
 
 def _foreign_facts(ws, mp, tmp):
@@ -126,6 +128,10 @@ CASES = [
     Corrupt("whole tokenize run of another prompt, forward of this one", "checks", _foreign_tokenize_folder,
             ("artifacts/tokenize/tokens.parquet (sha256", "is not the file stage forward was made from",
              "different runs")),
+    Corrupt("whole tokenize run of another prompt than params.yaml's", "checks",
+            lambda ws, mp, tmp: _foreign_tokenize_folder(ws, mp, tmp, params_too=False),
+            ("artifacts/tokenize/tokens.parquet is stale: stage tokenize ran with prompt.text='Hello world', "
+             "params.yaml has ", "re-run tokenize and the stages after it (`dvc repro`)")),
     Corrupt("facts.json of another run beside this capture, no manifest", "logits", _foreign_facts,
             ("capture.safetensors and", "facts.json come from different runs")),
     Corrupt("corrupt forward manifest.json", "logits", _bad_manifest,

@@ -91,3 +91,23 @@ def test_killed_stage_leaves_the_previous_run_whole(chain_ws, tmp_path, point, s
     assert proc.returncode == -signal.SIGKILL and partial.exists()    # SIGKILL: no clean-up ran
     run_module(f"stages.{stage}", ws, check=True)                     # the next run of that stage
     assert staging_left(ws) == [] and data_hashes(ws) == data
+
+
+def test_ctrl_c_while_a_stage_imports_is_one_line(chain_ws, tmp_path):
+    """SIGINT while `python -m stages.forward` is still importing torch: one line, exit 130, no
+    traceback (it was 34 lines): stages/__init__.py sets the handler before the heavy imports."""
+    ws = copy_ws(chain_ws, tmp_path / "ws")
+    before = snapshot(ws)
+    m = pause.marker("import.torch", ws)
+    env = pause.env("import.torch")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not m.exists() or not m.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr == "nexttoken forward: interrupted; nothing was written to artifacts/forward\n"
+    assert snapshot(ws) == before and staging_left(ws) == []

@@ -6,6 +6,7 @@ import json
 
 import pyarrow as pa
 import pytest
+import yaml
 
 from pipeline.errors import UserError
 from pipeline.store import artifacts, paths, provenance
@@ -102,3 +103,56 @@ def test_corrupt_files_give_clear_errors(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(UserError, match="bad.safetensors is not a readable safetensors file"):
         artifacts.read_safetensors(tmp_path / "bad.safetensors")
+
+
+def test_the_swap_keeps_the_gitignore_dvc_keeps_in_the_stage_folder(tmp_path):
+    """For a stage whose outs are files, DVC keeps artifacts/<stage>/.gitignore (committed to
+    git). Replacing the folder deleted it, so after a failed `dvc exp run` git showed it deleted
+    and the outputs untracked (`git add -A` would commit them)."""
+    folder = tmp_path / "artifacts/checks"
+    folder.mkdir(parents=True)
+    (folder / ".gitignore").write_text("/checks.parquet\n/manifest.json\n")
+    with artifacts.stage_run("checks", {}, tmp_path) as run:
+        run.write_parquet("checks.parquet", _table())
+    assert (folder / ".gitignore").read_text() == "/checks.parquet\n/manifest.json\n"
+    recorded = json.loads((folder / paths.MANIFEST).read_text())["outputs"]
+    assert [o["path"] for o in recorded] == ["artifacts/checks/checks.parquet"]   # not an output
+
+
+def _run_checks_on(tmp_path) -> None:
+    with artifacts.stage_run("checks", {}, tmp_path) as run:
+        run.use(paths.TABLE)
+        run.write_json("metrics.json", {})
+
+
+def test_an_input_made_with_another_config_is_named_stale(tmp_path):
+    """`python -m stages.checks` after params.yaml changed and probs did not re-run: the input
+    is refused as stale, naming the stage and the key, before any check blames the numbers."""
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 0.9}
+    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump({"probs": {"top_n": 3}, "sampling": sampling}))
+    with artifacts.stage_run("probs", {"probs": {"top_n": 3}, "sampling": sampling}, tmp_path) as run:
+        run.write_parquet("table.parquet", _table())
+    _run_checks_on(tmp_path)                                          # in step: fine
+    changed = {"probs": {"top_n": 3}, "sampling": {**sampling, "top_p": 1.0}}
+    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(changed))
+    with pytest.raises(UserError, match=r"^artifacts/probs/table.parquet is stale: stage probs ran with "
+                                        r"sampling.top_p=0.9, params.yaml has 1.0: re-run probs and the stages "
+                                        r"after it \(`dvc repro`\)$"):
+        _run_checks_on(tmp_path)
+
+
+def test_an_input_made_from_a_prompt_file_edited_since_is_named_stale(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/p.txt").write_text("one")
+    with artifacts.stage_run("probs", {}, tmp_path) as run:
+        run.use(tmp_path / "prompts/p.txt")
+        run.write_parquet("table.parquet", _table())
+    _run_checks_on(tmp_path)
+    (tmp_path / "prompts/p.txt").write_text("two")
+    with pytest.raises(UserError, match=r"^artifacts/probs/table.parquet is stale: stage probs read prompts/p.txt "
+                                        r"\(sha256 [0-9a-f]{12}\), which has changed since \(now [0-9a-f]{12}\)"):
+        _run_checks_on(tmp_path)
+    stale = r"^artifacts/probs is stale: stage probs read prompts/p.txt \(sha256 "
+    with pytest.raises(UserError, match=stale), artifacts.stage_run("checks", {}, tmp_path) as run:
+        run.use(tmp_path / "prompts/p.txt")      # as the checks stage: the prompt file first, then the tables
+        run.use(paths.TABLE)

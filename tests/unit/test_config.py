@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from pydantic import ValidationError
 
 from pipeline.config import compose, schema
 from pipeline.errors import UserError
+from pipeline.tools import cli
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
@@ -29,14 +31,54 @@ def test_every_group_option_composes_and_validates(tmp_path, group, option):
 
 
 def test_committed_params_yaml_is_the_composition_of_conf():
-    assert compose.check(REPO, REPO / "params.yaml") == []
+    assert compose.check(REPO, REPO / "params.yaml") == ([], [])    # and its record says: no overrides
 
 
 def test_check_names_the_differing_key(tmp_path):
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["sampling"]["top_p"] = 0.5
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True))
-    assert compose.check(REPO, tmp_path / "params.yaml") == ["sampling.top_p"]
+    assert compose.check(REPO, tmp_path / "params.yaml") == (["sampling.top_p"], [])
+
+
+def test_check_composes_with_the_recorded_overrides(tmp_path, monkeypatch):
+    """`make repro` runs `compose --check`: a workspace composed for tiny_qwen2 (or any
+    overrides) is in step, and stays so until conf/ or params.yaml changes."""
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    monkeypatch.chdir(tmp_path)
+    overrides = ["model=tiny_qwen2", "sampling.top_k=3", "prompt.text='Hi (there), it\\'s me = 🍕'"]
+    assert cli.main(["compose", *overrides]) == 0
+    assert compose.recorded_overrides(tmp_path / "params.yaml") == overrides
+    assert cli.main(["compose", "--check"]) == 0                    # was 1 (compared with conf's defaults)
+    conf = tmp_path / "conf/sampling/reference.yaml"
+    conf.write_text(conf.read_text().replace("top_p: 1.0", "top_p: 0.8"))
+    assert compose.check(tmp_path, tmp_path / "params.yaml") == (["sampling.top_p"], overrides)
+    assert cli.main(["compose", "--check"]) == 1
+    assert cli.main(["compose", "model=tiny_qwen2"]) == 0            # recomposed: a new record
+    assert compose.check(tmp_path, tmp_path / "params.yaml") == ([], ["model=tiny_qwen2"])
+    (tmp_path / compose.RECORD).write_text("overrides: 5\n")
+    assert cli.main(["compose", "--check"]) == 2                      # a damaged record: one line, exit 2
+
+
+def test_a_section_no_stage_reads_is_refused(tmp_path):
+    """A hand-edited params.yaml with `foo: 1` is refused by every reader, as unknown keys are."""
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text() + "foo: 1\n")
+    with pytest.raises(UserError, match=r"^foo=1 is not allowed: a known section: model, prompt, capture"):
+        schema.read_params(tmp_path / "params.yaml")
+
+
+def test_a_key_conf_does_not_set_is_added_with_plus(tmp_path, monkeypatch):
+    """What Hydra (and so `dvc exp run -S`) says about a key conf/ lacks, in one line naming `+`."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    model = conf / "model/tiny_qwen2.yaml"
+    model.write_text(model.read_text().replace("reference_figures: null", ""))
+    with pytest.raises(UserError, match=r"^model.reference_figures='seed_article' is not allowed: a key conf/ "
+                                        r"sets; add one it does not set as \+model.reference_figures=seed_article$"):
+        compose.compose_to(tmp_path / "p.yaml", ["model=tiny_qwen2", "model.reference_figures=seed_article"], tmp_path)
+    params = compose.compose_to(tmp_path / "p.yaml", ["model=tiny_qwen2", "+model.reference_figures=seed_article"],
+                                tmp_path)
+    assert params["model"]["reference_figures"] == "seed_article"
 
 
 def test_unknown_model_lists_the_options(tmp_path):

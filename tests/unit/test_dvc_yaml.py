@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.config import registry
-from pipeline.config.schema import PROMPT_DIR
+from pipeline.config.schema import PROMPT_DIR, SECTIONS
 from pipeline.store import paths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,10 @@ def test_stage_order_matches_paths():
 def test_stage_declares_its_code_params_and_outs(stage):
     spec = DVC[stage]
     assert spec["cmd"] == f"python -m stages.{stage}"
-    assert tuple(spec.get("params", ())) == registry.PARAMS[stage]
+    if stage == "validate":     # the whole params.yaml: it checks every section and refuses unknown ones
+        assert spec["params"] == [{paths.PARAMS: None}] and registry.PARAMS[stage] == tuple(SECTIONS)
+    else:
+        assert tuple(spec.get("params", ())) == registry.PARAMS[stage]
     code = {d for d in spec["deps"] if d.endswith(".py")}
     assert code == _code_deps(stage)
     # outputs: the stage folder itself, or (where DVC metrics/plots live beside them) its files
@@ -66,8 +69,21 @@ def test_stage_declares_its_code_params_and_outs(stage):
 
 
 @pytest.mark.parametrize("stage", list(DVC))
-def test_prompt_readers_depend_on_the_prompt_folder(stage):
-    """A stage that reads the prompt (its PARAMS has the `prompt` section) depends on prompts/,
-    where `prompt.file` must live: editing the file's text re-runs it (DVC hashes the folder)."""
-    assert (PROMPT_DIR in DVC[stage]["deps"]) == registry.reads_prompt(stage)
+def test_each_stage_that_reads_params_depends_on_its_validated_config(stage):
+    """validate is the only stage that depends on prompts/ (it reads the prompt file) and on the
+    whole params.yaml; every other stage that reads params depends on its own resolved config,
+    artifacts/validate/<stage>.json (with the prompt's text), which validate writes: so DVC runs
+    validate first, a new file under prompts/ re-runs validate alone, and an edit of the prompt
+    file that is used re-runs the stages that read it."""
+    deps = DVC[stage]["deps"]
+    assert (PROMPT_DIR in deps) == (stage == "validate")
     assert (REPO / PROMPT_DIR).is_dir()      # DVC refuses a missing dependency
+    wants = stage in registry.validated_stages()
+    assert (paths.validated(stage).as_posix() in deps) == wants
+    assert wants == (bool(registry.PARAMS[stage]) and stage != "validate")
+    if stage == "validate":
+        assert DVC[stage]["outs"] == [{paths.stage_dir(stage).as_posix(): {"persist": True}}]
+
+
+def test_validate_writes_a_file_for_each_stage_that_depends_on_one():
+    assert set(registry.validated_stages()) == {s for s in DVC if paths.validated(s).as_posix() in DVC[s]["deps"]}

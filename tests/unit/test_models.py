@@ -94,7 +94,7 @@ def test_tiny_tokenizer_gives_reference_ids(tiny):
     assert tokenizer(PROMPT).input_ids == REFERENCE_IDS  # no bos for Qwen
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 151643
     prompt = yaml.safe_load((CONF / "prompt" / "temperature_question.yaml").read_text())
-    assert (prompt["text"], prompt["expected_token_ids"]["qwen2"]) == (PROMPT, REFERENCE_IDS)
+    assert (prompt["text"], prompt["known"]["expected_token_ids"]["qwen2"]) == (PROMPT, REFERENCE_IDS)
 
 
 def test_tiny_distribution_is_not_flat(tiny_model):

@@ -4,7 +4,8 @@ run directly, or by `dvc repro`). See tests/helpers/pause.py; the production cod
 nothing of it.
 
 Points: `forward.capture` (capture.safetensors: its header written, its tensors not yet);
-`logits.rows` (logits.parquet after its first row group). At the point, the process writes
+`logits.rows` (logits.parquet after its first row group); `import.torch` (the stage module's
+imports, when torch is about to be imported). At the point, the process writes
 its id to `.nexttoken/test-pause-<point>` in its working directory and sleeps (10 minutes).
 """
 
@@ -71,7 +72,24 @@ def _pause_logits():
     pq.ParquetWriter.write_table = write_table
 
 
+def _pause_import():
+    import sys
+
+    class PauseAtTorch:
+        """A finder that finds nothing: it only pauses the first time torch is looked for."""
+
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                sys.meta_path.remove(self)
+                _pause("import.torch")
+            return None
+
+    sys.meta_path.insert(0, PauseAtTorch())
+
+
 if _POINT == "forward.capture":
     _pause_capture()
 elif _POINT == "logits.rows":
     _pause_logits()
+elif _POINT == "import.torch":
+    _pause_import()

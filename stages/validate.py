@@ -1,0 +1,36 @@
+"""Stage validate: all of params.yaml checked before any other stage runs; each stage's resolved config.
+
+DVC runs it first and whenever params.yaml (tracked whole) or a file under prompts/ changes:
+every stage that reads params depends on its file here (`paths.validated`), so a bad value
+stops `dvc repro` / `dvc exp run` with one line before DVC removes any other stage's outputs.
+Its own outputs are `persist` in dvc.yaml (DVC does not delete them before the run), so a
+refused config leaves them as they were too. A file changes only when what its stage reads
+changes (the prompt file's text, not the folder, for the stages that read the prompt), so
+the other stages still skip when their part is unchanged. No torch import: it takes a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config import registry, schema
+from pipeline.store import paths
+from pipeline.store.artifacts import stage_main, stage_run
+
+STAGE = "validate"
+
+
+def main() -> None:
+    params = schema.read_params(Path(paths.PARAMS))          # an unknown section is refused here
+    sections = {name: schema.load_section(params, name) for name in schema.SECTIONS}
+    prompt = sections["prompt"]
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+        run.with_torch = False
+        if prompt.file is not None:
+            run.use(Path(prompt.file))          # its sha256 goes into the manifest
+        for stage in registry.validated_stages():
+            run.write_json(paths.validated(stage).name, registry.resolved(params, stage, prompt.text))
+
+
+if __name__ == "__main__":
+    stage_main(STAGE, main)

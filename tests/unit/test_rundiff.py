@@ -1,0 +1,61 @@
+"""`nexttoken diff` of runs on different prompts (issue 13, item 8): the last prompt positions are
+aligned, so the next-token distributions are compared, and the diff says the prompts differ.
+
+Hand-built artifacts: A's prompt has 5 tokens, B's 3; each run stores logits at every position and
+probabilities and a filter at the last one (probs.positions = [-1], the default).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.store import paths
+from pipeline.tools import rundiff
+
+V = 4
+
+
+def _run(root: Path, ids: list[int], last_logits: list[float], kept: int) -> Path:
+    n = len(ids)
+    for item in (paths.TOKENS, paths.LOGITS, paths.TABLE, paths.PROBS_SUMMARY):
+        paths.artifact(item, root).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"position": list(range(n)), "token_id": ids}), paths.artifact(paths.TOKENS, root))
+    logits = np.tile(np.arange(V, dtype=np.float32), (n, 1))
+    logits[-1] = last_logits
+    pq.write_table(pa.table({"position": np.repeat(np.arange(n), V).astype(np.int32),
+                             "token_id": np.tile(np.arange(V), n).astype(np.int32),
+                             "logit": logits.ravel()}), paths.artifact(paths.LOGITS, root))
+    p = np.exp(logits[-1] - logits[-1].max())
+    pq.write_table(pa.table({"position": np.full(V, n - 1, np.int32), "token_id": np.arange(V, dtype=np.int32),
+                             "p_T1": p / p.sum()}), paths.artifact(paths.TABLE, root))
+    summary = {"filters": [{"position": n - 1, "filter": "sampling", "kept_count": kept, "temperature": 1.0,
+                            "top_k": 0, "top_p": 0.9, "kept_mass": 0.95}]}
+    paths.artifact(paths.PROBS_SUMMARY, root).write_text(json.dumps(summary))
+    return root
+
+
+def test_different_prompts_compare_the_last_positions(tmp_path):
+    a = _run(tmp_path / "a", [11, 12, 13, 14, 15], [0.0, 1.0, 2.0, 5.0], kept=2)
+    b = _run(tmp_path / "b", [21, 22, 23], [0.0, 1.0, 2.5, 5.0], kept=3)
+    out = rundiff.number_lines(a, b)
+    text = "\n".join(out)
+    assert "prompts differ (A 5 tokens, B 3)" in text and "A 4 | B 2" in text
+    assert "    position 4 | 2: 0.5 (token 2: 2 | 2.5)" in out
+    assert "not comparable" not in text and "no common position" not in text
+    (p_line,) = [line for line in out if line.startswith("    p_T1:")]
+    assert "position 4 | 2, token 2" in p_line
+    assert any(line.startswith("    4 | 2, sampling: 2 (") and "| 3 (" in line and "differs" in line for line in out)
+
+
+def test_the_same_prompt_compares_position_by_position(tmp_path):
+    a = _run(tmp_path / "a", [11, 12, 13], [0.0, 1.0, 2.0, 5.0], kept=2)
+    b = _run(tmp_path / "b", [11, 12, 13], [0.0, 1.0, 2.5, 5.0], kept=2)
+    out = rundiff.number_lines(a, b)
+    assert not any("prompts differ" in line for line in out)
+    assert "    position 2: 0.5 (token 2: 2 | 2.5)" in out and "    0 at the other 2 positions" in out
+    assert any(line.startswith("    2, sampling: 2 (") and "differs" not in line for line in out)
