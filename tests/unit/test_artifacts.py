@@ -128,12 +128,13 @@ def _run_checks_on(tmp_path) -> None:
 def test_an_input_made_with_another_config_is_named_stale(tmp_path):
     """`python -m stages.checks` after params.yaml changed and probs did not re-run: the input
     is refused as stale, naming the stage and the key, before any check blames the numbers."""
-    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 0.9}
-    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump({"probs": {"top_n": 3}, "sampling": sampling}))
-    with artifacts.stage_run("probs", {"probs": {"top_n": 3}, "sampling": sampling}, tmp_path) as run:
+    sampling, capture = {"temperature": 1.0, "top_k": 0, "top_p": 0.9}, {"kernels": "native"}
+    config = {"probs": {"top_n": 3}, "sampling": sampling, "capture": capture}
+    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(config))
+    with artifacts.stage_run("probs", config, tmp_path) as run:
         run.write_parquet("table.parquet", _table())
     _run_checks_on(tmp_path)                                          # in step: fine
-    changed = {"probs": {"top_n": 3}, "sampling": {**sampling, "top_p": 1.0}}
+    changed = {**config, "sampling": {**sampling, "top_p": 1.0}}
     (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(changed))
     with pytest.raises(UserError, match=r"^artifacts/probs/table.parquet is stale: stage probs ran with "
                                         r"sampling.top_p=0.9, params.yaml has 1.0: re-run probs and the stages "
