@@ -150,8 +150,7 @@ def _save(tensors: dict, ids, where: Path) -> None:
 def _dump(tensors: dict, ids, positions: str, where: Path) -> None:
     from pipeline.model import capture, forward
     from pipeline.store import logits_io
-    rows = forward.logit_rows({"logit_positions": forward.logit_positions(positions, ids.shape[1])},
-                              tensors[capture.act_name("logits")][0])
+    rows = zip(forward.logit_positions(positions, ids.shape[1]), tensors[capture.act_name("logits")][0])
     logits_io.write_logits(where / "logits.parquet", rows, {b"bench": b"1"})
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from pipeline.config import registry, schema
 from pipeline.model import forward
 from pipeline.store import paths
-from pipeline.store.artifacts import read_parquet, stage_main, stage_run
+from pipeline.store.artifacts import read_json, read_parquet, stage_main, stage_run
 
 STAGE = "forward"
 
@@ -20,7 +20,8 @@ def main() -> None:
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         run.use(paths.stage_dir("prepare_model"))
         ids = read_parquet(run.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
-        result = forward.run(plan, ids, trust_remote_code=model_cfg.trust_remote_code)
+        tokenizer_len = read_json(run.use(paths.TOKENIZE_SUMMARY))["tokenizer_len"]
+        result = forward.run(plan, ids, tokenizer_len, trust_remote_code=model_cfg.trust_remote_code)
         run.model = {**plan.model_record, "trust_remote_code": model_cfg.trust_remote_code}
         run.facts = result.facts
         forward.save_capture(result, run.out(paths.CAPTURE[1]))

@@ -127,7 +127,7 @@ def test_logits_readable_by_duckdb_and_polars_and_one_row_group_per_position(ws)
 
 
 def test_vocab_marks_ids_past_the_tokenizer(ws):
-    vocab = pq.read_table(ws / "artifacts/logits/vocab.parquet").to_pandas()
+    vocab = pq.read_table(ws / "artifacts/tokenize/vocab.parquet").to_pandas()
     assert len(vocab) == 152064
     assert vocab.loc[151669:, "has_token"].eq(False).all() and vocab.loc[151669:, "piece"].isna().all()
     assert vocab.loc[9315, "piece"] == "Ġtemperature" and vocab.loc[9315, "text"] == " temperature"
