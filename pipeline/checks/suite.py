@@ -191,9 +191,10 @@ def capture_input_ids(tensors: dict, stored_ids: list[int]) -> Check:
 def logits_file(path: Path, captured_logits: torch.Tensor, positions: list[int]) -> list[Check]:
     """logits.parquet (float32) == the captured logits in every cell; T x V rows, each position once.
 
-    One row group (= one whole position, as written) at a time: memory stays one row.
+    One row group (= one whole position, as written) at a time, against that captured row
+    widened alone: memory stays one row (bf16 is exact in float32).
     """
-    ref = captured_logits[0].float().numpy()                        # [R, V]: bf16 is exact in float32
+    ref = captured_logits[0]                                        # [R, V], computed dtype
     row_of, seen, n_rows, worst, worst_at, bad = {p: i for i, p in enumerate(positions)}, [], 0, 0.0, "", 0
     pf = pq.ParquetFile(path)
     for g in range(pf.num_row_groups):
@@ -204,11 +205,12 @@ def logits_file(path: Path, captured_logits: torch.Tensor, positions: list[int])
             bad += 1
             continue
         seen.append(p)
-        if (d := max_abs(val, ref[row_of[p]])) > worst:
-            worst, worst_at = d, f"position {p}, first differing id {int(np.argmax(val != ref[row_of[p]]))}"
+        want = ref[row_of[p]].float().numpy()
+        if (d := max_abs(val, want)) > worst:
+            worst, worst_at = d, f"position {p}, first differing id {int(np.argmax(val != want))}"
     bad += len(seen) - len(set(seen)) + len(set(positions) - set(seen))
-    return [Check("logits_file_rows", f"logits.parquet has T x V = {ref.size} rows, one whole position per row "
-                  "group, each position once", abs(n_rows - ref.size) + bad, 0, "error",
+    return [Check("logits_file_rows", f"logits.parquet has T x V = {ref.numel()} rows, one whole position per row "
+                  "group, each position once", abs(n_rows - ref.numel()) + bad, 0, "error",
                   f"{n_rows} rows, {bad} bad, repeated or missing positions"),
             Check("logits_file_exact", "logits.parquet float32 == bf16 logits in capture.safetensors, all cells",
                   worst, 0, "error", worst_at)]
