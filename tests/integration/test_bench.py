@@ -17,10 +17,10 @@ from bench import bench, scale
 from pipeline.errors import UserError
 from tests.conftest import REPO, run_module
 
-TARGETS = {"capture_vs_plain": 1.10, "parquet_vs_numpy": 3.0, "chain_vs_baseline": 1.2,
+TARGETS = {"capture_vs_plain": 1.10, "parquet_vs_pandas": 0.5, "parquet_size_vs_pandas": 0.6, "chain_vs_baseline": 1.2,
            "capture_vs_nnsight_time": 1.0, "capture_vs_nnsight_peak_rss": 1.0,
            "scale_time_exponent[tiny_qwen2]": 1.15, "scale_memory_exponent[tiny_qwen2]": 1.15}
-INFORMATION = ("plain_all_vs_plain_last", "parquet_size_vs_bf16", "parquet_vs_npz_compressed",
+INFORMATION = ("plain_all_vs_plain_last", "parquet_size_vs_bf16", "parquet_vs_numpy", "parquet_vs_npz_compressed",
                "parquet_uncompressed_vs_numpy",
                "chain_vs_baseline_cpu_time", "chain_without_checks_vs_baseline", "dvc_repro_vs_in_process",
                "scale_time_exponent_last[tiny_qwen2]", "scale_plain_forward_time_exponent[tiny_qwen2]")
@@ -91,9 +91,11 @@ def test_logits_io_section_measures_the_zstd_file_and_its_uncompressed_floor(tmp
     assert s["read_back_exact"] is True and s["shape"] == [4, 3000] and "BYTE_STREAM_SPLIT" in s["encodings"]
     # the floor is the same layout without compression: bigger, never smaller than the zstd file
     assert s["uncompressed_parquet_bytes"] > s["parquet_bytes"]
-    for name in ("parquet", "numpy", "parquet_uncompressed", "parquet_write", "parquet_read"):
+    for name in ("parquet", "pandas", "numpy", "parquet_uncompressed", "parquet_write", "parquet_read"):
         assert s[name]["median_s"] > 0, name
-    assert res.ratios["parquet_vs_numpy"]["target"] == 3.0
+    assert res.ratios["parquet_vs_pandas"]["target"] == 0.5 and res.ratios["parquet_size_vs_pandas"]["target"] == 0.6
+    assert res.ratios["parquet_size_vs_pandas"]["value"] == s["parquet_bytes"] / s["pandas_parquet_bytes"]
+    assert res.ratios["parquet_vs_numpy"]["target"] is None
     floor = res.ratios["parquet_uncompressed_vs_numpy"]
     assert floor["target"] is None and floor["pass"] is None and floor["value"] > 0 and "zstd" in floor["note"]
 
@@ -187,6 +189,7 @@ def test_one_section_only(tiny_workspace, tmp_path):
     shutil.copytree(tiny_workspace / "artifacts" / "prepare_model", tmp_path / "artifacts" / "prepare_model")
     result = bench.run(tmp_path, quick=True, only="logits_io")
     assert set(result["ratios"]) == {"capture_vs_plain", "plain_all_vs_plain_last", "parquet_vs_numpy",
+                                     "parquet_vs_pandas", "parquet_size_vs_pandas",
                                      "parquet_vs_npz_compressed", "parquet_size_vs_bf16",
                                      "parquet_uncompressed_vs_numpy"}
     assert set(result["sections"]) == {"capture", "logits_io", "workspace"} and result["complete"] is True
