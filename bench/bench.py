@@ -6,14 +6,18 @@ Sections (`--only NAME` runs one):
              of the same long table; numpy save + load and the size vs bf16 as information
   chain      the stages in one process, model loaded once, vs bench/baseline_script.py (<= 1.2)
   nnsight    capture vs nnsight (and TransformerLens when installed): time and peak memory (<= 1.0)
-  dvc        `dvc repro` in a temp clone vs the same stages in one process: the price of isolation
-  scale      forward + logits dump at growing prompt lengths, fresh process each (exponent <= 1.15)
+  dvc        `dvc repro` in a temp clone vs the same stages in one process, tiny_qwen2 and this
+             workspace's model: the price of isolation                             (target <= 1.3)
+  scale      the whole chain (tokenize -> report) at growing prompt lengths, each stage a fresh
+             process: peak RSS above the loaded model <= 2.5 x 4*T*V, growth of the pipeline's
+             own work <= 1.1 (bench/chain_scale.py)
 
 Absolute times depend on the machine and its neighbours, so contenders run alternately
 (the order flips every repetition) and ratios are medians of per-pair ratios: load from
 other processes hits both sides of a pair. The model comes from this workspace's
 artifacts/prepare_model. Results go to artifacts/bench/bench.json (written atomically);
-the printed table holds ratios only. Fresh-process measurements live in `bench.scale`.
+the printed table holds the ratios, then the scale tables. Fresh-process measurements live in
+`bench.scale` and `bench.chain_scale`.
 """
 
 from __future__ import annotations
@@ -247,8 +251,9 @@ def _loaded(ws: Workspace):
 # ---------------------------------------------------------------- the command
 def report(result: dict) -> str:
     """What `nexttoken bench` prints: the ratios, then the scale table when it ran."""
-    from bench.scale import scale_table
-    scale = scale_table(result["sections"].get("scale", {}))
+    from bench import chain_scale
+    scale = "\n\n".join(chain_scale.table(s) for s in result["sections"].get("scale", {}).values()
+                        if isinstance(s, dict) and "runs" in s)
     return table(result["ratios"]) + ("\n\n" + scale if scale else "")
 
 
@@ -264,14 +269,14 @@ def table(ratios: dict) -> str:
 
 
 def run(root: Path, quick: bool = False, only: str | None = None, lengths: tuple[int, ...] | None = None,
-        workspace_lengths: tuple[int, ...] | None = None) -> dict:
+        workspace_lengths: tuple[int, ...] | None = None, last_lengths: tuple[int, ...] | None = None) -> dict:
     """Every section (or `only` one) in order; bench.json is rewritten after each section, so an
     interrupted run keeps what it measured (`complete` says whether it finished)."""
     from bench import scale
     from pipeline.store import provenance
     if only is not None and only not in SECTIONS:
         raise UserError(f"--only {only!r}: one of {', '.join(SECTIONS)}")
-    ws, plan, res = Workspace.open(root), Plan.make(quick, lengths, workspace_lengths), Results()
+    ws, plan, res = Workspace.open(root), Plan.make(quick, lengths, workspace_lengths, last_lengths), Results()
     started = time.time()
     out = {"schema_version": 1, "quick": quick, "only": only, "complete": False, "model": ws.name,
            "snapshot": str(ws.snapshot), "dtype": ws.cfg["capture"].dtype, "torch_threads": torch.get_num_threads(),
