@@ -154,15 +154,18 @@ def logits_finite(captured_logits: torch.Tensor, positions: list[int]) -> Check:
     The forward and logits stages record non-finite logits as computed; probs and
     trajectories refuse them, so this check is where such a run is recorded as failed.
     """
-    bad = ~torch.isfinite(captured_logits[0])                   # [R, V]
-    rows = bad.any(dim=-1).nonzero().flatten().tolist()
+    logits, found = captured_logits[0], {}                      # [R, V]; row -> (count, first ids)
+    for start in range(0, logits.shape[0], 64):     # 64 rows at a time: a bool mask of [R, V] summed in
+        bad = ~torch.isfinite(logits[start:start + 64])  # int64 was this stage's largest allocation
+        for r in bad.any(dim=-1).nonzero().flatten().tolist():
+            found[start + r] = (int(bad[r].count_nonzero()), bad[r].nonzero().flatten()[:3].tolist())
+    rows = sorted(found)
     shown = rows if len(rows) <= 3 else [rows[0], rows[1], rows[-1]]
-    per_row = [f"position {positions[r]}: {int(bad[r].sum())} ids (first: {bad[r].nonzero().flatten()[:3].tolist()})"
-               for r in shown]
+    per_row = [f"position {positions[r]}: {found[r][0]} ids (first: {found[r][1]})" for r in shown]
     detail = f"positions {_ranges([positions[r] for r in rows])} ({len(rows)} of {len(positions)}); " + \
-        "; ".join(per_row) if rows else f"{bad.numel()} values, all finite"
+        "; ".join(per_row) if rows else f"{logits.numel()} values, all finite"
     return Check("logits_finite", "count of NaN / Inf values among the captured logits (every position and id)",
-                 int(bad.sum()), 0, "error", detail)
+                 sum(n for n, _ in found.values()), 0, "error", detail)
 
 
 def _ranges(values: list[int]) -> str:
