@@ -167,11 +167,13 @@ def shared_model(preloaded: dict | None = None):
     cache["calls"] = []             # ("model" | "tokenizer"), in call order: what each stage loads
     load_model, load_tokenizer = loader.load_model, loader.load_tokenizer
 
-    def model(path, dtype, device, attn, trust):
+    def model(path, dtype, device, attn, trust, spread=False):
         cache["calls"].append("model")
         key = ("model", str(Path(path).resolve()), str(dtype), str(torch.device(device)), attn, trust)
+        if spread:
+            key += ("spread",)
         if key not in cache:
-            cache[key] = load_model(path, dtype, device, attn, trust)
+            cache[key] = load_model(path, dtype, device, attn, trust, spread=spread)
         return cache[key]
 
     def tokenizer(path, trust_remote_code=False):

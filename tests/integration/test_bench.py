@@ -171,7 +171,8 @@ def test_quick_bench_records_every_ratio_with_its_target(quick_result):
         if name.startswith("capture_vs_nnsight") and "memory" not in result["sections"]["nnsight"]:
             continue                      # nnsight not installed: recorded as such
         assert ratios[name]["target"] == target, name
-        assert math.isfinite(ratios[name]["value"]) and ratios[name]["value"] > 0, name
+        # a growth exponent may be ~0 (or just below) for a flat curve at the quick lengths
+        assert math.isfinite(ratios[name]["value"]) and ("exponent" in name or ratios[name]["value"] > 0), name
         assert ratios[name]["pass"] == (ratios[name]["value"] <= target)
     for name in INFORMATION:
         assert ratios[name]["target"] is None and ratios[name]["pass"] is None
