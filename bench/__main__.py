@@ -20,12 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", metavar="NAME", help="one section: " + ", ".join(bench.SECTIONS))
     p.add_argument("--lengths", type=int, nargs="+", metavar="T", help="scale lengths for tiny_qwen2")
     p.add_argument("--workspace-lengths", type=int, nargs="+", metavar="T",
-                   help="scale lengths for this workspace's model")
+                   help="scale lengths for this workspace's model (capture.positions=all)")
+    p.add_argument("--last-lengths", type=int, nargs="+", metavar="T",
+                   help="scale lengths for this workspace's model with capture.positions=last")
     args = p.parse_args(argv)
     try:
         result = bench.run(Path.cwd(), quick=args.quick, only=args.only,
                            lengths=tuple(args.lengths) if args.lengths else None,
-                           workspace_lengths=tuple(args.workspace_lengths) if args.workspace_lengths else None)
+                           workspace_lengths=tuple(args.workspace_lengths) if args.workspace_lengths else None,
+                           last_lengths=tuple(args.last_lengths) if args.last_lengths else None)
     except UserError as e:
         print(f"nexttoken bench: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

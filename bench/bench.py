@@ -2,18 +2,23 @@
 
 Sections (`--only NAME` runs one):
   capture    run_capture vs a hook-free forward, same model and prompt        (target <= 1.10)
-  logits_io  logits.parquet write + read vs numpy save + load; size vs bf16    (target <= 3.0)
+  logits_io  logits.parquet write + read vs pandas to_parquet + read_parquet   (target <= 0.5; size <= 0.6)
+             of the same long table; numpy save + load and the size vs bf16 as information
   chain      the stages in one process, model loaded once, vs bench/baseline_script.py (<= 1.2)
   nnsight    capture vs nnsight (and TransformerLens when installed): time and peak memory (<= 1.0)
-  dvc        `dvc repro` in a temp clone vs the same stages in one process: the price of isolation
-  scale      forward + logits dump at growing prompt lengths, fresh process each (exponent <= 1.15)
+  dvc        `dvc repro` in a temp clone vs the same stages in one process, tiny_qwen2 and this
+             workspace's model: the price of isolation                             (target <= 1.3)
+  scale      the whole chain (tokenize -> report) at growing prompt lengths, each stage a fresh
+             process: peak RSS above the loaded model <= 2.5 x 4*T*V, growth of the pipeline's
+             own work <= 1.1 (bench/chain_scale.py)
   kernels    a captured pass with capture.kernels=portable vs native, bf16 and float32 (information)
 
 Absolute times depend on the machine and its neighbours, so contenders run alternately
 (the order flips every repetition) and ratios are medians of per-pair ratios: load from
 other processes hits both sides of a pair. The model comes from this workspace's
 artifacts/prepare_model. Results go to artifacts/bench/bench.json (written atomically);
-the printed table holds ratios only. Fresh-process measurements live in `bench.scale`.
+the printed table holds the ratios, then the scale tables. Fresh-process measurements live in
+`bench.scale` and `bench.chain_scale`.
 """
 
 from __future__ import annotations
@@ -75,16 +80,20 @@ def bench_capture(ws: Workspace, plan: Plan, res: Results) -> torch.Tensor:
 
 
 def bench_logits_io(logits: torch.Tensor, plan: Plan, res: Results, tmp: Path) -> None:
-    """logits [T, V] (computed dtype): Parquet writer + full read vs numpy save + load of float32.
+    """logits [T, V] (computed dtype): Parquet writer + full read vs what a user would write instead.
 
-    Both sides end with the whole float32 matrix in memory: np.load, and `logits_io.read_matrix`
-    (the logit column of every row group, decoded in parallel; positions from the statistics).
-    Information: the same layout with compression=None (the floor of the long format: what is
-    left of the ratio without the required zstd), write and read separately, a compressed
-    numpy file, and the size against raw bf16.
+    The target contender is pandas: a DataFrame of the same long table (position, token_id,
+    logit), `to_parquet` and `read_parquet` with default settings, from the float32 matrix
+    to the table in memory. Our side ends with the whole float32 matrix in memory
+    (`logits_io.read_matrix`: the logit column of every row group, decoded in parallel).
+    Information: numpy save + load of the matrix, the same layout with compression=None
+    (the floor of the long format), write and read separately, a compressed numpy file,
+    and the size against raw bf16.
     """
+    import pandas as pd
     arr = logits.float().numpy()
     pq_path, raw_path, np_path = tmp / "logits.parquet", tmp / "logits_uncompressed.parquet", tmp / "logits.npy"
+    pd_path = tmp / "logits_pandas.parquet"
     split: dict[str, list[float]] = {"parquet_write": [], "parquet_read": []}
 
     def write_read(path: Path, compression: str | None, record: bool = False) -> np.ndarray:
@@ -107,12 +116,19 @@ def bench_logits_io(logits: torch.Tensor, plan: Plan, res: Results, tmp: Path) -
         np.save(np_path, arr)
         return np.load(np_path)
 
+    def pandas_io():            # what a user would write otherwise: the same long table, default settings
+        t, v = arr.shape
+        frame = pd.DataFrame({"position": np.repeat(np.arange(t, dtype=np.int32), v),
+                              "token_id": np.tile(np.arange(v, dtype=np.int32), t), "logit": arr.reshape(-1)})
+        frame.to_parquet(pd_path)
+        return pd.read_parquet(pd_path)
+
     def numpy_compressed():      # a size-comparable numpy file, for context
         np.savez_compressed(tmp / "logits.npz", logits=arr)
         return np.load(tmp / "logits.npz")["logits"]
 
-    times = alternate({"parquet": parquet, "numpy": numpy_io, "parquet_uncompressed": parquet_uncompressed},
-                      plan.reps_io)
+    times = alternate({"parquet": parquet, "pandas": pandas_io, "numpy": numpy_io,
+                       "parquet_uncompressed": parquet_uncompressed}, plan.reps_io)
     # One pair only: zlib takes seconds per call, and this ratio is context, not a target.
     times |= {f"{k}_vs_npz": v for k, v in alternate({"parquet": parquet, "npz": numpy_compressed}, 1, 0).items()}
     positions, stored = logits_io.read_matrix(pq_path)
@@ -121,12 +137,19 @@ def bench_logits_io(logits: torch.Tensor, plan: Plan, res: Results, tmp: Path) -
     raw_bf16 = arr.size * 2
     res.sections["logits_io"] = {"shape": list(arr.shape), "read_back_exact": exact,
                                  "parquet_bytes": pq_path.stat().st_size, "npy_bytes": np_path.stat().st_size,
+                                 "pandas_parquet_bytes": pd_path.stat().st_size,
                                  "uncompressed_parquet_bytes": raw_path.stat().st_size,
                                  "npz_bytes": (tmp / "logits.npz").stat().st_size,
                                  "raw_bf16_bytes": raw_bf16, "encodings": sorted(logits_io.logit_encodings(pq_path)),
                                  **summary(times), **summary(split)}
-    res.ratio("parquet_vs_numpy", paired_ratio(times, "parquet", "numpy"), 3.0,
-              "logits.parquet write + full read / numpy save + load (float32)")
+    res.ratio("parquet_vs_pandas", paired_ratio(times, "parquet", "pandas"), 0.5,
+              "logits.parquet write + full read / pandas DataFrame.to_parquet + read_parquet of the same long "
+              "table (position, token_id, logit; default settings)")
+    res.ratio("parquet_size_vs_pandas", pq_path.stat().st_size / pd_path.stat().st_size, 0.6,
+              "logits.parquet bytes / the pandas file's bytes")
+    res.ratio("parquet_vs_numpy", paired_ratio(times, "parquet", "numpy"), None,
+              "logits.parquet write + full read / numpy save + load (float32)",
+              "information: a raw matrix file, not the long table the layout requires")
     res.ratio("parquet_uncompressed_vs_numpy", paired_ratio(times, "parquet_uncompressed", "numpy"), None,
               "the same Parquet layout with compression=None, write + full read / numpy save + load",
               "information: the floor of the long format; parquet_vs_numpy minus this is what zstd costs")
@@ -230,8 +253,9 @@ def _loaded(ws: Workspace):
 # ---------------------------------------------------------------- the command
 def report(result: dict) -> str:
     """What `nexttoken bench` prints: the ratios, then the scale table when it ran."""
-    from bench.scale import scale_table
-    scale = scale_table(result["sections"].get("scale", {}))
+    from bench import chain_scale
+    scale = "\n\n".join(chain_scale.table(s) for s in result["sections"].get("scale", {}).values()
+                        if isinstance(s, dict) and "runs" in s)
     return table(result["ratios"]) + ("\n\n" + scale if scale else "")
 
 
@@ -247,14 +271,14 @@ def table(ratios: dict) -> str:
 
 
 def run(root: Path, quick: bool = False, only: str | None = None, lengths: tuple[int, ...] | None = None,
-        workspace_lengths: tuple[int, ...] | None = None) -> dict:
+        workspace_lengths: tuple[int, ...] | None = None, last_lengths: tuple[int, ...] | None = None) -> dict:
     """Every section (or `only` one) in order; bench.json is rewritten after each section, so an
     interrupted run keeps what it measured (`complete` says whether it finished)."""
     from bench import scale
     from pipeline.store import provenance
     if only is not None and only not in SECTIONS:
         raise UserError(f"--only {only!r}: one of {', '.join(SECTIONS)}")
-    ws, plan, res = Workspace.open(root), Plan.make(quick, lengths, workspace_lengths), Results()
+    ws, plan, res = Workspace.open(root), Plan.make(quick, lengths, workspace_lengths, last_lengths), Results()
     started = time.time()
     out = {"schema_version": 1, "quick": quick, "only": only, "complete": False, "model": ws.name,
            "snapshot": str(ws.snapshot), "dtype": ws.cfg["capture"].dtype, "torch_threads": torch.get_num_threads(),

@@ -35,27 +35,34 @@ from pipeline.store import paths
 
 @dataclass(frozen=True)
 class Plan:
-    """Repetitions and sizes: the full run fits 15 minutes on a 2-core CPU; --quick is for tests."""
+    """Repetitions and sizes: the default run fits well under an hour on a 2-core CPU; --quick is for tests."""
 
     quick: bool
     reps_forward: int          # capture / nnsight pairs
     reps_io: int
     reps_chain: int
     reps_dvc: int
-    scale_lengths: dict        # model name -> prompt lengths ("workspace" = this workspace's model)
+    # "tiny_qwen2" | "workspace" (this workspace's model) -> capture.positions -> prompt lengths
+    scale_lengths: dict
     dvc_stages: tuple[str, ...] | None = None   # None: every stage after prepare_model
 
     @classmethod
     def make(cls, quick: bool, lengths: tuple[int, ...] | None = None,
-             workspace_lengths: tuple[int, ...] | None = None) -> Plan:
+             workspace_lengths: tuple[int, ...] | None = None, last_lengths: tuple[int, ...] | None = None) -> Plan:
         if quick:
-            return cls(True, 3, 2, 1, 1, {"workspace": lengths or (16, 64)}, ("tokenize", "forward"))
-        # bf16 matmuls on a CPU without native bf16 (AVX2) are slow: tiny_qwen2 at 4096 tokens
-        # takes ~7 minutes (the LM head over every position), gemma3_270m at 1024 ~5; so the
-        # default lengths keep the whole run near 15 minutes and longer ones are opt-in
-        # (--lengths, --workspace-lengths).
-        return cls(False, 3, 3, 1, 1, {"tiny_qwen2": lengths or (32, 256, 1024),
-                                       "workspace": workspace_lengths or ()})
+            return cls(True, 3, 2, 1, 1, {"workspace": {"all": lengths or (16, 64)}}, ("tokenize", "forward"))
+        # The whole chain runs the model ~10 times per prompt (checks, decoding without the cache):
+        # tiny_qwen2 at 4096 tokens takes most of an hour on 2 cores (the LM head over every
+        # position), gemma3_270m hours; so the default lengths stay short and longer ones are
+        # opt-in (--lengths, --workspace-lengths, --last-lengths).
+        return cls(False, 3, 3, 1, 1, {"tiny_qwen2": {"all": lengths or (32, 256, 1024)},
+                                       "workspace": {"all": workspace_lengths or (), "last": last_lengths or ()}})
+
+    def dvc_models(self, workspace_model: str) -> tuple[str, ...]:
+        """Models the dvc section compares: this workspace's (quick), else tiny_qwen2 and this one."""
+        if self.quick:
+            return (workspace_model,)
+        return tuple(dict.fromkeys(("tiny_qwen2", workspace_model)))
 
 
 class Results:

@@ -2,31 +2,31 @@
 
 Peak memory is the process's resident high-water mark (VmHWM), reset after the model is
 loaded (`/proc/self/clear_refs`), so "extra peak" is what one pass adds on top of the loaded
-model; each contender and each prompt length runs in its own `python -m bench.scale`
-child, which prints one JSON line. `bench_dvc` times `dvc repro` in a temporary git clone of
-the working tree against the same stages in one process, and says where the difference goes.
+model; each contender runs in its own `python -m bench.scale` child, which prints one JSON
+line. `bench_scale` runs the whole chain at growing prompt lengths (bench/chain_scale.py).
+`bench_dvc` times `dvc repro` in a temporary git clone of the working tree against the same
+stages in one process, for tiny_qwen2 and this workspace's model, and says where the
+difference goes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench import chain_scale
 from bench.common import (
     Workspace,
     alternate,
     child,
-    fit_exponent,
     nnsight_contender,
     paired_ratio,
     peak_mb,
@@ -76,90 +76,6 @@ def _memory(ws, spec: dict) -> dict:
     took = time.perf_counter() - t0
     out = {"time_s": took, "rss_loaded_mb": base, "peak_mb": peak_mb(), "n_saved": len(kept)}
     return {**out, "extra_peak_mb": out["peak_mb"] - base}
-
-
-def _scale(ws, spec: dict) -> dict:
-    """One prompt length, fresh process: positions=last first (the smaller run, so its peak is
-    clean), then the default capture (all positions). Each: forward with capture, the forward
-    stage's capture.safetensors, the logits Parquet; time and peak RSS above the loaded model."""
-    from pipeline.model import capture
-    code = code_digest()        # the code this child imported (others may edit the tree between children)
-    t0 = time.perf_counter()
-    ws.load()
-    load_s = time.perf_counter() - t0
-    ids = _prompt_ids(ws, spec["length"])
-    with tempfile.TemporaryDirectory() as d:
-        _forward_and_dump(ws, _prompt_ids(ws, 8), "all", Path(d))   # warm-up: imports, pools, kernels
-    passes = {pos: _measured_pass(ws, ids, pos) for pos in ("last", "all")}
-    # Times: the fastest of `reps` passes (one slow moment of a shared machine is not growth);
-    # memory: the first pass. Then the model's own cost at this length, for comparison. CPU time
-    # (all threads) beside wall time: on a shared machine it moves far less with the others' load.
-    for pos, first in passes.items():
-        more = [_measured_pass(ws, ids, pos) for _ in range(spec.get("reps", 1) - 1)]
-        times, cpus = [first["time_s"]] + [r["time_s"] for r in more], [first["cpu_s"]] + [r["cpu_s"] for r in more]
-        first.update(time_s=min(times), time_runs_s=times, cpu_s=min(cpus), cpu_runs_s=cpus)
-    plain, plain_cpu = [], []
-    for _ in range(spec.get("reps", 1)):
-        t, c = time.perf_counter(), time.process_time()
-        capture.plain_forward_logits(ws.model, ids, "all")
-        plain.append(time.perf_counter() - t)
-        plain_cpu.append(time.process_time() - c)
-    return {"length": ids.shape[1], "code_sha256": code, "load_s": load_s, "plain_forward_s": min(plain),
-            "plain_forward_cpu_s": min(plain_cpu), **passes}
-
-
-def code_digest() -> str:
-    """sha256 over the library's and the bench's .py files (path and bytes, in path order)."""
-    import hashlib
-    h = hashlib.sha256()
-    repo = Path(__file__).resolve().parents[1]
-    for f in sorted([*(repo / "pipeline").rglob("*.py"), *(repo / "bench").glob("*.py")]):
-        h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def _measured_pass(ws, ids, positions: str) -> dict:
-    from pipeline.model import capture
-    release_freed()
-    base = rss_mb()
-    phases, peaks, cpu = {}, {}, {}
-    with tempfile.TemporaryDirectory() as d:
-        def phase(name, fn):
-            reset_peak()
-            t, c = time.perf_counter(), time.process_time()
-            result = fn()
-            phases[f"{name}_s"], peaks[f"{name}_mb"] = time.perf_counter() - t, peak_mb() - base
-            cpu[f"{name}_cpu_s"] = time.process_time() - c
-            return result
-        tensors = phase("forward", lambda: capture.run_capture(ws.model, ids, ws.spec(positions)))
-        phase("save_capture", lambda: _save(tensors, ids, Path(d)))
-        phase("logits_dump", lambda: _dump(tensors, ids, positions, Path(d)))
-    sizes = {k: v.numel() * v.element_size() / 2**20 for k, v in tensors.items()}
-    attn = sum(v for k, v in sizes.items() if k.endswith("attn_weights"))
-    logits = sizes[capture.act_name("logits")]
-    return {"rss_loaded_mb": base, **phases, "time_s": sum(phases.values()), **cpu, "cpu_s": sum(cpu.values()), **peaks,
-            "extra_peak_mb": max(peaks.values()),
-            "captured_mb": {"logits": logits, "attn_weights": attn, "other": sum(sizes.values()) - attn - logits}}
-
-
-def _save(tensors: dict, ids, where: Path) -> None:
-    from pipeline.model import forward
-    forward.save_capture(forward.ForwardResult({**tensors, "input_ids": ids}, {}), where / "capture.safetensors")
-
-
-def _dump(tensors: dict, ids, positions: str, where: Path) -> None:
-    from pipeline.model import capture, forward
-    from pipeline.store import logits_io
-    rows = forward.logit_rows({"logit_positions": forward.logit_positions(positions, ids.shape[1])},
-                              tensors[capture.act_name("logits")][0])
-    logits_io.write_logits(where / "logits.parquet", rows, {b"bench": b"1"})
-
-
-def _forward_and_dump(ws, ids, positions: str, where: Path) -> None:
-    from pipeline.model import capture
-    tensors = capture.run_capture(ws.model, ids, ws.spec(positions))
-    _save(tensors, ids, where)
-    _dump(tensors, ids, positions, where)
 
 
 def _chain(ws, spec: dict) -> dict:
@@ -224,32 +140,13 @@ def _imports(ws, spec: dict) -> dict:
     return {"import_torch_transformers_s": time.perf_counter() - t0}
 
 
-def _table(spec: dict) -> dict:
-    """`python -m bench.scale '{"kind": "table", "lengths": [...], "reps": N}'` in a workspace:
-    its scale runs and fits (as `nexttoken bench --only scale` records them), with the load average,
-    the code's commit and the machine; the table is printed to stderr."""
-    from pipeline.store import provenance
-    ws = Workspace.open(Path.cwd())
-    load, code = os.getloadavg(), {"pipeline": str(Path(__file__).resolve().parents[1] / "pipeline"),
-                                   **provenance.git_state(worktree.ROOT), "sha256": code_digest()}
-    result = measure_scale(ws.root, spec["lengths"], spec.get("reps", 1), ws.cfg["capture"].dtype)
-    code["same_in_every_child"] = all(r.get("code_sha256") == code["sha256"] for r in result["runs"])
-    out = {"model": ws.name, "workspace": str(ws.root), **result,
-           "loadavg_1_5_15": {"start": list(load), "end": list(os.getloadavg())},
-           "code": code, "hardware": provenance.hardware()}
-    print(scale_table({ws.name: result}), file=sys.stderr)
-    return out
-
-
-KINDS = {"memory": _memory, "scale": _scale, "chain": _chain, "tl": _transformer_lens, "imports": _imports}
+KINDS = {"memory": _memory, "loaded": chain_scale.loaded_child, "chain": _chain, "tl": _transformer_lens,
+         "imports": _imports}
 
 
 def _main(spec: dict) -> None:
     if spec["kind"] == "imports":    # before anything else imports torch
         print(json.dumps(_imports(None, spec)))
-        return
-    if spec["kind"] == "table":      # the parent of the per-length children: loads no model itself
-        print(json.dumps(_table(spec), default=str))
         return
     ws = Workspace.open(Path.cwd())
     print(json.dumps(KINDS[spec["kind"]](ws, spec), default=str))
@@ -269,81 +166,22 @@ def tiny_workspace(ws, tmp: Path) -> Path:
 
 
 def bench_scale(ws, plan, res, tmp: Path) -> None:
+    """The whole chain at growing prompt lengths (bench/chain_scale.py), per model of the plan."""
+    from pipeline.model import loader
     section = res.sections.setdefault("scale", {})
     for key, lengths in plan.scale_lengths.items():
+        if not any(lengths.values()):
+            continue
         where = ws.root if key == "workspace" else tiny_workspace(ws, tmp)
-        name = ws.name if key == "workspace" else key
-        if name in section or not lengths:     # quick mode: the workspace model is tiny_qwen2 already
+        other = Workspace.open(where)
+        if other.name in section:             # quick mode: the workspace model is tiny_qwen2 already
             continue
-        section[name] = measure_scale(where, lengths, 1 if plan.quick else 2, ws.cfg["capture"].dtype)
-        fits = section[name]["fits"]
-        for kind in ("time", "memory"):
-            res.ratio(f"scale_{kind}_exponent[{name}]", fits["all"][f"{kind}_exponent"], 1.15,
-                      f"log-log slope of {kind} (forward + capture file + logits.parquet) over lengths "
-                      f"{list(lengths)}, default capture", "memory = peak RSS above the loaded model")
-        res.ratio(f"scale_plain_forward_time_exponent[{name}]", fits["plain_forward_time_exponent"], None,
-                  "log-log slope of a hook-free forward alone: the model's own growth on this machine",
-                  "information")
-        for kind in ("time", "memory"):
-            res.ratio(f"scale_{kind}_exponent_last[{name}]", fits["last"][f"{kind}_exponent"], None,
-                      "the same with capture.positions=last (logits_to_keep=1)", "information")
-
-
-def measure_scale(where: Path, lengths, reps: int, dtype: str) -> dict:
-    """The scale runs of the workspace `where`, one fresh child process per length, and their fits."""
-    lengths = list(lengths)
-    # A long prompt on a slow CPU takes long (gemma3_270m in bf16 on AVX2: most of an hour at 4096):
-    # the timeout is only a guard against a hung child.
-    runs = []
-    for n in lengths:
-        runs.append(child(where, {"kind": "scale", "length": n, "reps": reps}, timeout=4 * 3600))
-        # printed as it comes: kept if a longer one fails
-        print(f"[scale] T={n}: {json.dumps(runs[-1], default=str)}", file=sys.stderr, flush=True)
-    out = {"lengths": lengths, "dtype": dtype, "reps": reps, "runs": runs, "fits": scale_fits(lengths, runs)}
-    if len(lengths) >= 3:   # fixed overhead dominates the shortest length: the slope without it too
-        out["fits_without_shortest"] = {"lengths": lengths[1:], **scale_fits(lengths[1:], runs[1:])}
-    return out
-
-
-def scale_fits(lengths: list[int], runs: list[dict]) -> dict:
-    """Growth exponents (log-log slopes) of time, CPU time and memory over `lengths`, per positions."""
-    def fit(values):
-        return fit_exponent(lengths, values)
-    fits = {pos: {"time_exponent": fit([r[pos]["time_s"] for r in runs]),
-                  "cpu_time_exponent": fit([r[pos].get("cpu_s", math.nan) for r in runs]),
-                  "memory_exponent": fit([r[pos]["extra_peak_mb"] for r in runs]),
-                  "memory_exponent_absolute_peak": fit([r[pos]["rss_loaded_mb"] + r[pos]["extra_peak_mb"]
-                                                        for r in runs])}
-            for pos in ("all", "last")}
-    fits["plain_forward_time_exponent"] = fit([r["plain_forward_s"] for r in runs])
-    fits["plain_forward_cpu_time_exponent"] = fit([r.get("plain_forward_cpu_s", math.nan) for r in runs])
-    return fits
-
-
-def scale_table(section: dict) -> str:
-    """Per model and length: time (wall and CPU) and extra peak memory, all positions and last only, and the fits."""
-    lines = []
-    for name, s in section.items():
-        if not isinstance(s, dict) or "runs" not in s:
-            continue
-        lines += [f"scale {name} ({s['dtype']}): forward + capture.safetensors + logits.parquet, "
-                  "fresh process per length",
-                  f"{'T':>8} {'all: s':>8} {'all: cpu':>8} {'all: +MB':>9} {'last: s':>8} {'last: +MB':>9} "
-                  f"{'plain fwd s':>11}  dominant capture (all)"]
-        for r in s["runs"]:
-            a, last = r["all"], r["last"]
-            top = max(a["captured_mb"], key=a["captured_mb"].get)
-            lines.append(f"{r['length']:>8} {a['time_s']:>8.2f} {a.get('cpu_s', math.nan):>8.2f} "
-                         f"{a['extra_peak_mb']:>9.0f} {last['time_s']:>8.2f} {last['extra_peak_mb']:>9.0f} "
-                         f"{r['plain_forward_s']:>11.2f}  {top} {a['captured_mb'][top]:.0f} MB")
-        for label, f in (("exponent", s["fits"]), (f"from {s['lengths'][1] if len(s['lengths']) > 1 else ''}",
-                                                    s.get("fits_without_shortest"))):
-            if f:
-                lines.append(f"{label:>8} {f['all']['time_exponent']:>8.2f} "
-                             f"{f['all'].get('cpu_time_exponent', math.nan):>8.2f} {f['all']['memory_exponent']:>9.2f} "
-                             f"{f['last']['time_exponent']:>8.2f} {f['last']['memory_exponent']:>9.2f} "
-                             f"{f['plain_forward_time_exponent']:>11.2f}")
-    return "\n".join(lines)
+        tokenizer = loader.load_tokenizer(other.snapshot, other.cfg["model"].trust_remote_code)
+        section[other.name] = chain_scale.measure_model(
+            where, tmp / "scale", other.name, other.cfg["prompt"].text,
+            other.cfg["model"].tokenizer.add_special_tokens, tokenizer, {k: list(v) for k, v in lengths.items() if v})
+        section[other.name]["dtype"] = other.cfg["capture"].dtype
+        chain_scale.record_ratios(res, section[other.name])
 
 
 def dvc_command(stages: tuple[str, ...] | None) -> list[str]:
@@ -371,15 +209,31 @@ def _timed_dvc(clone: Path, cmd: list[str]) -> dict:
             "log_tail": "".join(log[-15:]) if rc else ""}
 
 
+DVC_TARGET = 1.3
+
+
 def bench_dvc(ws, plan, res, tmp: Path) -> None:
+    """`dvc repro --force` vs the same stages in one process, for tiny_qwen2 and this workspace's model."""
+    section = res.sections.setdefault("dvc", {})
+    for name in plan.dvc_models(ws.name):
+        prepared = tiny_workspace(ws, tmp) if name == "tiny_qwen2" else ws.root
+        section[name] = _dvc_one(name, prepared, plan, tmp / f"dvc_{name}")
+        runs = section[name]["runs"]
+        res.ratio(f"dvc_repro_vs_in_process[{name}]",
+                  float(np.median([a / b for a, b in zip(runs["dvc_s"], runs["in_process_s"])])), DVC_TARGET,
+                  f"dvc repro --force ({name}, stages after prepare_model) / the same stages in one fresh process",
+                  "the price of stage isolation: interpreter starts, imports, model and tokenizer loads, dvc")
+
+
+def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
     import yaml
     clone = worktree.clone_worktree(tmp / "clone")
-    worktree.sh(clone, sys.executable, "-m", "pipeline.tools.cli", "compose", "model=tiny_qwen2", env=OFFLINE)
-    shutil.copytree(paths.stage_dir("prepare_model", tiny_workspace(ws, tmp)), paths.stage_dir("prepare_model", clone))
+    worktree.sh(clone, sys.executable, "-m", "pipeline.tools.cli", "compose", f"model={name}", env=OFFLINE)
+    shutil.copytree(paths.stage_dir("prepare_model", prepared), paths.stage_dir("prepare_model", clone))
     worktree.sh(clone, "dvc", "commit", "--force", "prepare_model", env=OFFLINE)
     stages = plan.dvc_stages or tuple(s for s in yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
                                       if s != "prepare_model")
-    scratch = scratch_workspace(clone, tmp / "dvc_inprocess")
+    scratch = scratch_workspace(clone, tmp / "in_process")
     dvc_runs, chain_runs = [], []
     for r in range(plan.reps_dvc):     # alternate: dvc, one-process chain (flipped every repetition)
         order = (0, 1) if r % 2 == 0 else (1, 0)
@@ -387,16 +241,12 @@ def bench_dvc(ws, plan, res, tmp: Path) -> None:
             if k == 0:
                 dvc_runs.append(_timed_dvc(clone, dvc_command(plan.dvc_stages)))
             else:
-                chain_runs.append(child(scratch, {"kind": "chain", "stages": list(stages)}))
+                chain_runs.append(child(scratch, {"kind": "chain", "stages": list(stages)}, timeout=4 * 3600))
     imports = child(clone, {"kind": "imports"})
-    res.sections["dvc"] = {"model": "tiny_qwen2", "command": " ".join(dvc_command(plan.dvc_stages)),
-                           "stages": list(stages), **_isolation(clone, stages, dvc_runs[-1], chain_runs[-1], imports),
-                           "runs": {"dvc_s": [r["total_s"] for r in dvc_runs],
-                                    "in_process_s": [r["process_wall_s"] for r in chain_runs]}}
-    res.ratio("dvc_repro_vs_in_process", float(np.median([a["total_s"] / b["process_wall_s"]
-                                                          for a, b in zip(dvc_runs, chain_runs)])), None,
-              "dvc repro --force (tiny_qwen2, stages after prepare_model) / the same stages in one fresh process",
-              "information: the price of stage isolation")
+    return {"model": name, "command": " ".join(dvc_command(plan.dvc_stages)), "stages": list(stages),
+            **_isolation(clone, stages, dvc_runs[-1], chain_runs[-1], imports),
+            "runs": {"dvc_s": [r["total_s"] for r in dvc_runs],
+                     "in_process_s": [r["process_wall_s"] for r in chain_runs]}}
 
 
 def _isolation(clone: Path, stages: tuple[str, ...], d: dict, c: dict, imports: dict) -> dict:

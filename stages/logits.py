@@ -1,4 +1,8 @@
-"""Stage logits: the captured logits in long format (logits.parquet) and the vocabulary."""
+"""Stage logits: the captured logits in long format (logits.parquet), one row at a time.
+
+Reads capture.safetensors without torch or the tokenizer (the vocabulary table is the
+tokenize stage's vocab.parquet): the stage holds one row of [T, V] at any prompt length.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stage tokenize: tokens.parquet (one row per prompt position) and the round trip."""
+"""Stage tokenize: tokens.parquet (one row per prompt position), the round trip, and vocab.parquet."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def main() -> None:
         run.model = provenance.model_record(source)
         run.facts = {"n_tokens": len(tok.ids), "round_trip_ok": tok.summary["round_trip_ok"]}
         run.write_parquet(paths.TOKENS[1], tok.table)
+        # every id of the model's output, built here once: later stages read it instead of a tokenizer
+        run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(loader.output_size(snapshot))))
         run.write_json(paths.TOKENIZE_SUMMARY[1], summary)
 
 

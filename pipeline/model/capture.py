@@ -39,24 +39,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import bad_value
+from pipeline.model.names import ATTN_INTERNALS, GLOBAL_KINDS, LAYER_KINDS, act_name  # noqa: F401 (re-exported)
 
-GLOBAL_KINDS = ("embed", "final_norm_out", "logits")
-LAYER_KINDS = ("resid_pre", "attn_weights", "attn_out", "resid_mid", "mlp_out", "resid_post")
-# Layer-0 internals, in the order they are computed.
-ATTN_INTERNALS = ("ln1_out", "attn.q", "attn.k", "attn.v", "attn.q_norm_out", "attn.k_norm_out",
-                  "attn.q_rot", "attn.k_rot", "attn.mask", "attn_weights", "attn.z")
 _QK_NORM_KINDS = ("attn.q_norm_out", "attn.k_norm_out")
-
-
-def act_name(kind: str, layer: int | None = None) -> str:
-    """The one naming function: `act_name("resid_pre", 3) -> "blocks.3.resid_pre"`."""
-    if layer is None:
-        if kind not in GLOBAL_KINDS:
-            raise ValueError(f"{kind!r} is not a model-level activation; known: {GLOBAL_KINDS}")
-        return kind
-    if kind not in LAYER_KINDS and kind not in ATTN_INTERNALS:
-        raise ValueError(f"{kind!r} is not a per-layer activation")
-    return f"blocks.{layer}.{kind}"
 
 
 @dataclass(frozen=True)

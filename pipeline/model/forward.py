@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,13 +59,15 @@ class ForwardResult:
     facts: dict
 
 
-def run(p: ForwardPlan, ids: list[int], trust_remote_code: bool) -> ForwardResult:
+def run(p: ForwardPlan, ids: list[int], tokenizer_len: int, trust_remote_code: bool) -> ForwardResult:
+    """`tokenizer_len`: as the tokenize stage recorded it (tokenize.json), not a second tokenizer load."""
     if not ids:
         raise UserError("tokens.parquet holds no tokens: re-run the tokenize stage")
+    if isinstance(tokenizer_len, bool) or not isinstance(tokenizer_len, int):
+        raise UserError(f"tokenize.json records tokenizer_len={tokenizer_len!r}: re-run the tokenize stage")
     memory.guard(memory.estimate(p.snapshot, p.dtype, len(ids), p.spec, trust_remote_code), p.device, p.spread)
     model = loader.load_model(p.snapshot, p.dtype, str(p.device), p.capture.attn_implementation,
                               trust_remote_code, spread=p.spread)
-    tokenizer_len = len(loader.load_tokenizer(p.snapshot))
     input_ids = torch.tensor([ids], dtype=torch.long)
     tensors = capture.run_capture(model, input_ids, p.spec)
     where = loader.device_record(model, p.device)
@@ -92,7 +93,8 @@ def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool) -> None:
     """The forward stage: one captured pass over the stored tokens -> capture.safetensors + facts.json."""
     stage.use(paths.stage_dir("prepare_model"))
     ids = read_parquet(stage.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
-    result = run(p, ids, trust_remote_code=trust_remote_code)
+    tokenizer_len = read_json(stage.use(paths.TOKENIZE_SUMMARY))["tokenizer_len"]
+    result = run(p, ids, tokenizer_len, trust_remote_code=trust_remote_code)
     stage.model = {**p.model_record, "trust_remote_code": trust_remote_code}
     stage.facts = result.facts
     save_capture(result, stage.out(paths.CAPTURE[1]))
@@ -104,61 +106,32 @@ def logit_positions(positions: str, n: int) -> list[int]:
 
 
 def save_capture(result: ForwardResult, path: Path) -> None:
-    from safetensors.torch import save
+    """capture.safetensors, streamed: safetensors writes the header, then each tensor's bytes
+    straight from its storage (no second copy of the capture in memory); then the header's
+    metadata is put in canonical order in place (`canonical_header`: same length, so the
+    tensor bytes stay where they are)."""
+    from safetensors.torch import save_file
     meta = {"format": "nexttoken-capture", "names": json.dumps(list(result.tensors))}
-    data = memoryview(save({k: v.contiguous() for k, v in result.tensors.items()}, metadata=meta))
-    header, body = _canonical_header(data)
-    with open(path, "wb") as f:   # in the staging folder: a half-written file never reaches artifacts/
+    # in the staging folder: a half-written file never reaches artifacts/
+    save_file({k: v.contiguous() for k, v in result.tensors.items()}, str(path), metadata=meta)
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = canonical_header(f.read(n))
+        if len(header) != 8 + n:     # never seen: the same JSON in another key order has the same length
+            raise RuntimeError(f"{path}: the canonical safetensors header is {len(header) - 8} bytes, not {n}")
+        f.seek(0)
         f.write(header)
-        f.write(body)
 
 
-def _canonical_header(data: memoryview) -> tuple[bytes, memoryview]:
-    """The safetensors header with its metadata keys sorted, and the tensor bytes after it.
+def canonical_header(text: bytes) -> bytes:
+    """The 8-byte length and the safetensors header JSON with its metadata keys sorted, padded
+    with spaces so the tensor data stays 8-byte aligned.
 
     safetensors writes `__metadata__` from a Rust HashMap, whose order changes from one
     process to the next: the same capture would get different bytes (and sha256) per run.
     """
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(bytes(data[8:8 + n]))
+    header = json.loads(text)
     header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-(8 + len(text)) % 8)          # tensor data stays 8-byte aligned
-    return struct.pack("<Q", len(text)) + text, data[8 + n:]
-
-
-def load_logits(path: Path, facts: dict) -> torch.Tensor:
-    """The stored logits as [rows, V] in their computed dtype (rows = logit_positions).
-
-    The capture must belong with facts.json: same input ids, same logits shape.
-    """
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            logits, input_ids = f.get_tensor(capture.act_name("logits")), f.get_tensor("input_ids")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-    recorded = (facts.get("names") or {}).get(capture.act_name("logits"), {}).get("shape")
-    if input_ids[0].tolist() != facts.get("input_ids") or list(logits.shape) != recorded:
-        raise UserError(f"{path} and {Path(path).with_name('facts.json')} come from different runs (input ids "
-                        f"or logits shape {list(logits.shape)} != {recorded} differ): re-run `dvc repro`")
-    return logits[0]
-
-
-def logit_rows(facts: dict, logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    positions = facts["logit_positions"]
-    if len(positions) != logits.shape[0]:
-        raise UserError(f"capture.safetensors has {logits.shape[0]} logit rows but facts.json lists "
-                        f"{len(positions)} positions: the forward artifacts come from different runs")
-    for i, pos in enumerate(positions):
-        yield pos, logits[i]
-
-
-def logits_facts(facts: dict, logits: torch.Tensor) -> dict:
-    """Key facts carried in logits.parquet's schema metadata."""
-    import hashlib
-    raw = logits.contiguous().view(torch.uint8) if logits.dtype != torch.float32 else logits.contiguous()
-    return {"dtype": facts["compute_dtype"], "device": facts["device"], "output_size": facts["output_size"],
-            "n_positions": facts["n_positions"], "tokenizer_len": facts["tokenizer_len"],
-            "positions": facts["logit_positions"],
-            "logits_content_sha256": hashlib.sha256(raw.numpy()).hexdigest()}   # hashes the buffer: no copy
+    out = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    out += b" " * (-(8 + len(out)) % 8)
+    return struct.pack("<Q", len(out)) + out

@@ -125,6 +125,11 @@ def max_positions(path: Path, trust_remote_code: bool = False) -> int | None:
     return getattr(auto_config(path, trust_remote_code).get_text_config(), "max_position_embeddings", None)
 
 
+def output_size(path: Path, trust_remote_code: bool = False) -> int:
+    """Rows of the LM head (the config's vocab_size; may exceed len(tokenizer)), from the config alone."""
+    return int(auto_config(path, trust_remote_code).get_text_config().vocab_size)
+
+
 def num_layers(path: Path, trust_remote_code: bool = False) -> int:
     """Number of decoder layers, from the snapshot's config alone (no weights loaded)."""
     return int(auto_config(path, trust_remote_code).get_text_config().num_hidden_layers)

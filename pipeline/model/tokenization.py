@@ -36,9 +36,21 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def is_byte_level(tokenizer) -> bool:
-    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    # The decoder's own JSON: serialising the whole tokenizer (vocabulary, merges) took seconds.
+    decoder = tokenizer.backend_tokenizer.decoder
+    decoder = json.loads(decoder.__getstate__()) if decoder is not None else {}
     kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
     return "ByteLevel" in kinds
+
+
+def decode_each(tokenizer, ids: list[int]) -> list[str]:
+    """`tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)` for
+    every id. Where the tokenizer's decode is transformers' plain call into its `tokenizers`
+    backend (not overridden by its class), that call is made for all ids at once, in Rust."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    if getattr(type(tokenizer), "_decode", None) is TokenizersBackend._decode:
+        return tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    return [tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
 
 
 def piece_bytes(piece: str, byte_level: bool) -> bytes:
@@ -113,6 +125,7 @@ def vocab_table(tokenizer, ids: list[int] | range) -> pa.Table:
     ids = list(ids)
     known = [i for i in ids if i < n]
     pieces = dict(zip(known, tokenizer.convert_ids_to_tokens(known)))
+    texts = dict(zip(known, decode_each(tokenizer, known)))
     rows = {"token_id": [], "piece": [], "piece_bytes_hex": [], "text": [], "decodes_alone": [],
             "is_special": [], "has_token": []}
     for i in ids:
@@ -122,8 +135,7 @@ def vocab_table(tokenizer, ids: list[int] | range) -> pa.Table:
         rows["token_id"].append(i)
         rows["piece"].append(piece)
         rows["piece_bytes_hex"].append(None if raw is None else raw.hex())
-        rows["text"].append(None if piece is None else tokenizer.decode(
-            [i], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        rows["text"].append(None if piece is None else texts[i])
         rows["decodes_alone"].append(None if raw is None else decodes_alone(raw))
         rows["is_special"].append(i in special)
         rows["has_token"].append(piece is not None)

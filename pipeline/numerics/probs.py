@@ -188,6 +188,9 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     positions = resolve_positions(probs_cfg.positions, facts["n_positions"], facts["positions"])
     vocab_t = read_parquet(vocab_path, columns=["token_id", "text"])
     vocab = dict(zip(vocab_t["token_id"].to_pylist(), vocab_t["text"].to_pylist()))
+    if len(vocab) != facts.get("output_size"):
+        raise UserError(f"{vocab_path} lists {len(vocab)} ids but {logits_path} holds {facts.get('output_size')} "
+                        "per position: they come from different models; re-run `dvc repro`")
     largest = 0.0
     for pos in positions:               # refuse before any work; one row in memory at a time
         row = logits_io.read_position(logits_path, pos)

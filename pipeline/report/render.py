@@ -21,10 +21,10 @@ import numpy as np
 
 from pipeline import kernels
 from pipeline.errors import UserError
-from pipeline.model.capture import act_name
+from pipeline.model.names import act_name
 from pipeline.report import plots
 from pipeline.report.plots import Figure, Fonts
-from pipeline.store import logits_io, paths
+from pipeline.store import logits_io, paths, safetensors_io
 from pipeline.store.artifacts import read_json, read_parquet
 
 Use = Callable[[Any], Path]     # StageRun.use: records an input, returns its path
@@ -78,20 +78,17 @@ def src(item) -> str:
 
 
 def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], str]]:
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = set(f.keys())
-            want = [act_name("embed"), act_name("final_norm_out")]
-            missing = [n for n in want + ["input_ids"] if n not in names]
-            if missing:
-                raise UserError(f"{path} has no tensor {missing[0]!r}: re-run the forward stage")
-            # float32 holds every bf16/fp16 value exactly, and numpy has no bfloat16
-            coords = {n: f.get_tensor(n)[0, :, :N_COORDS].float().numpy() for n in want}
-            ids = f.get_slice("input_ids")
-            return coords, (list(ids.get_shape()), ids.get_dtype())
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    """The first N_COORDS coordinates of embed and final_norm_out at every position (float32
+    holds every bf16/fp16 value exactly), and the captured input ids' shape and dtype; read
+    without torch, these tensors only."""
+    tensors, _ = safetensors_io.header(path)
+    want = [act_name("embed"), act_name("final_norm_out")]
+    missing = [n for n in want + ["input_ids"] if n not in tensors]
+    if missing:
+        raise UserError(f"{path} has no tensor {missing[0]!r}: re-run the forward stage")
+    coords = {n: safetensors_io.read(path, n)[0, :, :N_COORDS] for n in want}
+    ids = tensors["input_ids"]
+    return coords, (list(ids.shape), ids.dtype)
 
 
 def load(use: Use, root: Path | str = ".") -> Inputs:

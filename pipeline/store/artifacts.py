@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ PARQUET_META_KEY = b"nexttoken"
 # writes a .gitignore there for a stage whose outs are files (probs, trajectories, checks).
 # The swap keeps them, or a failed run under DVC would leave the folder's files untracked.
 KEPT_ON_SWAP = (".gitignore",)
+HASH_INPUTS_ENV = "NEXTTOKEN_HASH_INPUTS"   # set: every stage input is hashed in full, none trusted
 
 
 class StageRun:
@@ -62,7 +62,7 @@ class StageRun:
         """Record an input (an artifact item or a path).
 
         A folder records every file its stage produced (not its manifest, which is the
-        record of those files, not one of them).
+        record of those files, not one of them). See `_input_record` for what is read.
         """
         path = paths.locate(item, self.root)
         if not path.exists():
@@ -71,21 +71,48 @@ class StageRun:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != paths.MANIFEST) \
             if path.is_dir() else [path]
         for f in files:
-            # sha256 first and checked against the manifests; only then is the file parsed
-            # (for its logical hash), so a damaged file is named as such, not as a parse error.
-            record = {"path": _rel(f, self.root), "bytes": f.stat().st_size, "sha256": provenance.sha256_file(f)}
+            record = self._input_record(f)
             self._verify(record)
-            try:
-                logical = provenance.logical_hash(f)
-            except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:
-                kind = {".parquet": "Parquet", ".safetensors": "safetensors"}.get(f.suffix, f.suffix)
-                detail = (str(e).splitlines() or [type(e).__name__])[0].split("': ")[-1]   # not the path again
-                raise UserError(f"{record['path']} is not a readable {kind} file (truncated or corrupt?): "
-                                f"{detail}") from None
-            if logical is not None:
-                record["logical_sha256"] = logical
             self._inputs.append(record)
         return path
+
+    def _input_record(self, f: Path) -> dict[str, Any]:
+        """path, size and sha256 of an input, read cheaply where that is safe.
+
+        A file its producing stage recorded, still of the recorded size and modification time
+        (ns), is that file: its recorded sha256 and logical hash are taken over without
+        reading it again (DVC trusts its own outputs the same way). Anything else (another
+        size or time, a copy DVC checked out, no record, or NEXTTOKEN_HASH_INPUTS=1) is
+        hashed in full and then checked against the record (`_verify`). Nothing is parsed
+        here: a file that is unreadable yet unrecorded is named by the reader that opens it.
+        """
+        rel, st = _rel(f, self.root), f.stat()
+        made = self._producer_record(rel) or {}
+        trusted = not os.environ.get(HASH_INPUTS_ENV) and made.get("sha256") and \
+            made.get("bytes") == st.st_size and made.get("mtime_ns") == st.st_mtime_ns
+        record = {"path": rel, "bytes": st.st_size,
+                  "sha256": made["sha256"] if trusted else provenance.sha256_file(f)}
+        if record["sha256"] == made.get("sha256"):
+            record |= {k: made[k] for k in ("logical_sha256", "logical_hash_scheme") if k in made}
+        return record
+
+    def _producer_record(self, rel: str) -> dict[str, Any] | None:
+        """The output record of `rel` in its producing stage's manifest (None: no such record)."""
+        parts = Path(rel).parts
+        if len(parts) < 3 or parts[0] != paths.ARTIFACTS or parts[1] not in paths.STAGES:
+            return None
+        manifest = self._manifest(parts[1])
+        return next((o for o in (manifest or {}).get("outputs") or [] if o.get("path") == rel), None)
+
+    def _manifest(self, stage: str) -> dict | None:
+        if stage not in self._manifests:
+            manifest_file = paths.manifest_path(stage, self.root)
+            self._manifests[stage] = read_json(manifest_file) if manifest_file.exists() else None
+        manifest = self._manifests[stage]
+        if manifest is not None and not isinstance(manifest, dict):
+            raise UserError(f"{paths.manifest_path(stage, self.root)} is not a stage manifest (corrupt?): "
+                            "re-run `dvc repro`")
+        return manifest
 
     def _verify(self, record: dict[str, Any]) -> None:
         """Refuse an input that is not what its stage recorded, or not what other inputs were made from.
@@ -101,19 +128,13 @@ class StageRun:
         if len(parts) < 3 or parts[0] != paths.ARTIFACTS or parts[1] not in paths.STAGES:
             return
         stage = parts[1]
-        if stage not in self._manifests:
-            manifest_file = paths.manifest_path(stage, self.root)
-            self._manifests[stage] = read_json(manifest_file) if manifest_file.exists() else None
-        manifest = self._manifests[stage]
+        manifest = self._manifest(stage)
         if manifest is None:
             return
-        if not isinstance(manifest, dict):
-            raise UserError(f"{paths.manifest_path(stage, self.root)} is not a stage manifest (corrupt?): "
-                            "re-run `dvc repro`")
-        made = {o.get("path"): o.get("sha256") for o in manifest.get("outputs") or []}
-        if rel in made and made[rel] != sha:
+        made = self._producer_record(rel)
+        if made is not None and made.get("sha256") != sha:
             raise UserError(f"{rel} was not produced by the recorded run of stage {stage} "
-                            f"(sha256 {sha[:12]} != manifest {str(made[rel])[:12]}): re-run `dvc repro`")
+                            f"(sha256 {sha[:12]} != manifest {str(made.get('sha256'))[:12]}): re-run `dvc repro`")
         for i in manifest.get("inputs") or []:
             self._agree(i.get("path"), i.get("sha256"), stage)
         self._fresh(rel, stage, manifest)

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from pipeline import progress
 from pipeline.errors import UserError
+from pipeline.store import safetensors_io
 from pipeline.store.artifacts import read_parquet
 
 LOGITS_SCHEMA = pa.schema([pa.field("position", pa.int32(), nullable=False),
@@ -65,21 +65,24 @@ def _constant(value, n: int, type_: pa.DataType) -> pa.Array:
         pa.repeat(pa.scalar(value, type_), n)
 
 
-def _float32(row: torch.Tensor) -> np.ndarray:
-    """A logits row as float32, exactly. bf16 is the high half of a float32, so widening is a
-    16-bit shift, done here in numpy: torch's `.to(float32)` of one row is a parallel region,
-    and on a busy 2-core machine its waiting threads made it 40x slower (0.4 s per file)."""
+def _float32(row) -> np.ndarray:
+    """A logits row (a torch tensor, or a numpy array already widened) as float32, exactly.
+    bf16 is the high half of a float32, so widening is a 16-bit shift, done here in numpy:
+    torch's `.to(float32)` of one row is a parallel region, and on a busy 2-core machine its
+    waiting threads made it 40x slower (0.4 s per file). torch is imported only for torch rows
+    (the logits stage reads numpy rows and never imports it)."""
+    if isinstance(row, np.ndarray):
+        return row.astype(np.float32, copy=False)
+    import torch
     row = row.detach().cpu().contiguous()
     if row.dtype == torch.bfloat16:
-        bits = row.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
-        bits <<= 16
-        return bits.view(np.float32)
+        return safetensors_io.widen(row.view(torch.int16).numpy().view(np.uint16), "BF16")
     if row.dtype in (torch.float16, torch.float32):
         return row.numpy().astype(np.float32, copy=False)
     return row.to(torch.float32).numpy()
 
 
-def _row_table(position: int, row: torch.Tensor, schema: pa.Schema, extra: dict | None = None,
+def _row_table(position: int, row, schema: pa.Schema, extra: dict | None = None,
                token_ids: pa.Array | None = None) -> pa.Table:
     values = _float32(row)
     n = values.shape[0]
@@ -90,7 +93,7 @@ def _row_table(position: int, row: torch.Tensor, schema: pa.Schema, extra: dict 
     return pa.Table.from_arrays(cols, schema=schema)
 
 
-def write_logits(path: Path, rows: Iterable[tuple[int, torch.Tensor]], metadata: dict[bytes, bytes],
+def write_logits(path: Path, rows: Iterable[tuple[int, object]], metadata: dict[bytes, bytes],
                  extra_schema: list[tuple[str, pa.DataType]] | None = None,
                  extra_values: Iterable[dict] | None = None, compression: str | None = "zstd",
                  total: int | None = None) -> int:

@@ -49,25 +49,84 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def logical_hash(path: Path) -> str | None:
-    """Content hash of a table or tensor file that ignores its metadata and layout.
+# Version of `logical_hash`, recorded beside each logical_sha256 ("logical_hash_scheme"); a
+# record without one was made with scheme 1. Scheme 2 streams Parquet row group by row group.
+LOGICAL_HASH_SCHEME = 2
+LOGICAL_HASH_SCHEMES = (1, 2)
 
-    Parquet: the Arrow IPC stream of the table with schema metadata dropped.
-    safetensors: name, dtype, shape and raw bytes of every tensor, in name order.
+
+def logical_hash(path: Path, scheme: int = LOGICAL_HASH_SCHEME) -> str | None:
+    """Content hash of a table or tensor file that ignores its metadata and encoding.
+
+    Parquet, scheme 2: the Arrow IPC stream of the table with schema metadata dropped, one
+    record batch per row group, fed to sha256 as it is written (memory: one row group).
+    Parquet, scheme 1 (runs recorded before scheme 2): the same stream with the whole table as
+    one batch, built in memory; kept only to verify those runs.
+    safetensors (both schemes): name, dtype, shape and raw bytes of every tensor, in name order.
     Other files: None (their sha256 is their identity).
     """
     path = Path(path)
+    if scheme not in LOGICAL_HASH_SCHEMES:
+        raise ValueError(f"logical hash scheme {scheme!r}: this code knows {LOGICAL_HASH_SCHEMES}")
     if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        table = pq.read_table(path).replace_schema_metadata(None).combine_chunks()
-        sink = io.BytesIO()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        return hashlib.sha256(sink.getvalue()).hexdigest()
+        return _parquet_hash(path) if scheme == 2 else _parquet_hash_scheme1(path)
     if path.suffix == ".safetensors":
         return _safetensors_hash(path)
     return None
+
+
+def recorded_scheme(record: dict) -> int:
+    """The logical hash scheme a file record was made with (records before scheme 2 name none)."""
+    return int(record.get("logical_hash_scheme", 1))
+
+
+def logical_matches(path: Path, record: dict) -> bool | None:
+    """Whether `path`'s logical hash, by the scheme its record names, is the recorded one (None:
+    the record has no logical hash). What `nexttoken audit` and `verify` call for every output."""
+    if "logical_sha256" not in record:
+        return None
+    return logical_hash(path, recorded_scheme(record)) == record["logical_sha256"]
+
+
+class _Sha256Sink:
+    """A write-only file object feeding sha256: Arrow's IPC writer streams into it."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return len(memoryview(data))
+
+    def flush(self) -> None:
+        pass
+
+
+def _parquet_hash(path: Path) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sink = _Sha256Sink()
+    with pq.ParquetFile(path) as pf:
+        schema = pf.schema_arrow.remove_metadata()
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
+            for rg in range(pf.num_row_groups):
+                # one chunk per column, so the batch does not depend on how the reader split it
+                table = pf.read_row_group(rg, use_threads=False).replace_schema_metadata(None).combine_chunks()
+                for batch in table.to_batches():
+                    writer.write_batch(batch)
+    return sink.hash.hexdigest()
+
+
+def _parquet_hash_scheme1(path: Path) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pq.read_table(path).replace_schema_metadata(None).combine_chunks()
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
 def _safetensors_hash(path: Path) -> str:
@@ -244,10 +303,13 @@ def environment(root: Path, with_torch: bool = True) -> dict[str, Any]:
 
 
 def file_record(path: Path, root: Path) -> dict[str, Any]:
-    """path (relative to the repo root), size, sha256 and logical hash of one file."""
-    rec = {"path": Path(os.path.relpath(path, root)).as_posix(), "bytes": path.stat().st_size,
+    """path (relative to the repo root), size, modification time (ns), sha256 and logical hash
+    of one file. Size and time let a consumer recognise the very file without reading it."""
+    st = path.stat()
+    rec = {"path": Path(os.path.relpath(path, root)).as_posix(), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
            "sha256": sha256_file(path)}
     logical = logical_hash(path)
     if logical is not None:
         rec["logical_sha256"] = logical
+        rec["logical_hash_scheme"] = LOGICAL_HASH_SCHEME
     return rec

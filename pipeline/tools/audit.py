@@ -127,8 +127,12 @@ def verify_outputs(root: Path, manifests: dict[str, dict], result: Audit) -> dic
 
 def _logical(path: Path, out: dict, manifest: dict, result: Audit) -> None:
     """The logical hash, and a Parquet file's own record of which run wrote it."""
-    if "logical_sha256" in out and provenance.logical_hash(path) != out["logical_sha256"]:
-        result.find("hashes", f"{out['path']}: logical content hash != recorded")
+    if provenance.recorded_scheme(out) not in provenance.LOGICAL_HASH_SCHEMES:
+        result.warn(f"{out['path']}: logical hash scheme {provenance.recorded_scheme(out)} is newer than this "
+                    f"code's {provenance.LOGICAL_HASH_SCHEMES}: not compared (its sha256 was)")
+    elif provenance.logical_matches(path, out) is False:   # by the scheme the run recorded it with
+        result.find("hashes", f"{out['path']}: logical content hash (scheme {provenance.recorded_scheme(out)}) "
+                              "!= recorded")
     if path.suffix == ".parquet":
         written_by = parquet_facts(path).get("config_sha256")
         if written_by is not None and written_by != manifest.get("config_sha256"):
@@ -262,7 +266,7 @@ def code_changes(lock: dict, result: Audit) -> None:
 def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit) -> None:
     """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does."""
     try:
-        derived = probs_outputs(root, params)
+        derived = probs_outputs(root, params, manifest)
     except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
         result.find("re-derive", f"probs could not be recomputed from {paths.LOGITS[1]}: {type(e).__name__}: {e}")
         return
@@ -286,10 +290,13 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit) -> N
     result.notes.append(f"re-derived {', '.join(i[1] for i in derived)} from {paths.LOGITS[1]}")
 
 
-def probs_outputs(root: Path, params: dict) -> dict[tuple[str, str], Any]:
-    """The probs stage's tables and JSON, recomputed by the stage's own function."""
+def probs_outputs(root: Path, params: dict, manifest: dict | None = None) -> dict[tuple[str, str], Any]:
+    """The probs stage's tables and JSON, recomputed by the stage's own function from the files
+    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits)."""
     from pipeline.numerics import probs
-    outputs, _ = probs.build(paths.artifact(paths.LOGITS, root), paths.artifact(paths.VOCAB, root),
+    read = {Path(i["path"]).name: root / i["path"] for i in (manifest or {}).get("inputs") or []}
+    outputs, _ = probs.build(read.get(paths.LOGITS[1], paths.artifact(paths.LOGITS, root)),
+                             read.get(paths.VOCAB[1], paths.artifact(paths.VOCAB, root)),
                              schema.load_section(params, "probs"), schema.load_section(params, "sampling"))
     return outputs
 

@@ -268,6 +268,14 @@ def test_logits_finite_counts_and_names_positions():
     assert suite._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and suite._ranges([3]) == "3"
 
 
+def test_logits_finite_counts_rows_across_its_64_row_chunks():
+    logits = torch.zeros(1, 130, 5, dtype=torch.bfloat16)
+    logits[0, 63, 1], logits[0, 64, 0], logits[0, 129, 4] = float("nan"), float("-inf"), float("nan")
+    c = suite.logits_finite(logits, list(range(130)))
+    assert c.measured == 3 and c.detail.startswith("positions 63-64, 129 (3 of 130); position 63: 1 ids (first: [1])")
+    assert c.detail.endswith("position 129: 1 ids (first: [4])")
+
+
 def test_a_missing_stage_is_one_failed_error_check():
     c = suite.outputs_missing("probs")
     assert c.name == "probs_outputs" and c.severity == "error" and not c.passed

@@ -128,10 +128,28 @@ def test_logits_readable_by_duckdb_and_polars_and_one_row_group_per_position(ws)
 
 
 def test_vocab_marks_ids_past_the_tokenizer(ws):
-    vocab = pq.read_table(ws / "artifacts/logits/vocab.parquet").to_pandas()
+    vocab = pq.read_table(ws / "artifacts/tokenize/vocab.parquet").to_pandas()
     assert len(vocab) == 152064
     assert vocab.loc[151669:, "has_token"].eq(False).all() and vocab.loc[151669:, "piece"].isna().all()
     assert vocab.loc[9315, "piece"] == "Ġtemperature" and vocab.loc[9315, "text"] == " temperature"
+
+
+def test_vocab_text_is_each_ids_own_decode(ws):
+    """vocab.parquet's text column, decoded for all ids in one backend call, is what
+    tokenizer.decode([i]) gives for every id; a tokenizer class with its own decode is called per id."""
+    from pipeline.model import tokenization
+    tokenizer = loader.load_tokenizer(ws / "artifacts/prepare_model")
+    ids = list(range(len(tokenizer)))
+    want = [tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+    assert pq.read_table(ws / "artifacts/tokenize/vocab.parquet", columns=["text"])["text"].to_pylist()[:len(ids)] \
+        == want
+    assert tokenization.is_byte_level(tokenizer)
+
+    class OwnDecode(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "<" + super()._decode(token_ids, **kwargs) + ">"
+    tokenizer.__class__ = OwnDecode
+    assert tokenization.decode_each(tokenizer, [9315, 0]) == ["< temperature>", "<!>"]
 
 
 def test_probability_tables_are_numpys_softmax_of_the_logits(ws):

@@ -39,7 +39,8 @@ from transformers.generation.logits_process import (
 
 from pipeline.checks import stage as checks_stage
 from pipeline.config import schema
-from pipeline.model import capture, decode, forward, loader, tokenization, trajectories
+from pipeline.model import capture, decode, loader, tokenization, trajectories
+from pipeline.model.capture_file import CapturedLogits
 from pipeline.numerics import probs, sampling
 from pipeline.store import logits_io, paths
 from tests.reliability.conftest import link_copy, one_thread, run_stage_here
@@ -174,8 +175,8 @@ def _positional(index: int, value):
 
 
 def _shift_rows(orig):
-    def rows(facts, logits):
-        pairs = list(orig(facts, logits))
+    def rows(self):
+        pairs = list(orig(self))
         return [(p, pairs[max(i - 1, 0)][1]) for i, (p, _) in enumerate(pairs)]
     return rows
 
@@ -226,7 +227,7 @@ MUTANTS = [
     Mutant("RoPE positions start at 1 in the prompt pass", ("forward", "logits", "probs"),
            lambda mp: wrap(mp, capture, "_forward", _rope_from_one)),
     Mutant("logits.parquet rows shifted by one position", ("logits", "probs"),
-           lambda mp: wrap(mp, forward, "logit_rows", _shift_rows)),
+           lambda mp: mp.setattr(CapturedLogits, "rows", _shift_rows(CapturedLogits.rows))),
     Mutant("FP64 table computed by a bf16 softmax", PROBS,
            lambda mp: wrap(mp, sampling, "probability_table", _p64(lambda x, t: torch.softmax(x.bfloat16() / t, -1)))),
     Mutant("FP64 table computed in float32", PROBS,

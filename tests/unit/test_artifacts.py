@@ -32,7 +32,8 @@ def test_manifest_records_every_field_and_true_hashes(tmp_path):
     m = json.loads((tmp_path / "artifacts/tokenize/manifest.json").read_text())
     assert set(m) >= MANIFEST_FIELDS
     assert m["stage"] == "tokenize" and m["seeds"] == {"sample": 7}
-    assert m["inputs"] == [provenance.file_record(src / "source.json", tmp_path)]
+    assert m["inputs"] == [{k: v for k, v in provenance.file_record(src / "source.json", tmp_path).items()
+                            if k in ("path", "bytes", "sha256")}]   # no producer manifest: hashed here
     assert {o["path"] for o in m["outputs"]} == {"artifacts/tokenize/t.parquet", "artifacts/tokenize/s.json"}
     for o in m["outputs"]:
         assert o["sha256"] == provenance.sha256_file(tmp_path / o["path"])
@@ -157,3 +158,62 @@ def test_an_input_made_from_a_prompt_file_edited_since_is_named_stale(tmp_path):
     with pytest.raises(UserError, match=stale), artifacts.stage_run("checks", {}, tmp_path) as run:
         run.use(tmp_path / "prompts/p.txt")      # as the checks stage: the prompt file first, then the tables
         run.use(paths.TABLE)
+
+
+def _produce(tmp_path, rows_per_group: int = 2):
+    """A tokenize run writing t.parquet (several row groups), as a producer for `use`."""
+    with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        run.write_parquet("t.parquet", _table(), row_group_size=rows_per_group)
+    return tmp_path / "artifacts/tokenize/t.parquet"
+
+
+def _consume(tmp_path, item=("tokenize", "t.parquet")) -> dict:
+    with artifacts.stage_run("forward", {}, tmp_path) as run:
+        run.use(item)
+    return json.loads((tmp_path / "artifacts/forward/manifest.json").read_text())["inputs"][0]
+
+
+def test_an_input_its_producer_recorded_is_not_read_again(tmp_path, monkeypatch):
+    made = _produce(tmp_path)
+    out = json.loads((tmp_path / "artifacts/tokenize/manifest.json").read_text())["outputs"]
+    recorded = next(o for o in out if o["path"].endswith("t.parquet"))
+    read = []
+    real = provenance.sha256_file
+    monkeypatch.setattr(provenance, "sha256_file", lambda p: read.append(p.name) or real(p))
+    monkeypatch.setattr(provenance, "logical_hash", lambda *a: pytest.fail("an input was parsed"))
+    record = _consume(tmp_path)
+    assert "t.parquet" not in read     # same size and mtime as recorded: the recorded hashes stand
+    assert record == {k: recorded[k] for k in ("path", "bytes", "sha256", "logical_sha256", "logical_hash_scheme")}
+    monkeypatch.setenv(artifacts.HASH_INPUTS_ENV, "1")   # audit-grade: every input hashed in full
+    assert _consume(tmp_path)["sha256"] == recorded["sha256"] and read.count("t.parquet") == 1
+    assert made.exists()
+
+
+def test_an_input_changed_since_its_producer_wrote_it_is_hashed_and_refused(tmp_path):
+    import os
+    made = _produce(tmp_path)
+    data = bytearray(made.read_bytes())
+    data[len(data) // 2] ^= 0xFF                        # same size, one byte different
+    st = made.stat()
+    made.write_bytes(bytes(data))
+    os.utime(made, ns=(st.st_atime_ns, st.st_mtime_ns + 1))   # any other mtime: read in full
+    with pytest.raises(UserError, match="t.parquet was not produced by the recorded run of stage tokenize"):
+        _consume(tmp_path)
+
+
+def test_logical_hash_schemes_stream_and_old_records_still_verify(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+    path = _produce(tmp_path, rows_per_group=1)
+    assert pq.ParquetFile(path).num_row_groups == 3
+    scheme1 = provenance.logical_hash(path, 1)
+    with monkeypatch.context() as m:                     # scheme 2 never loads the whole table
+        m.setattr(pq, "read_table", lambda *a, **k: pytest.fail("scheme 2 read the whole table"))
+        scheme2 = provenance.logical_hash(path)
+    assert scheme1 != scheme2 and provenance.LOGICAL_HASH_SCHEME == 2
+    new = {"logical_sha256": scheme2, "logical_hash_scheme": 2}
+    old = {"logical_sha256": scheme1}                     # a record made before schemes were named
+    assert provenance.logical_matches(path, new) and provenance.logical_matches(path, old)
+    assert provenance.logical_matches(path, {"logical_sha256": scheme2}) is False   # read as scheme 1
+    assert provenance.logical_matches(path, {}) is None
+    pq.write_table(_table().set_column(1, "b", pa.array([0.5, 1.5, 2.25])), path, row_group_size=1)
+    assert not provenance.logical_matches(path, new) and not provenance.logical_matches(path, old)

@@ -3,7 +3,8 @@ with this folder on PYTHONPATH and NEXTTOKEN_TEST_PAUSE=<point> in its environme
 run directly, or by `dvc repro`). See tests/helpers/pause.py; the production code knows
 nothing of it.
 
-Points: `forward.capture` (capture.safetensors: its header written, its tensors not yet);
+Points: `forward.capture` (capture.safetensors: its tensors streamed by safetensors, its header
+not yet rewritten in canonical order, i.e. the first write of the `r+b` pass);
 `logits.rows` (logits.parquet after its first row group); `import.torch` (the stage module's
 imports, when torch is about to be imported). At the point, the process writes
 its id to `.nexttoken/test-pause-<point>` in its working directory and sleeps (10 minutes).
@@ -29,14 +30,14 @@ def _pause_capture():
     real_open = builtins.open
 
     class Writer:
-        """A file whose second write (after the header) pauses first."""
+        """A file whose write number `at` pauses first."""
 
-        def __init__(self, f):
-            self._f, self._writes = f, 0
+        def __init__(self, f, at):
+            self._f, self._writes, self._at = f, 0, at
 
         def write(self, data):
             self._writes += 1
-            if self._writes == 2:
+            if self._writes == self._at:
                 self._f.flush()
                 _pause("forward.capture")
             return self._f.write(data)
@@ -53,7 +54,9 @@ def _pause_capture():
     def pausing_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
         named = isinstance(file, (str, os.PathLike)) and Path(file).name == "capture.safetensors"
-        return Writer(f) if named and "w" in mode else f
+        if named and "+" in mode:       # the header rewrite after safetensors wrote the file
+            return Writer(f, 1)
+        return Writer(f, 2) if named and "w" in mode else f
 
     builtins.open = pausing_open
 
