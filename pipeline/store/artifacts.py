@@ -45,7 +45,11 @@ class StageRun:
         self.stage = stage
         self.root = Path(root).resolve()
         self.config = config
-        self.with_torch = True     # False: the manifest leaves out what only torch tells (validate)
+        # False: the manifest leaves out what only torch tells (threads, GPUs, determinism flags,
+        # kernel path). Also left out where the stage never imported torch (logits, probs,
+        # report): it computed nothing with it, and importing torch only to describe it cost
+        # ~2.3 s of each such stage's start (issue 16).
+        self.with_torch = True
         self.seeds: dict[str, int] = {}
         self.model: dict[str, Any] | None = None
         self.facts: dict[str, Any] = {}
@@ -232,7 +236,7 @@ class StageRun:
             "facts": self.facts,
             "inputs": self._inputs,
             "outputs": outputs,
-            **provenance.environment(self.root, self.with_torch),
+            **provenance.environment(self.root, self.with_torch and "torch" in sys.modules),
             "command": sys.argv,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "duration_s": round(time.time() - self._started, 3),
