@@ -376,6 +376,7 @@ def bench_dvc(ws, plan, res, tmp: Path) -> None:
     clone = worktree.clone_worktree(tmp / "clone")
     worktree.sh(clone, sys.executable, "-m", "pipeline.tools.cli", "compose", "model=tiny_qwen2", env=OFFLINE)
     shutil.copytree(paths.stage_dir("prepare_model", tiny_workspace(ws, tmp)), paths.stage_dir("prepare_model", clone))
+    worktree.sh(clone, "dvc", "repro", "validate", env=OFFLINE)   # prepare_model depends on its output
     worktree.sh(clone, "dvc", "commit", "--force", "prepare_model", env=OFFLINE)
     stages = plan.dvc_stages or tuple(s for s in yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
                                       if s != "prepare_model")
