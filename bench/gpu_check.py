@@ -116,7 +116,7 @@ def settings() -> dict:
     conf = {name: read_conf(path) for name, path in CONF.items()}
     src, s = conf["model"]["source"], conf["sampling"]
     return {"architecture": src["architecture"], "seed": src["seed"],
-            "ids": conf["prompt"]["expected_token_ids"]["qwen2"],
+            "ids": conf["prompt"]["known"]["expected_token_ids"]["qwen2"],
             "attention_layers": tuple(conf["capture"]["attention_layers"]),
             "temperatures": conf["probs"]["temperatures"], "kv_cache_atol": conf["checks"]["kv_cache_atol"],
             "sum_tolerance": {"FP64": conf["probs"]["fp64_sum_tolerance"], "FP32": conf["probs"]["fp32_sum_tolerance"]},

@@ -230,6 +230,7 @@ def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
     clone = worktree.clone_worktree(tmp / "clone")
     worktree.sh(clone, sys.executable, "-m", "pipeline.tools.cli", "compose", f"model={name}", env=OFFLINE)
     shutil.copytree(paths.stage_dir("prepare_model", prepared), paths.stage_dir("prepare_model", clone))
+    worktree.sh(clone, "dvc", "repro", "validate", env=OFFLINE)   # prepare_model depends on its output
     worktree.sh(clone, "dvc", "commit", "--force", "prepare_model", env=OFFLINE)
     stages = plan.dvc_stages or tuple(s for s in yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
                                       if s != "prepare_model")

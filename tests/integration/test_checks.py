@@ -154,7 +154,7 @@ def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path
             if rec["path"] == "artifacts/logits/logits.parquet":
                 rec["sha256"] = provenance.sha256_file(logits)
         if manifest["stage"] == "tokenize":     # as if tokenize ran with the ids below (else it is stale)
-            manifest["config"]["prompt"]["expected_token_ids"]["qwen2"][3] = 445
+            manifest["config"]["prompt"]["known"]["expected_token_ids"]["qwen2"][3] = 445
         manifest_path.write_text(json.dumps(manifest))
     params = yaml.safe_load((copy / paths.PARAMS).read_text())
     params["prompt"]["known"]["expected_token_ids"]["qwen2"][3] = 445   # the article says 444
