@@ -270,7 +270,7 @@ def test_logits_finite_counts_and_names_positions():
 
 def test_logits_finite_counts_rows_across_its_64_row_chunks():
     logits = torch.zeros(1, 130, 5, dtype=torch.bfloat16)
-    logits[0, 63, 1], logits[0, 64, 0], logits[0, 129, 4] = float("nan"), float("-inf"), float("nan")
+    logits[0, 63, 1], logits[0, 64, 0], logits[0, 129, 4] = float("nan"), float("inf"), float("nan")
     c = suite.logits_finite(logits, list(range(130)))
     assert c.measured == 3 and c.detail.startswith("positions 63-64, 129 (3 of 130); position 63: 1 ids (first: [1])")
     assert c.detail.endswith("position 129: 1 ids (first: [4])")
