@@ -119,6 +119,8 @@ def prompt_overrides(overrides: list[str], text: str | None, file: str | None, r
     if given:
         raise UserError(f"--prompt / --prompt-file set the prompt, and so does {given[0]!r}: give one of them")
     if text is not None:
+        if problem := schema.prompt_problem(text):      # the text's own fault, before Hydra reads it
+            raise bad_value("--prompt", text, problem)
         return [*overrides, f"prompt.text={quote(text)}"]
     path = Path(file)
     if path.is_absolute() and path.resolve().is_relative_to(root.resolve()):

@@ -71,7 +71,7 @@ def _control_char(text: str) -> str | None:
     return f"U+{ord(bad.group()):04X} at character {bad.start()} (line {text.count(chr(10), 0, bad.start()) + 1})"
 
 
-def _prompt_problem(text: str) -> str | None:
+def prompt_problem(text: str) -> str | None:
     """What a prompt's text must be, when it is not; None when it is fine."""
     if not text.strip():
         return "a non-empty string"
@@ -209,7 +209,7 @@ class PromptConfig(Section):
     # null: `known.name` while the text is the known one, else derived from the text or the file (prompt_name).
     name: Text | None = None
     # The prompt; read from `file` when that is set (then text is null in params.yaml).
-    text: Annotated[str | None, rule(_prompt_problem)] = Field(
+    text: Annotated[str | None, rule(prompt_problem)] = Field(
         None, description="a non-empty string (or null with prompt.file set)")
     file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
     known: KnownPrompt | None = None     # applies only to the text whose sha256 it names
