@@ -7,8 +7,8 @@ One forward pass and no more, refused before the model loads when its estimated 
 exceeds what the device has free (`pipeline.model.memory`). That the capture is transparent
 (its logits equal a hook-free forward's bit for bit) and that the pass repeats exactly is
 established by the checks stage (`capture_transparent`, `repeat_deterministic`), which runs
-those plain forwards itself against the stored capture; running them here as well only
-doubled the cost.
+a plain forward itself against the stored capture (a second one only when they differ);
+running it here as well only doubled the cost.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from pipeline.store import paths, provenance
 from pipeline.store.artifacts import parquet_facts, read_json, read_parquet
 from pipeline.tools import revisions
 from pipeline.tools.divergence import kernel_difference_line, recorded_kernels
-from pipeline.tools.rundiff import json_difference, table_difference
+from pipeline.tools.rundiff import json_difference, shared_keys, table_difference
 
 
 @dataclass
@@ -86,14 +86,15 @@ def audit_folder(root: Path, label: str) -> Audit:
     verify_chain(root, manifests, outputs, result)
     verify_config(params, manifests, result)
     lock = revisions.read_lock(root)
+    same_code = False                # unknown without dvc.lock
     if lock is None:
         result.notes.append("no dvc.lock here: the DVC record was not compared")
     else:
         verify_lock(root, lock, manifests, revisions.read_params_as_dvc(root), result)
-        code_changes(lock, result)
+        same_code = not code_changes(lock, result)
     pin_recorded(params, result)
     if "probs" in manifests:
-        rederive_probs(root, params, manifests["probs"], result)
+        rederive_probs(root, params, manifests["probs"], result, same_code)
     if "checks" in manifests:
         rederive_checks(root, params, result)
     environment(manifests, result)
@@ -206,8 +207,12 @@ def verify_config(params: dict, manifests: dict[str, dict], result: Audit) -> No
             result.find("config", f"{stage}: {e}")
             continue
         for key in diff_keys(expected, m.get("config")):
-            result.find("config", f"{stage}: {key} recorded {revisions.dotted(m.get('config'), key)!r}, "
-                                  f"params.yaml has {revisions.dotted(expected, key)!r}")
+            was, has = revisions.dotted(m.get("config"), key), revisions.dotted(expected, key)
+            if has == revisions.ABSENT and not any(key == k or key.startswith(k + ".") for k in keys):
+                # recorded by older code of this stage, which read a key this code does not
+                result.warn(f"{stage}: recorded {key}={was!r}, a key this code's {stage} stage no longer reads")
+                continue
+            result.find("config", f"{stage}: {key} recorded {was!r}, params.yaml has {has!r}")
     result.notes.append("compared recorded configs with params.yaml")
 
 
@@ -251,8 +256,9 @@ def verify_lock(root: Path, lock: dict, manifests: dict[str, dict], params: dict
     result.notes.append(f"compared dvc.lock ({len(stages)} stages) with the files and params.yaml")
 
 
-def code_changes(lock: dict, result: Audit) -> None:
-    """Warn when the code that re-derives here is not the code the run recorded in dvc.lock."""
+def code_changes(lock: dict, result: Audit) -> list[str]:
+    """Warn when the code that re-derives here is not the code the run recorded in dvc.lock; the
+    code files that differ."""
     code_root = Path(__file__).resolve().parents[2]   # where this pipeline/ and stages/ are imported from
     changed = sorted({d["path"] for e in lock["stages"].values() for d in e.get("deps", [])
                       if d["path"].endswith(".py") and (code_root / d["path"]).is_file()
@@ -260,11 +266,15 @@ def code_changes(lock: dict, result: Audit) -> None:
     if changed:
         result.warn(f"the code here differs from the run's ({', '.join(changed)}): "
                     f"re-derivation uses the code here")
+    return changed
 
 
 # ---------------------------------------------------------------- re-derivation
-def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit) -> None:
-    """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does."""
+def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same_code: bool) -> None:
+    """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does.
+
+    same_code: dvc.lock shows the run's code is this code; else metrics.json (DVC's metrics
+    view, whose layout follows the code) is compared on the keys both layouts have."""
     try:
         derived = probs_outputs(root, params, manifest)
     except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
@@ -284,6 +294,12 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit) -> N
             continue
         if not isinstance(want, pa.Table):   # through JSON, as the stage wrote it (tuples -> lists)
             want = json.loads(json.dumps(want, ensure_ascii=False))
+        if item == paths.PROBS_METRICS and not same_code:
+            stored, want, only = shared_keys(stored, want)
+            if only:
+                result.warn(f"{where}: {len(only)} key(s) only in the run's layout or only in this code's "
+                            f"({', '.join(only[:3])}{', ...' if len(only) > 3 else ''}): made by other "
+                            "code, or by code dvc.lock cannot show; the keys both have are compared")
         diff = table_difference(stored, want) if isinstance(want, pa.Table) else json_difference(stored, want)
         if diff:
             result.find("re-derive", f"{where}: {diff}")

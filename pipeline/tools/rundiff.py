@@ -329,6 +329,17 @@ def table_difference(stored: pa.Table, derived: pa.Table) -> str | None:
     return None
 
 
+def shared_keys(a: Any, b: Any, where: str = "") -> tuple[Any, Any, list[str]]:
+    """Two JSON values cut to the mapping keys both have, and the dotted keys only one has."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return a, b, []
+    out_a, out_b, only = {}, {}, sorted(f"{where}{k}" for k in set(a) ^ set(b))
+    for k in sorted(set(a) & set(b), key=str):
+        out_a[k], out_b[k], deeper = shared_keys(a[k], b[k], f"{where}{k}.")
+        only += deeper
+    return out_a, out_b, only
+
+
 def json_difference(stored: Any, derived: Any, where: str = "") -> str | None:
     """The first key path where two JSON values differ; floats must be the same bits."""
     if isinstance(stored, dict) and isinstance(derived, dict):

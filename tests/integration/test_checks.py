@@ -270,7 +270,7 @@ def test_logits_finite_counts_and_names_positions():
 
 def test_logits_finite_counts_rows_across_its_64_row_chunks():
     logits = torch.zeros(1, 130, 5, dtype=torch.bfloat16)
-    logits[0, 63, 1], logits[0, 64, 0], logits[0, 129, 4] = float("nan"), float("-inf"), float("nan")
+    logits[0, 63, 1], logits[0, 64, 0], logits[0, 129, 4] = float("nan"), float("inf"), float("nan")
     c = suite.logits_finite(logits, list(range(130)))
     assert c.measured == 3 and c.detail.startswith("positions 63-64, 129 (3 of 130); position 63: 1 ids (first: [1])")
     assert c.detail.endswith("position 129: 1 ids (first: [4])")
@@ -389,25 +389,53 @@ def test_weight_on_a_future_position_fails_future_attention(stored):
     assert got["future_attention_layer1"].measured == 0.25 and got["future_attention_layer0"].passed
 
 
-def test_changed_stored_logits_fail_capture_transparency(model, stored):
-    tensors = tensors_with(stored, "logits", (0, 24, 100), 99.0)
-    got = by_name(suite.fresh_forward(model, tensors, "all", "error"))
-    assert not got["capture_transparent"].passed and got["repeat_deterministic"].passed
+def counted_passes(model, drift: float = 0.0):
+    """A forward hook on the LM head counting the passes; the n-th pass adds n * drift to the
+    logits (drift != 0: a model that never gives the same bits twice, the capture's included).
+    Remove the returned handle."""
+    calls: list[int] = []
 
-
-def test_a_nondeterministic_model_fails_repeat_determinism(model, stored):
-    calls = []
-
-    def drift(module, args, output):      # each call adds one more: a model that never repeats itself
+    def hook(module, args, output):
         calls.append(1)
-        return output + (len(calls) - 1)
-    handle = model.lm_head.register_forward_hook(drift)
+        return output + len(calls) * drift if drift else output
+    return calls, model.lm_head.register_forward_hook(hook)
+
+
+def test_a_fresh_pass_equal_to_the_capture_is_the_one_pass_and_proves_the_repeat(model, stored):
+    calls, handle = counted_passes(model)
     try:
         got = by_name(suite.fresh_forward(model, stored.tensors, "all", "error"))
     finally:
         handle.remove()
-    assert got["capture_transparent"].passed and not got["repeat_deterministic"].passed
+    assert len(calls) == 1                      # the capture is the other run: no second pass
+    assert got["capture_transparent"].passed and got["repeat_deterministic"].passed
+    assert got["repeat_deterministic"].detail.startswith("one pass")
+
+
+def test_changed_stored_logits_fail_capture_transparency_and_take_a_second_pass(model, stored):
+    tensors = tensors_with(stored, "logits", (0, 24, 100), 99.0)
+    calls, handle = counted_passes(model)
+    try:
+        got = by_name(suite.fresh_forward(model, tensors, "all", "error"))
+    finally:
+        handle.remove()
+    assert len(calls) == 2                      # the second pass shows the computation repeats here
+    assert not got["capture_transparent"].passed and got["repeat_deterministic"].passed
+    assert got["repeat_deterministic"].detail.startswith("two passes")
+
+
+def test_a_nondeterministic_model_fails_repeat_determinism(model, stored):
+    # Every pass adds one more than the one before: the fresh pass differs from the capture
+    # (so a second pass runs), and the second pass from the first.
+    calls, handle = counted_passes(model, drift=1.0)
+    try:
+        got = by_name(suite.fresh_forward(model, stored.tensors, "all", "error"))
+    finally:
+        handle.remove()
+    assert len(calls) == 2
+    assert not got["capture_transparent"].passed and not got["repeat_deterministic"].passed
     assert got["repeat_deterministic"].measured == pytest.approx(1.0, abs=0.1)   # +1, rounded in bf16
+    assert got["repeat_deterministic"].detail.startswith("two passes")
 
 
 # ---------------------------------------------------------------- probabilities

@@ -59,3 +59,17 @@ def test_the_same_prompt_compares_position_by_position(tmp_path):
     assert not any("prompts differ" in line for line in out)
     assert "    position 2: 0.5 (token 2: 2 | 2.5)" in out and "    0 at the other 2 positions" in out
     assert any(line.startswith("    2, sampling: 2 (") and "differs" not in line for line in out)
+
+
+def test_shared_keys_cuts_both_to_the_keys_both_have_and_names_the_rest():
+    """The audit compares an old run's metrics.json (another code's layout) on the keys both
+    layouts have: a value that differs on such a key is still a difference."""
+    old = {"entropy": {"T1": 1.5}, "top_p": {"kept": 3, "mass": 0.9}, "n": 2}
+    new = {"top_p": {"kept": 3, "mass": 0.9, "ids": [1]}, "n": 2, "failing": "none"}
+    a, b, only = rundiff.shared_keys(old, new)
+    assert a == b == {"n": 2, "top_p": {"kept": 3, "mass": 0.9}}
+    assert only == ["entropy", "failing", "top_p.ids"]
+    changed = {**new, "top_p": {"kept": 4, "mass": 0.9}}
+    a, b, _ = rundiff.shared_keys(old, changed)
+    assert rundiff.json_difference(a, b) == "top_p.kept: stored 3, re-derived 4"
+    assert rundiff.shared_keys([1], [1, 2]) == ([1], [1, 2], [])     # not mappings: left whole
