@@ -11,10 +11,10 @@ first error for a field's value); nothing is written. An id names the prompt's p
 
 `for_config` is the one code path later stages take: today it gives the configured single prompt
 (`prompt.text` / `prompt.file`) as a set of one whose id is the run's prompt name.
-TODO(issue 17): `prompt.set` is not a params key yet and no stage calls this module, so nothing
-in a run changes; when `prompt.set` becomes a key (validated by `nexttoken compose` and the
-validate stage through `schema.load_section`), `for_config` reads it with `read_set` and the
-stages iterate over what it returns. See docs/prompt_sets.md.
+The tokenize stage records that set's prompt id in tokenize.json (`prompt_id`), the key the per-prompt
+tables join on. TODO(issue 17): `prompt.set` is not a params key yet; when it becomes one (validated
+by `nexttoken compose` and the validate stage through `schema.load_section`), `for_config` reads it
+with `read_set` and the stages iterate over what it returns. See docs/prompt_sets.md.
 """
 
 from __future__ import annotations
