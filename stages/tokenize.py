@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import registry, schema
+from pipeline.config import prompt_set, registry, schema
 from pipeline.model import loader, tokenization
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import read_json, stage_main, stage_run
@@ -28,7 +28,9 @@ def main() -> None:
         tok = tokenization.tokenize_prompt(tokenizer, prompt.text, model_cfg.tokenizer.add_special_tokens,
                                            max_positions=loader.max_positions(snapshot))
         expected = prompt.expected_ids_for(model_cfg.tokenizer.family)
-        summary = {**tok.summary, "prompt_name": prompt.name, "tokenizer_family": model_cfg.tokenizer.family,
+        (record,) = prompt_set.for_config(prompt).prompts        # a single prompt is a set of one
+        summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
+                   "tokenizer_family": model_cfg.tokenizer.family,
                    "expected_token_ids": expected,
                    "expected_token_ids_match": None if expected is None else expected == tok.ids}
         run.model = provenance.model_record(source)

@@ -60,6 +60,7 @@ Text = Annotated[str, Field(min_length=1)]
 Int = Annotated[int, Strict()]
 Count = Annotated[int, Field(ge=1)]
 Positive = Annotated[float, Field(gt=0.0)]
+MAX_SET_SIZE = 64    # prompt.max_set_size's default
 
 
 # ---------------------------------------------------------------- prompts and paths
@@ -104,15 +105,22 @@ def inside_repo(key: str, value: str, root: Path | str) -> Path:
     return path
 
 
-def read_prompt_file(key: str, value: str, root: Path | str) -> str:
-    """The UTF-8 text of a prompt file (a validated PromptConfig.file), checked as a prompt."""
+def prompt_path(key: str, value: str, root: Path | str) -> Path:
+    """The file a prompt path names (a prompt file or a prompt set): under prompts/, existing, resolved."""
+    if problem := _prompt_file_problem(value):
+        raise bad_value(key, value, problem)
     path, folder = inside_repo(key, value, root), (Path(root) / PROMPT_DIR).resolve()
     if not path.is_relative_to(folder):
         raise bad_value(key, value, f"a file under {PROMPT_DIR}/ inside the repository (it resolves to {path}, "
                         f"outside {folder})")
     if not path.is_file():
         raise bad_value(key, value, f"an existing file under {PROMPT_DIR}/ inside the repository, relative to its root")
-    data = path.read_bytes()
+    return path
+
+
+def read_prompt_file(key: str, value: str, root: Path | str) -> str:
+    """The UTF-8 text of a prompt file (a validated PromptConfig.file), checked as a prompt."""
+    data = prompt_path(key, value, root).read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -213,6 +221,9 @@ class PromptConfig(Section):
         None, description="a non-empty string (or null with prompt.file set)")
     file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
     known: KnownPrompt | None = None     # applies only to the text whose sha256 it names
+    # The most prompts a prompt set may hold (pipeline/config/prompt_set.py); not in conf/ until
+    # `prompt.set` is wired into the stages (issue 17), so params.yaml and the stages' records are unchanged.
+    max_set_size: Count = MAX_SET_SIZE
 
     @model_validator(mode="after")
     def _text_or_file(self):
@@ -318,7 +329,9 @@ def parse(cls: type[Section], data: Any, key: str) -> Any:
 def _one_line(cls: type[Section], err: dict, section: str) -> UserError:
     loc, broken = err["loc"], err.get("ctx", {}).get("error")
     # A list item is named by its list (the value shows which), an item with keys by its index.
-    key = re.sub(r"\[\d+\]$", "", section + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc))
+    # section "" (a record that is not a params.yaml section): the field's own name
+    key = re.sub(r"\[\d+\]$", "", (section + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc))
+                 .removeprefix("."))
     if err["type"] == "missing":
         return UserError(f"{key} is missing: params.yaml must set it (see conf/)")
     if err["type"] == "extra_forbidden":

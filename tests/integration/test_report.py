@@ -156,6 +156,7 @@ def test_checks_table_shows_every_verdict(md):
 def test_title_names_the_runs_prompt_and_names_are_plain(ws, md):
     tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
     assert tok["prompt_name"] == "temperature_question"       # the known name of the reference text
+    assert tok["prompt_id"] == "temperature_question"         # its id in a set of one (prompt_set.for_config)
     title = md.splitlines()[0]
     assert title.startswith("# Next-token report: tiny_qwen2 on prompt temperature_question (\"问题：实践中")
     rows = {r[""]: r["value"] for r in tables(section(md, 1))[0]}

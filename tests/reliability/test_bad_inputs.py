@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pipeline.config import compose, schema
+from pipeline.config import compose, prompt_set, schema
 from pipeline.errors import UserError
 from pipeline.model import capture, loader, trajectories
 from pipeline.numerics import probs
@@ -180,6 +180,8 @@ def range_cases() -> list[Case]:
         _r("prompt.known.nope", "x", "key"),
         _missing("prompt.known.name"),
         _missing("prompt.known.text_sha256"),
+        _r("prompt.max_set_size", 0),
+        _r("prompt.max_set_size", True),
         # capture
         _r("capture.dtype", "float8", "name"),
         _r("capture.dtype", "float64", "name"),
@@ -361,8 +363,58 @@ def model_cases() -> list[Case]:
     ]
 
 
+def _prompt_set(root: Path, name: str, data: bytes | None = None, link: str | None = None) -> None:
+    """prompts/<name> read as a prompt set, with the limit prompt.max_set_size of the base config."""
+    (root / "prompts").mkdir(exist_ok=True)
+    if link:
+        (root / "prompts" / name).symlink_to(link)
+    elif data is not None:
+        (root / "prompts" / name).write_bytes(data)
+    limit = schema.load_section(base_params(), "prompt", root).max_set_size
+    prompt_set.read_set("prompt.set", f"prompts/{name}" if "/" not in name else name, root, limit)
+
+
+_P = b'{"id": "a", "text": "x"}\n'
+# A bad line: (kind, what is wrong, the file's bytes, its line number and the start of the problem).
+SET_LINES = [
+    ("prompt", "a duplicate id", _P + b'\n{"id": "a", "text": "y"}\n', "3: id='a' is not allowed"),
+    ("prompt", "an id with a space", b'{"id": "a b", "text": "x"}\n', "1: id='a b' is not allowed"),
+    ("prompt", "an id starting with a dot", b'{"id": ".a", "text": "x"}\n', "1: id='.a' is not allowed"),
+    ("prompt", "an empty text", _P + b'{"id": "b", "text": ""}\n', "2: text='' is not allowed"),
+    ("prompt", "a text with an escape", b'{"id": "a", "text": "\\u001b[1m"}\n', "1: text='\\x1b[1m' is not allowed"),
+    ("prompt", "not UTF-8", _P + b'{"id": "b", "text": "caf\xe9"}\n', "2: not UTF-8 (byte 0xe9 at offset 49)"),
+    ("prompt", "a line that is a list", _P + b'["b", "y"]\n', "2: a JSON list, not an object"),
+    ("prompt", "a line that is not JSON", b"id: a\n", "1: not JSON (Expecting value at column 1)"),
+    ("key", "an unknown key", b'{"id": "a", "text": "x", "name": "n"}\n', "1: name='n' is not allowed"),
+    ("key", "a line without text", b'{"id": "a"}\n', "1: text is missing"),
+    ("range", "a negative expected id", b'{"id": "a", "text": "x", "expected_token_ids": {"qwen2": [-1]}}\n',
+     "1: expected_token_ids.qwen2=-1 is not allowed"),
+    ("range", "65 prompts (prompt.max_set_size=64)", b"".join(b'{"id": "p%d", "text": "x"}\n' % i for i in range(65)),
+     "65: prompt 65 is not allowed: at most prompt.max_set_size=64"),
+]
+
+
+def prompt_set_cases() -> list[Case]:
+    """Bad prompt sets (pipeline/config/prompt_set.py; issue 17: not yet a params key, read by no stage)."""
+    return [
+        *[Case(f"{kind}:prompt.set with {what}", f"prompt.set='prompts/s.jsonl' line {line}", DELETE, kind,
+               check=lambda r, d=data: _prompt_set(r, "s.jsonl", d)) for kind, what, data, line in SET_LINES],
+        Case("prompt:prompt.set with no prompts (blank lines only)", "prompt.set", "prompts/s.jsonl", "prompt",
+             check=lambda r: _prompt_set(r, "s.jsonl", b"\n  \n")),
+        Case("name:prompt.set='prompts/s.txt' (not .jsonl)", "prompt.set", "prompts/s.txt", "name",
+             check=lambda r: _prompt_set(r, "s.txt", _P)),
+        Case("path:prompt.set='../s.jsonl'", "prompt.set", "../s.jsonl", "path",
+             check=lambda r: _prompt_set(r, "../s.jsonl")),
+        Case("path:prompt.set does not exist", "prompt.set", "prompts/none.jsonl", "path",
+             check=lambda r: _prompt_set(r, "none.jsonl")),
+        Case("path:prompt.set a symlink to a file outside prompts/", "prompt.set", "prompts/link.jsonl", "path",
+             check=lambda r: ((r / "notes.jsonl").write_bytes(_P),
+                              _prompt_set(r, "link.jsonl", link="../notes.jsonl"))),
+    ]
+
+
 BASE = base_params()
-MATRIX = type_cases(BASE) + range_cases() + model_cases()
+MATRIX = type_cases(BASE) + range_cases() + model_cases() + prompt_set_cases()
 
 
 def _expect(case: Case, message: str) -> None:

@@ -1,0 +1,163 @@
+"""Prompt sets: `prompts/<name>.jsonl` read into typed, frozen records; a single prompt as a set of one.
+
+A set file is JSON Lines, UTF-8: one object per line, `{"id": ..., "text": ...}` and optionally
+`"expected_token_ids": {"<tokenizer family>": [ids]}`. Lines holding only white space are
+skipped; line numbers count physical lines (split at `\\n` only, a trailing `\\r` dropped), so
+the number in an error is the one an editor shows. The first problem becomes one `UserError`
+line naming the key, the file, the line and what is allowed (`schema`'s style, pydantic's
+first error for a field's value); nothing is written. An id names the prompt's partition
+(`prompt_id=<id>`) and files, so it is 1-64 of `A-Z a-z 0-9 _ . -`, not starting with `.` or
+`-`, and unique ignoring case (partition folders must differ on case-insensitive file systems).
+
+`for_config` is the one code path later stages take: today it gives the configured single prompt
+(`prompt.text` / `prompt.file`) as a set of one whose id is the run's prompt name.
+The tokenize stage records that set's prompt id in tokenize.json (`prompt_id`), the key the per-prompt
+tables join on. TODO(issue 17): `prompt.set` is not a params key yet; when it becomes one (validated
+by `nexttoken compose` and the validate stage through `schema.load_section`), `for_config` reads it
+with `read_set` and the stages iterate over what it returns. See docs/prompt_sets.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from pipeline.config.schema import PromptConfig, Section, parse, prompt_path, prompt_problem, rule, text_sha256
+from pipeline.errors import UserError, bad_value
+
+ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+ID_ALLOWED = "1 to 64 of A-Z a-z 0-9 _ . -, not starting with . or - (it names the prompt's partition, prompt_id=<id>)"
+KEYS = ("id", "text", "expected_token_ids")
+LINE = 'one JSON object per line, {"id": ..., "text": ...} (optional "expected_token_ids"); blank lines are skipped'
+SUFFIX = ".jsonl"
+
+
+class PromptRecord(Section):
+    """One prompt of a set: its id, its text, and per tokenizer family the ids it is known to tokenize to."""
+
+    id: str = Field(pattern=ID_PATTERN, description=ID_ALLOWED)
+    text: Annotated[str, rule(prompt_problem)] = Field(description="a non-empty string")
+    expected_token_ids: dict[str, list[Annotated[int, Field(ge=0)]]] = Field(
+        default_factory=dict, description="a mapping tokenizer family -> list of ids")
+
+    def expected_ids_for(self, family: str) -> list[int] | None:
+        return self.expected_token_ids.get(family)
+
+
+class PromptSet(Section):
+    """The prompts a run covers, in file order; `file` is the set file, null for a single prompt."""
+
+    file: str | None
+    prompts: tuple[PromptRecord, ...] = Field(min_length=1)
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(p.id for p in self.prompts)
+
+    def get(self, prompt_id: str) -> PromptRecord:
+        for p in self.prompts:
+            if p.id == prompt_id:
+                return p
+        raise bad_value("prompt_id", prompt_id, "an id of this set: " + ", ".join(self.ids))
+
+
+# ---------------------------------------------------------------- a set file
+def read_set(key: str, value: str, root: Path | str, max_size: int) -> PromptSet:
+    """The set in the file `value` (a path under prompts/, relative to root), checked line by line."""
+    path = prompt_path(key, value, root)
+    if not value.endswith(SUFFIX):
+        raise bad_value(key, value, f"a JSON Lines file named *{SUFFIX} under prompts/ (a prompt set)")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _at(key, value, data.count(b"\n", 0, e.start) + 1,
+                  f"not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); allowed: a UTF-8 text file") from None
+    records: list[PromptRecord] = []
+    seen: dict[str, tuple[str, int]] = {}        # id, case folded -> (id, line)
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if not line.strip():
+            continue
+        if len(records) == max_size:
+            raise _at(key, value, n, f"prompt {max_size + 1} is not allowed: at most prompt.max_set_size="
+                      f"{max_size} prompts in a set (split the file, or set prompt.max_set_size)")
+        record = _record(key, value, n, line)
+        first = seen.setdefault(record.id.casefold(), (record.id, n))
+        if first[1] != n:
+            raise _at(key, value, n, f"id={record.id!r} is not allowed: an id no other line has, ignoring case "
+                      f"(line {first[1]} has {first[0]!r})")
+        records.append(record)
+    if not records:
+        raise bad_value(key, value, f"a set with at least one prompt (this file has none): {LINE}")
+    return PromptSet(file=value, prompts=tuple(records))
+
+
+def _at(key: str, value: str, line: int, problem: str) -> UserError:
+    """One line: the key, the file, the line number, then the problem and what is allowed."""
+    return UserError(f"{key}={value!r} line {line}: {problem}")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise ValueError(f"key {k!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _record(key: str, value: str, n: int, line: str) -> PromptRecord:
+    try:
+        obj = json.loads(line, object_pairs_hook=_unique_keys)
+    except ValueError as e:      # json.JSONDecodeError is a ValueError, and so is a repeated key
+        problem = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise _at(key, value, n, f"not JSON ({problem}); allowed: {LINE}") from None
+    if not isinstance(obj, dict):
+        raise _at(key, value, n, f"a JSON {_json_kind(obj)}, not an object; allowed: {LINE}")
+    for k in obj:
+        if k not in KEYS:
+            raise _at(key, value, n, f"{k}={obj[k]!r} is not allowed: a known key: {', '.join(KEYS)}")
+    for k in KEYS[:2]:
+        if k not in obj:
+            raise _at(key, value, n, f"{k} is missing; allowed: {LINE}")
+    try:
+        return parse(PromptRecord, obj, "")
+    except UserError as e:
+        raise _at(key, value, n, str(e)) from None
+
+
+def _json_kind(obj: object) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+            type(None): "null"}[type(obj)]
+
+
+# ---------------------------------------------------------------- any prompt config
+def for_config(prompt: PromptConfig) -> PromptSet:
+    """The prompts a run covers, for a prompt section from `schema.load_section` (text read, name resolved):
+    the one code path later stages take. Today that is the single prompt (`prompt.text` or `prompt.file`) as a
+    set of one whose id is the run's prompt name (`single_id`), with the ids `prompt.known` gives for its text.
+
+    TODO(issue 17): once `prompt.set` is a schema key (validated by `nexttoken compose` and the validate
+    stage), return read_set("prompt.set", prompt.set, root, prompt.max_set_size) when it is set.
+    """
+    if prompt.text is None or prompt.name is None:
+        raise ValueError("for_config takes the prompt section from schema.load_section (text and name resolved)")
+    known = prompt.known_here
+    record = PromptRecord(id=single_id(prompt.name, prompt.text), text=prompt.text,
+                          expected_token_ids=known.expected_token_ids if known else {})
+    return PromptSet(file=None, prompts=(record,))
+
+
+def single_id(name: str, text: str) -> str:
+    """The run's prompt name when it is a valid id; else its letters and digits (other runs of characters as
+    `_`, `prompt` when none is left) and the first 8 hex digits of the text's sha256: a name derived from
+    Chinese words, `问题_实践中-1a2b3c4d`, becomes `prompt-1a2b3c4d`; `my prompt` becomes `my_prompt-<sha8>`."""
+    if re.fullmatch(ID_PATTERN, name):
+        return name
+    sha = text_sha256(text)[:8]
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name.removesuffix(f"-{sha}")).strip("_.-")[:55].strip("_.-")
+    return f"{stem or 'prompt'}-{sha}"
