@@ -29,7 +29,8 @@ def main() -> None:
                                            max_positions=loader.max_positions(snapshot))
         expected = prompt.expected_ids_for(model_cfg.tokenizer.family)
         (record,) = prompt_set.for_config(prompt).prompts        # a single prompt is a set of one
-        summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id, "tokenizer_family": model_cfg.tokenizer.family,
+        summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
+                   "tokenizer_family": model_cfg.tokenizer.family,
                    "expected_token_ids": expected,
                    "expected_token_ids_match": None if expected is None else expected == tok.ids}
         run.model = provenance.model_record(source)
