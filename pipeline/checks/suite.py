@@ -88,7 +88,7 @@ def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
                   devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
-                  optional(paths.PROMPT_METRICS) if paths.artifact(paths.PROMPT_METRICS, root).exists() else None)
+                  use(paths.PROMPT_METRICS) if paths.artifact(paths.PROMPT_METRICS, root).exists() else None)
 
 
 def _where(record: dict) -> str:

@@ -147,3 +147,11 @@ def test_prompt_metrics_rows_loop_divergence_and_nulls():
     assert (greedy_kv["loop_start"], greedy_kv["loop_period"], greedy_kv["distinct_3"]) == (2, 1, 1.0)
     alone = tr.prompt_metrics("p-1", {"sample": summary["sample"]}).to_pylist()[0]
     assert alone["diverge"] is None                                       # no greedy run to leave
+
+
+def test_a_tokenize_json_without_prompt_id_is_one_line_naming_the_stage_to_rerun():
+    from pipeline.errors import UserError
+    from pipeline.model import trajectories as tr
+    assert tr.prompt_id_of({"prompt_id": "capital_france"}) == "capital_france"
+    with pytest.raises(UserError, match=r"tokenize.json records no prompt_id .*re-run the tokenize stage"):
+        tr.prompt_id_of({"prompt_name": "old"})
