@@ -26,6 +26,7 @@ FILES = {
     "trajectories/steps.parquet": ["branch", "kv_cache", "step", "token_id", "logit", "prob", "rank", "top_ids",
                                    "top_logits", "top_probs"],
     "trajectories/step_logits.parquet": None,
+    "trajectories/prompt_metrics.parquet": None,
 }
 
 def col_digest(col: pa.ChunkedArray) -> str:

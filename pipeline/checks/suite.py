@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.checks import recompute, tables
-from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, step1_logits, step_logit_rows
+from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logit_rows
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model import capture, decode, loader
 from pipeline.numerics import probs
@@ -49,6 +49,7 @@ class Stored:
     step_logits: Path | None
     token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
     token_special: list[bool] = field(default_factory=list)
+    prompt_metrics: Path | None = None   # None also for a run made before trajectories wrote it
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -86,7 +87,8 @@ def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(), read_safetensors(use(paths.CAPTURE)),
                   devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
-                  tokens["is_special"].to_pylist())
+                  tokens["is_special"].to_pylist(),
+                  use(paths.PROMPT_METRICS) if paths.artifact(paths.PROMPT_METRICS, root).exists() else None)
 
 
 def _where(record: dict) -> str:
@@ -362,4 +364,5 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),
         *kernel_bound(generate_parity(model, ids, steps, step_rows, cfg["sampling"], eos_ids, device, "error"),
                       traj, here),
+        *(loops(read_parquet(stored.prompt_metrics).to_pylist(), steps) if stored.prompt_metrics else []),
     ]

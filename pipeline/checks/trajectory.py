@@ -1,4 +1,5 @@
-"""The checks on the trajectories stage's files: step-1 logits, greedy argmax, KV cache, generate parity.
+"""The checks on the trajectories stage's files: step-1 logits, greedy argmax, KV cache, generate parity,
+the loops claimed in prompt_metrics.parquet.
 
 Each compares the stored steps and step logits with a second derivation: the model's LM head
 on the captured LM-head input, numpy's argmax, the other cache mode, and `model.generate`
@@ -18,6 +19,7 @@ import torch
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model.decode import generate_reference
 from pipeline.model.trajectories import branch_settings
+from pipeline.numerics.repetition import has_no_loop, is_loop
 
 
 def step_logit_rows(path: Path) -> dict[tuple[str, bool, int], np.ndarray]:
@@ -113,3 +115,27 @@ def generate_parity(model, prompt_ids: list[int], steps: list[dict], step_rows: 
                       "model.generate computed at each step, bit for bit", max(diffs, default=math.nan), 0, severity,
                       "per step: " + ", ".join(f"{d:g}" for d in diffs))]
     return out
+
+
+def loops(metrics_rows: list[dict], steps: list[dict]) -> list[Check]:
+    """Each run's loop claim (loop, loop_start, loop_period) and n_new in prompt_metrics.parquet vs
+    its ids in steps.parquet, judged by the loop's definition element by element
+    (`repetition.is_loop` / `has_no_loop`), not by the finder that wrote the claim. A run in one
+    file and not in the other counts as wrong too."""
+    ids: dict[tuple[str, bool], list[int]] = {}
+    for r in sorted(steps, key=lambda r: r["step"]):
+        ids.setdefault((r["branch"], r["kv_cache"]), []).append(r["token_id"])
+    claims = {(r["branch"], r["kv_cache"]): r for r in metrics_rows}
+
+    def holds(run: tuple[str, bool]) -> bool:
+        c, got = claims.get(run), ids.get(run, [])
+        if c is None or c["n_new"] != len(got):
+            return False
+        if c["loop"]:
+            return c["loop_start"] is not None and c["loop_period"] is not None and \
+                is_loop(got, c["loop_start"], c["loop_period"])
+        return c["loop_start"] is None and c["loop_period"] is None and has_no_loop(got)
+    wrong = [_run_name(*run) for run in sorted(set(ids) | set(claims)) if not holds(run)]
+    return [Check("trajectory_loops", "each run's loop start / period and new-token count in prompt_metrics.parquet "
+                  "vs its ids in steps.parquet, by the loop's definition element by element (runs differing)",
+                  len(wrong), 0, "error", ", ".join(wrong))]

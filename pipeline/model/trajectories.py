@@ -17,9 +17,10 @@ import pyarrow as pa
 import torch
 
 from pipeline.config.schema import CaptureConfig, ModelConfig, SamplingConfig
-from pipeline.errors import bad_value
+from pipeline.errors import UserError, bad_value
 from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
+from pipeline.numerics.repetition import distinct_ratio, find_loop
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, ranks
 from pipeline.store import logits_io, paths, provenance
 from pipeline.store.artifacts import StageRun, read_json, read_parquet
@@ -30,6 +31,14 @@ STEPS_SCHEMA = pa.schema([
     ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
     ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
 ])
+# One row per (prompt_id, branch, kv_cache): what a continuation did, for tables across prompts.
+PROMPT_METRICS_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()), ("branch", pa.string()), ("kv_cache", pa.bool_()), ("n_new", pa.int32()),
+    ("stop_reason", pa.string()), ("text", pa.string()), ("diverge", pa.int32()), ("loop", pa.bool_()),
+    ("loop_start", pa.int32()), ("loop_period", pa.int32()), ("distinct_1", pa.float64()),
+    ("distinct_2", pa.float64()), ("distinct_3", pa.float64()),
+])
+NGRAMS = (1, 2, 3)
 TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metrics (`dvc exp show`)
 STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
 
@@ -123,7 +132,8 @@ def sweep_metrics(summary_by_run: dict) -> dict:
     """What a sweep compares, as DVC metrics with short flat keys (`dvc exp show` columns), from the
     reference path (no cache): per branch its text (`sample`, `greedy`: escaped, clipped to
     TEXT_COLUMNS terminal columns; the ids are in steps.parquet) and `<branch>_loop` (the period of
-    a cycle its last ids repeat, 0 for none); `diverge`, the first step where `sample` left the
+    the loop its ids end in, `pipeline.numerics.repetition.find_loop`, 0 for none; its start and the
+    other per-run numbers are in prompt_metrics.parquet); `diverge`, the first step where `sample` left the
     greedy path; `kv_diff`, the first step where a KV-cache run chose another id than the full
     prefix (steps count from 1; 0 for never)."""
     ref = {v["branch"]: v for v in summary_by_run.values() if not v["kv_cache"]}
@@ -131,7 +141,8 @@ def sweep_metrics(summary_by_run: dict) -> dict:
     out: dict = {}
     for branch, v in ref.items():
         out[branch] = clip(json.dumps(v["text"], ensure_ascii=False)[1:-1], TEXT_COLUMNS)
-        out[f"{branch}_loop"] = loop_period(v["token_ids"])
+        loop = find_loop(v["token_ids"])
+        out[f"{branch}_loop"] = loop.period if loop else 0
     if "sample" in ref and "greedy" in ref:
         out["diverge"] = first_difference(ref["sample"]["token_ids"], ref["greedy"]["token_ids"])
     steps = [first_difference(ref[b]["token_ids"], ids) for b, ids in cached.items() if b in ref]
@@ -150,14 +161,28 @@ def clip(text: str, columns: int) -> str:
     return text[:n] + "…"
 
 
-def loop_period(ids: list[int]) -> int:
-    """The smallest p such that the last 2p ids are one block of p ids twice (0: no such cycle)."""
-    return next((p for p in range(1, len(ids) // 2 + 1) if ids[-2 * p:-p] == ids[-p:]), 0)
-
-
 def first_difference(a: list[int], b: list[int]) -> int:
     """The 1-based step where two id sequences first differ (one ending early counts), 0 if equal."""
     return next((i + 1 for i in range(max(len(a), len(b))) if i >= min(len(a), len(b)) or a[i] != b[i]), 0)
+
+
+def prompt_metrics(prompt_id: str, summary_by_run: dict) -> pa.Table:
+    """One row per run of the prompt: its text, `diverge` (the first step where it left the greedy
+    run with the same kv_cache setting, 0 for never; null for greedy itself or without a greedy
+    run), its loop (`pipeline.numerics.repetition`: start step and period, null for none) and its
+    distinct n-gram ratios (null when shorter than n)."""
+    greedy = {v["kv_cache"]: v["token_ids"] for v in summary_by_run.values() if v["branch"] == "greedy"}
+    rows = []
+    for v in summary_by_run.values():
+        ids, loop = v["token_ids"], find_loop(v["token_ids"])
+        diverge = first_difference(ids, greedy[v["kv_cache"]]) \
+            if v["branch"] != "greedy" and v["kv_cache"] in greedy else None
+        rows.append({"prompt_id": prompt_id, "branch": v["branch"], "kv_cache": v["kv_cache"], "n_new": len(ids),
+                     "stop_reason": v["stop_reason"], "text": v["text"], "diverge": diverge,
+                     "loop": loop is not None, "loop_start": loop.start if loop else None,
+                     "loop_period": loop.period if loop else None,
+                     **{f"distinct_{n}": distinct_ratio(ids, n) for n in NGRAMS}})
+    return pa.Table.from_pylist(rows, schema=PROMPT_METRICS_SCHEMA)
 
 
 def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig) -> None:
@@ -166,6 +191,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     source = read_json(stage.use(paths.SOURCE))
     stage.use(paths.stage_dir("prepare_model"))
     ids = read_parquet(stage.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
+    prompt_id = prompt_id_of(read_json(stage.use(paths.TOKENIZE_SUMMARY)))
     snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", stage.root), source)
     check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
@@ -182,3 +208,12 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     summary_by_run = summary(runs, tokenizer)
     stage.write_json(paths.TRAJECTORIES[1], summary_by_run)
     stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))
+    stage.write_parquet(paths.PROMPT_METRICS[1], prompt_metrics(prompt_id, summary_by_run))
+
+
+def prompt_id_of(tokenize_summary: dict) -> str:
+    """The run's prompt id, as tokenize recorded it (a tokenize.json made before ids has none)."""
+    if not tokenize_summary.get("prompt_id"):
+        raise UserError(f"{paths.artifact(paths.TOKENIZE_SUMMARY).as_posix()} records no prompt_id (made by "
+                        "older code): re-run the tokenize stage (`dvc repro tokenize`)")
+    return tokenize_summary["prompt_id"]

@@ -51,6 +51,7 @@ class Inputs:
     kept_top: list[dict]               # probs/filtered.parquet rows with kept_rank <= top_n
     steps: list[dict]                  # trajectories/steps.parquet rows
     trajectories: dict                 # trajectories/trajectories.json
+    prompt_metrics: list[dict]         # trajectories/prompt_metrics.parquet rows (one per run)
     checks: list[dict] | None          # checks/checks.parquet rows, None when not run
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
 
@@ -110,7 +111,7 @@ def load(use: Use, root: Path | str = ".") -> Inputs:
         logits=logits_io.read_position(use(paths.LOGITS), position), summary=summary,
         kept_top=read_parquet(use(paths.FILTERED), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
         steps=read_parquet(use(paths.STEPS)).to_pylist(), trajectories=read_json(use(paths.TRAJECTORIES)),
-        checks=checks, vocab={})
+        prompt_metrics=read_parquet(use(paths.PROMPT_METRICS)).to_pylist(), checks=checks, vocab={})
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
@@ -354,7 +355,21 @@ def trajectories(inp: Inputs) -> list[str]:
         runs = {t["kv_cache"]: t["token_ids"] for t in inp.trajectories.values() if t["branch"] == branch}
         if len(runs) == 2:
             out += [f"`{branch}`: KV cache and full prefix chose the same ids: {yes(runs[True] == runs[False])}.", ""]
-    return out
+    return out + repetition(inp.prompt_metrics)
+
+
+def repetition(rows: list[dict]) -> list[str]:
+    """Per run: where it left the greedy run, the loop it ends in and its distinct n-gram ratios."""
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+    cells = [[name(r["branch"]), "on" if r["kv_cache"] else "off", r["n_new"], r["stop_reason"] or "-",
+              "-" if r["diverge"] is None else r["diverge"], r["loop_start"] if r["loop"] else "no loop",
+              r["loop_period"] if r["loop"] else "-", *(ratio(r[f"distinct_{n}"]) for n in (1, 2, 3))] for r in rows]
+    return ["Repetition per run: the step where the run left the greedy run of the same cache mode (0: never), "
+            "the step where its loop starts and the loop's period (a tail repeating at least two full periods), "
+            "and distinct n-grams / n-grams (`-`: fewer than n tokens).", ""] + table(
+        ["branch", "KV cache", "new tokens", "stop", "leaves greedy at step", "loop start", "loop period",
+         "distinct-1", "distinct-2", "distinct-3"], cells, src(paths.PROMPT_METRICS))
 
 
 def checks(inp: Inputs) -> list[str]:

@@ -33,6 +33,7 @@ STEPS = ("trajectories", "steps.parquet")
 STEP_LOGITS = ("trajectories", "step_logits.parquet")
 TRAJECTORIES = ("trajectories", "trajectories.json")
 TRAJECTORIES_METRICS = ("trajectories", "metrics.json")
+PROMPT_METRICS = ("trajectories", "prompt_metrics.parquet")   # per (prompt_id, branch, kv_cache): loop, n-grams
 CHECKS = ("checks", "checks.parquet")
 METRICS = ("checks", "metrics.json")
 REPORT = ("report", "report.md")

@@ -104,8 +104,8 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
                      "probs_table_ranks", "filtered_sets_numpy", "filtered_sets_warpers", "filtered_rows",
                      "filtered_probs", "step1_logits_sample_kv", "greedy_tokens_argmax", "kv_cache_logits_sample",
                      "kv_cache_choices_greedy", "generate_parity_sample", "generate_parity_greedy_kv",
-                     "generate_logits_sample_kv", "generate_logits_greedy", "ref_token_ids", "ref_pieces",
-                     "ref_byte_split"):
+                     "generate_logits_sample_kv", "generate_logits_greedy", "trajectory_loops", "ref_token_ids",
+                     "ref_pieces", "ref_byte_split"):
         assert required in names, required
     assert all(" vs " in r["what"] for r in rows if r["severity"] == "error" and not r["name"].startswith("ref_")), \
         [r["what"] for r in rows if " vs " not in r["what"]]     # each says which two things it compares
@@ -616,6 +616,25 @@ def test_a_changed_sampled_token_or_step_logit_fails_generate_parity(model, stor
     assert got["generate_logits_sample_kv"].measured == 0.25 and "per step: 0, 0, 0.25, 0" in \
         got["generate_logits_sample_kv"].detail
     assert [n for n, c in got.items() if not c.passed] == ["generate_logits_sample_kv"]
+
+
+def test_a_wrong_loop_claim_or_token_count_in_prompt_metrics_fails_trajectory_loops(stored, steps):
+    rows = pq.read_table(stored.prompt_metrics).to_pylist()
+    assert trajectory.loops(rows, steps)[0].passed and len(rows) == 4
+    greedy = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"]) if (r["branch"], r["kv_cache"]) ==
+              ("greedy", False)]
+    looping = _with_token(_with_token(steps, "greedy", False, 3, greedy[1]), "greedy", False, 4, greedy[1])
+    claim = {"loop": True, "loop_start": 2, "loop_period": 1}       # ids a, b, b, b: period 1 from step 2
+    right = [{**r, **claim} if (r["branch"], r["kv_cache"]) == ("greedy", False) else r for r in rows]
+    assert trajectory.loops(right, looping)[0].passed
+    got = trajectory.loops(rows, looping)[0]                                   # the stored "no loop" is now wrong
+    assert (got.measured, got.detail, got.severity) == (1, "greedy", "error")
+    for wrong in ({"loop_start": 3}, {"loop_start": 1}, {"loop_period": 2}, {"loop_start": None}):
+        bad = [{**r, **wrong} if (r["branch"], r["kv_cache"]) == ("greedy", False) else r for r in right]
+        assert trajectory.loops(bad, looping)[0].detail == "greedy", wrong
+    fewer = [{**r, "n_new": r["n_new"] - 1} if r["branch"] == "sample" and r["kv_cache"] else r for r in rows]
+    assert trajectory.loops(fewer, steps)[0].detail == "sample_kv"
+    assert trajectory.loops(rows[:3], steps)[0].detail == "greedy_kv"         # a run missing from the table
 
 
 def test_generate_parity_of_the_sample_branch_is_a_report_off_cpu(model, stored, steps, step_rows, cfg):

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
+from pipeline.numerics.repetition import has_no_loop, is_loop
 from pipeline.report import plots, render
 from pipeline.store import logits_io, paths
 from tests.conftest import CHAIN, copy_ws, run_module
@@ -124,7 +125,7 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
     text = section(md, 8)
     blocks = tables(text)
     heads = re.findall(r"^Branch `(\w+)`, KV cache (on|off)", text, flags=re.M)
-    assert len(heads) == len(blocks) == 4
+    assert len(heads) == len(blocks) - 1 == 4             # one table per run, then the repetition table
     for (branch, kv), rows in zip(heads, blocks):
         want = steps[(steps.branch == branch) & (steps.kv_cache == (kv == "on"))].sort_values("step")
         assert [int(r["id"]) for r in rows] == want["token_id"].tolist()
@@ -132,6 +133,43 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache].sort_values("step")
     logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), 24)
     assert greedy["token_id"].iloc[0] == int(np.argmax(logits))   # greedy step 1 = argmax
+
+
+def test_repetition_table_shows_each_runs_loop_and_distinct_2_from_its_ids(ws, md):
+    steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
+    stored = pq.read_table(paths.artifact(paths.PROMPT_METRICS, ws)).to_pandas()
+    rows = tables(section(md, 8))[-1]
+    assert len(rows) == len(stored) == 4 and "prompt_metrics.parquet" in section(md, 8).split("Repetition")[1]
+    for row in rows:
+        kv = row["KV cache"] == "on"
+        ids = steps[(steps.branch == unquote_name(row["branch"])) & (steps.kv_cache == kv)].sort_values("step")
+        ids = ids["token_id"].tolist()
+        want = stored[(stored.branch == unquote_name(row["branch"])) & (stored.kv_cache == kv)].iloc[0]
+        assert int(row["new tokens"]) == len(ids) == want["n_new"]
+        pairs = list(zip(ids, ids[1:]))                    # distinct-2 by hand, from the steps' ids
+        assert row["distinct-2"] == f"{len(set(pairs)) / len(pairs):.4f}"
+        if want["loop"]:
+            assert (int(row["loop start"]), int(row["loop period"])) == (want["loop_start"], want["loop_period"])
+            assert is_loop(ids, int(row["loop start"]), int(row["loop period"]))
+        else:
+            assert (row["loop start"], row["loop period"]) == ("no loop", "-") and has_no_loop(ids)
+
+
+def test_repetition_cells_for_a_loop_no_loop_and_short_runs():
+    base = {"stop_reason": "max_new_tokens", "diverge": None, "distinct_1": 0.5, "distinct_2": 0.25,
+            "distinct_3": None}
+    rows = [{**base, "branch": "greedy", "kv_cache": False, "n_new": 9, "loop": True, "loop_start": 4,
+             "loop_period": 2},
+            {**base, "branch": "sample", "kv_cache": True, "n_new": 2, "diverge": 1, "loop": False,
+             "loop_start": None, "loop_period": None}]
+    got = tables("\n".join(render.repetition(rows)))[0]
+    assert [(r["loop start"], r["loop period"], r["leaves greedy at step"]) for r in got] == \
+        [("4", "2", "-"), ("no loop", "-", "1")]
+    assert [(r["distinct-2"], r["distinct-3"]) for r in got] == [("0.2500", "-")] * 2
+
+
+def unquote_name(cell: str) -> str:
+    return cell.strip("`")
 
 
 def test_coordinates_are_the_captured_bf16_values(ws, md):

@@ -122,5 +122,36 @@ def test_trajectory_metrics_text_loops_and_divergence():
     assert m == {"sample": "问题：实践…", "sample_loop": 2, "greedy": "a\\nb", "greedy_loop": 1, "diverge": 2,
                  "kv_diff": 5}
     assert tr.clip("abcdefghijklmnop", 12) == "abcdefghijk…" and tr.clip("abc", 12) == "abc"
-    assert tr.loop_period([1, 2, 3]) == 0 and tr.first_difference([1, 2], [1, 2]) == 0
+    assert tr.sweep_metrics({"greedy": run("greedy", False, [1, 2, 3], "")})["greedy_loop"] == 0
+    assert tr.first_difference([1, 2], [1, 2]) == 0
     assert tr.first_difference([1, 2], [1, 2, 3]) == 3                     # one run stopped early
+
+
+def test_prompt_metrics_rows_loop_divergence_and_nulls():
+    from pipeline.model import trajectories as tr
+
+    def run(branch, kv, ids, stop="max_new_tokens"):
+        return {"branch": branch, "kv_cache": kv, "token_ids": ids, "text": f"t{len(ids)}", "stop_reason": stop}
+    summary = {"sample": run("sample", False, [1, 2, 3, 9, 7, 9, 7, 9, 7]),        # the "\n1. 1. 1." shape
+               "sample_kv": run("sample", True, [5], "eos"),
+               "greedy": run("greedy", False, [1, 2, 3, 4]),
+               "greedy_kv": run("greedy", True, [5, 6, 6])}
+    rows = tr.prompt_metrics("p-1", summary).to_pylist()
+    assert [(r["prompt_id"], r["branch"], r["kv_cache"]) for r in rows] == \
+        [("p-1", "sample", False), ("p-1", "sample", True), ("p-1", "greedy", False), ("p-1", "greedy", True)]
+    sample, sample_kv, greedy, greedy_kv = rows
+    assert (sample["loop"], sample["loop_start"], sample["loop_period"], sample["diverge"]) == (True, 4, 2, 4)
+    assert (sample["n_new"], sample["distinct_1"], sample["distinct_2"]) == (9, 5 / 9, 5 / 8)
+    assert (sample_kv["diverge"], sample_kv["stop_reason"], sample_kv["distinct_2"]) == (2, "eos", None)
+    assert (greedy["loop"], greedy["loop_start"], greedy["loop_period"], greedy["diverge"]) == (False, None, None, None)
+    assert (greedy_kv["loop_start"], greedy_kv["loop_period"], greedy_kv["distinct_3"]) == (2, 1, 1.0)
+    alone = tr.prompt_metrics("p-1", {"sample": summary["sample"]}).to_pylist()[0]
+    assert alone["diverge"] is None                                       # no greedy run to leave
+
+
+def test_a_tokenize_json_without_prompt_id_is_one_line_naming_the_stage_to_rerun():
+    from pipeline.errors import UserError
+    from pipeline.model import trajectories as tr
+    assert tr.prompt_id_of({"prompt_id": "capital_france"}) == "capital_france"
+    with pytest.raises(UserError, match=r"tokenize.json records no prompt_id .*re-run the tokenize stage"):
+        tr.prompt_id_of({"prompt_name": "old"})
