@@ -29,6 +29,7 @@ TABLE = ("probs", "table.parquet")
 FILTERED = ("probs", "filtered.parquet")
 PROBS_SUMMARY = ("probs", "summary.json")
 PROBS_METRICS = ("probs", "metrics.json")
+PROMPT_METRICS = ("probs", "prompt_metrics.parquet")   # per (prompt_id, temperature): the next-token figures
 STEPS = ("trajectories", "steps.parquet")
 STEP_LOGITS = ("trajectories", "step_logits.parquet")
 TRAJECTORIES = ("trajectories", "trajectories.json")
