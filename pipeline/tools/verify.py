@@ -224,7 +224,9 @@ def probs_lines(root: Path, here: Path) -> list[str]:
     """The first value that differs in each table, and the kept counts per filter."""
     summaries = [json.loads(paths.artifact(paths.PROBS_SUMMARY, r).read_text(encoding="utf-8"))["filters"]
                  for r in (root, here)]
-    return table_lines(root, here, (paths.TABLE, paths.FILTERED)) + kept_lines_from(*summaries, LABELS)
+    tables = (paths.TABLE, paths.FILTERED) + tuple(   # prompt_metrics.parquet: not in a run made before it
+        item for item in (paths.PROMPT_METRICS,) if all(paths.artifact(item, r).is_file() for r in (root, here)))
+    return table_lines(root, here, tables) + kept_lines_from(*summaries, LABELS)
 
 
 def checks_lines(root: Path, here: Path) -> list[str]:
