@@ -1,4 +1,5 @@
-"""The probs stage's tables: FP64 probabilities per temperature, filtered sets, a summary.
+"""The probs stage's tables: FP64 probabilities per temperature, filtered sets, a summary, and
+the next-token figures per prompt and temperature (prompt_metrics.parquet).
 
 Everything is derived from the stored logits (float32 holding the exact bf16 values), so
 the audit can recompute every number bit for bit from `logits.parquet` alone.
