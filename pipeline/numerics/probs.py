@@ -213,6 +213,14 @@ def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures:
     return pa.Table.from_pylist(rows, schema=metrics_schema(named))
 
 
+def prompt_id(tokenize_summary: Path) -> str:
+    """The prompt's id as the tokenize stage recorded it (a set of one today)."""
+    recorded = read_json(tokenize_summary).get("prompt_id")
+    if not isinstance(recorded, str):
+        raise UserError(f"{tokenize_summary} records no prompt_id (written by older code): re-run `dvc repro tokenize`")
+    return recorded
+
+
 # ---------------------------------------------------------------- the stage's outputs
 def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig,
           tokenize_summary: Path | None = None) -> tuple[dict[tuple[str, str], Any], dict]:
@@ -258,7 +266,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
     if tokenize_summary is not None:
         outputs[paths.PROMPT_METRICS] = prompt_metrics(
-            read_json(tokenize_summary)["prompt_id"], last_prompt, logits_io.read_position(logits_path, last_prompt),
+            prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
             probs_cfg.temperatures, named, vocab)
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),

@@ -15,6 +15,7 @@ import torch
 
 from pipeline.checks import prompt_metrics as pm_check
 from pipeline.config.schema import FilterConfig, ProbsConfig, SamplingConfig
+from pipeline.errors import UserError
 from pipeline.numerics import probs
 
 INF = np.inf
@@ -81,6 +82,15 @@ def test_a_greedy_sampling_filter_keeps_the_argmax_its_mass_at_t1_as_summary_jso
     _, entry = probs.filtered_rows(7, row, named[0])
     assert {(r["top1_id"], r["sampling_kept"], r["sampling_mass"]) for r in rows} == \
         {(1, 1, entry["kept_mass"])} and entry["temperature"] == 0
+
+
+def test_a_tokenize_json_without_prompt_id_is_one_clear_line(tmp_path):
+    path = tmp_path / "tokenize.json"
+    path.write_text('{"prompt_name": "x"}')
+    with pytest.raises(UserError, match=r"records no prompt_id \(written by older code\): re-run `dvc repro tokenize`"):
+        probs.prompt_id(path)
+    path.write_text('{"prompt_id": "capital_france"}')
+    assert probs.prompt_id(path) == "capital_france"
 
 
 # ---------------------------------------------------------------- the check
