@@ -121,7 +121,6 @@ def test_the_check_passes_on_the_stage_table(tmp_path, row, vocab):
     for named in (cfg(), cfg(sampling_t=0.0)):
         got = run_check(tmp_path, table(row, named), row, named, vocab)
         assert all(c.passed for c in got.values()), got
-        assert got["prompt_metrics_values"].measured <= 1e-13      # measured here: ~1e-15
         assert got["prompt_metrics_rows"].measured == 0 and got["prompt_metrics_rows"].severity == "error"
 
 
