@@ -9,7 +9,8 @@ and its model snapshot, in a temporary folder: each stage's own library function
 `capture.kernels` (pinned before torch loads). Nothing in the workspace or the DVC cache
 changes.
 
-One line per artifact, `identical` or `differs`; when anything differs, one line each: the
+One line per artifact, `identical` or `differs` (`new`, not compared, for a file only this code
+makes: the run's code did not write it); when anything differs, one line each: the
 kernel path then vs now, the first diverging captured tensor in forward order (max |Δ| and
 where), the top-1 id per position, the kept counts per filter, the first trajectory step
 whose chosen id differs (both candidates and their probabilities), the checks whose result
