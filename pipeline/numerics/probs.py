@@ -265,7 +265,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
                paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
     if tokenize_summary is not None:
-        outputs[paths.PROMPT_METRICS] = prompt_metrics(
+        outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
             prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
             probs_cfg.temperatures, named, vocab)
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
@@ -284,4 +284,5 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
     stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], compression="zstd")
     stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY])
     stage.write_json(paths.PROBS_METRICS[1], outputs[paths.PROBS_METRICS])
-    stage.write_parquet(paths.PROMPT_METRICS[1], outputs[paths.PROMPT_METRICS], compression="zstd")   # one row group
+    stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], outputs[paths.PROBS_PROMPT_METRICS],
+                        compression="zstd")                     # a few rows: one row group

@@ -231,7 +231,7 @@ def probs_lines(root: Path, here: Path) -> list[str]:
     summaries = [json.loads(paths.artifact(paths.PROBS_SUMMARY, r).read_text(encoding="utf-8"))["filters"]
                  for r in (root, here)]
     tables = (paths.TABLE, paths.FILTERED) + tuple(   # prompt_metrics.parquet: not in a run made before it
-        item for item in (paths.PROMPT_METRICS,) if all(paths.artifact(item, r).is_file() for r in (root, here)))
+        item for item in (paths.PROBS_PROMPT_METRICS,) if all(paths.artifact(item, r).is_file() for r in (root, here)))
     return table_lines(root, here, tables) + kept_lines_from(*summaries, LABELS)
 
 

@@ -115,17 +115,17 @@ def test_a_changed_prompt_metrics_cell_with_matching_hashes_is_caught_twice(copy
         col = table["top_p_0.9_kept"].to_numpy() + 1
         pq.write_table(table.set_column(table.schema.get_field_index("top_p_0.9_kept"), "top_p_0.9_kept",
                                         pa.array(col, pa.int32())), path)
-    forge(copy, paths.artifact(paths.PROMPT_METRICS).as_posix(), one_more_kept)
+    forge(copy, paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), one_more_kept)
     found = findings(copy)
     assert any(f.startswith("FINDING [re-derive] artifacts/probs/prompt_metrics.parquet") and "top_p_0.9_kept" in f
                for f in found), found
-    assert any("check prompt_metrics_rows stored pass, re-derived fail" in f for f in found), found
+    assert any("check probs_prompt_metrics_rows stored pass, re-derived fail" in f for f in found), found
 
 
 def test_a_run_made_before_prompt_metrics_audits_clean(copy):
     """Its probs stage neither read tokenize.json nor wrote prompt_metrics.parquet, and its checks
-    had no prompt_metrics_* rows: nothing about the file is a finding (or a warning)."""
-    rel, tok = paths.artifact(paths.PROMPT_METRICS).as_posix(), paths.artifact(paths.TOKENIZE_SUMMARY).as_posix()
+    had no probs_prompt_metrics_* rows: nothing about the file is a finding (or a warning)."""
+    rel, tok = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), paths.artifact(paths.TOKENIZE_SUMMARY).as_posix()
     (copy / rel).unlink()
     m = manifest(copy, "probs")
     m["outputs"] = [o for o in m["outputs"] if o["path"] != rel]
@@ -133,7 +133,7 @@ def test_a_run_made_before_prompt_metrics_audits_clean(copy):
     save_manifest(copy, "probs", m)
     checks = paths.artifact(paths.CHECKS, copy)
     table = pq.read_table(checks)
-    pq.write_table(table.filter(pc.invert(pc.starts_with(table["name"], "prompt_metrics_"))), checks)
+    pq.write_table(table.filter(pc.invert(pc.starts_with(table["name"], "probs_prompt_metrics_"))), checks)
     m = manifest(copy, "checks")
     m["inputs"] = [i for i in m["inputs"] if i["path"] not in (rel, tok, paths.artifact(paths.VOCAB).as_posix())]
     save_manifest(copy, "checks", m)

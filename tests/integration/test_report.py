@@ -107,7 +107,7 @@ def test_temperature_table_and_rest_match_summary(ws, md):
 
 
 def test_next_token_table_per_temperature_is_prompt_metrics(ws, md):
-    stored = pq.read_table(paths.artifact(paths.PROMPT_METRICS, ws)).to_pylist()
+    stored = pq.read_table(paths.artifact(paths.PROBS_PROMPT_METRICS, ws)).to_pylist()
     text = section(md, 6)
     assert f"Next token of prompt `{stored[0]['prompt_id']}` (position {stored[0]['position']})" in text
     shown = tables(text)[2]          # after the probabilities and the sums

@@ -81,7 +81,7 @@ def test_a_fresh_run_verifies_identical_and_nothing_changes(native):
 def test_a_file_the_run_did_not_record_is_new_not_a_difference(native, tmp_path):
     """A run made before prompt_metrics.parquet: the re-run makes it; it is listed, not compared."""
     run = copy_ws(native, tmp_path / "old")
-    rel = paths.artifact(paths.PROMPT_METRICS).as_posix()
+    rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
     (run / rel).unlink()
     m = json.loads(paths.manifest_path("probs", run).read_text())
     m["outputs"] = [o for o in m["outputs"] if o["path"] != rel]

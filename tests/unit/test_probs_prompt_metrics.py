@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.checks import prompt_metrics as pm_check
+from pipeline.checks import next_token as pm_check
 from pipeline.config.schema import FilterConfig, ProbsConfig, SamplingConfig
 from pipeline.errors import UserError
 from pipeline.numerics import probs
@@ -121,7 +121,7 @@ def test_the_check_passes_on_the_stage_table(tmp_path, row, vocab):
     for named in (cfg(), cfg(sampling_t=0.0)):
         got = run_check(tmp_path, table(row, named), row, named, vocab)
         assert all(c.passed for c in got.values()), got
-        assert got["prompt_metrics_rows"].measured == 0 and got["prompt_metrics_rows"].severity == "error"
+        assert got["probs_prompt_metrics_rows"].measured == 0 and got["probs_prompt_metrics_rows"].severity == "error"
 
 
 def _with(t: pa.Table, column: str, values) -> pa.Table:
@@ -141,16 +141,16 @@ def test_a_corrupted_cell_fails_its_check(tmp_path, row, vocab, column, edit, fa
     named = cfg()
     t = table(row, named)
     got = run_check(tmp_path, _with(t, column, edit(t[column].to_pylist())), row, named, vocab)
-    assert not got[f"prompt_metrics_{failing}"].passed, got
-    assert column in got[f"prompt_metrics_{failing}"].detail
+    assert not got[f"probs_prompt_metrics_{failing}"].passed, got
+    assert column in got[f"probs_prompt_metrics_{failing}"].detail
 
 
 def test_a_missing_row_or_column_fails(tmp_path, row, vocab):
     named = cfg()
     t = table(row, named)
-    assert not run_check(tmp_path, t.slice(0, 2), row, named, vocab)["prompt_metrics_rows"].passed
+    assert not run_check(tmp_path, t.slice(0, 2), row, named, vocab)["probs_prompt_metrics_rows"].passed
     got = run_check(tmp_path, t.drop_columns(["top_p_0.6_mass"]), row, named, vocab)
-    assert not got["prompt_metrics_rows"].passed and not got["prompt_metrics_values"].passed
+    assert not got["probs_prompt_metrics_rows"].passed and not got["probs_prompt_metrics_values"].passed
 
 
 # Wrong computations inside the stage's own code: the table they make fails the check.
@@ -179,7 +179,7 @@ def test_a_wrong_computation_in_the_stage_fails_the_check(tmp_path, row, vocab, 
     assert all(c.passed for c in run_check(tmp_path, table(row, named), row, named, vocab).values())
     monkeypatch.setattr(probs, name, wrong)
     got = run_check(tmp_path, table(row, named), row, named, vocab)
-    assert not got[f"prompt_metrics_{failing}"].passed, got
+    assert not got[f"probs_prompt_metrics_{failing}"].passed, got
 
 
 ORIGINAL_ENTROPY = probs.entropy_nats

@@ -94,11 +94,11 @@ def check(path: Path, prompt_id: str, position: int, row: np.ndarray, temperatur
         d = math.inf if r.get("entropy") is None else abs(r["entropy"] - h) / (1.0 + h)
         worst = max(worst, (d if not math.isnan(d) else math.inf, f"{label} entropy"))
     return [
-        Check("prompt_metrics_rows", "prompt_metrics.parquet keys, top1_id, top1_text and <filter>_kept vs "
+        Check("probs_prompt_metrics_rows", "prompt_metrics.parquet keys, top1_id, top1_text and <filter>_kept vs "
               "tokenize.json's prompt_id, the last prompt position, probs.temperatures (ascending, one row group), "
               "numpy's argmax of logits.parquet, vocab.parquet and numpy's temperature -> top-k -> top-p rule "
               "(cells differing)", len(bad), 0, "error", "; ".join(bad[:4])),
-        Check("prompt_metrics_values", "prompt_metrics.parquet top1_prob and <filter>_mass vs numpy FP64 "
+        Check("probs_prompt_metrics_values", "prompt_metrics.parquet top1_prob and <filter>_mass vs numpy FP64 "
               "softmax(logits.parquet's last row / T) (masses summed by math.fsum), and entropy (nats) vs numpy's "
               "as |dH| / (1 + H): max relative difference", worst[0], FP64_RTOL, "error", worst[1]),
     ]

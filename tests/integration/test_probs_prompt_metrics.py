@@ -9,7 +9,7 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.checks import prompt_metrics
+from pipeline.checks import next_token
 from pipeline.config import schema
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths, provenance
@@ -27,18 +27,18 @@ def summary(ws) -> dict:
 
 @pytest.fixture(scope="module")
 def frame(ws):
-    return pq.read_table(paths.artifact(paths.PROMPT_METRICS, ws)).to_pandas()
+    return pq.read_table(paths.artifact(paths.PROBS_PROMPT_METRICS, ws)).to_pandas()
 
 
 def test_one_row_per_temperature_keyed_by_the_prompt_id(ws, frame):
     params = schema.read_params(ws / paths.PARAMS)
     named = probs.filters(schema.load_section(params, "probs"), schema.load_section(params, "sampling"))
     tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
-    assert list(frame.columns) == prompt_metrics.columns(named)
+    assert list(frame.columns) == next_token.columns(named)
     assert frame["temperature"].tolist() == sorted(params["probs"]["temperatures"]) == [0.5, 1.0, 2.0]
     assert set(frame["prompt_id"]) == {tok["prompt_id"]} == {"temperature_question"}
     assert set(frame["position"]) == {tok["n_tokens"] - 1}
-    assert pq.ParquetFile(paths.artifact(paths.PROMPT_METRICS, ws)).metadata.num_row_groups == 1
+    assert pq.ParquetFile(paths.artifact(paths.PROBS_PROMPT_METRICS, ws)).metadata.num_row_groups == 1
 
 
 def test_the_figures_are_summary_json_s(frame, summary):
@@ -61,7 +61,7 @@ def test_the_figures_are_summary_json_s(frame, summary):
 
 def test_duckdb_reads_the_same_table(ws, frame):
     duckdb = pytest.importorskip("duckdb")
-    path = paths.artifact(paths.PROMPT_METRICS, ws).as_posix()
+    path = paths.artifact(paths.PROBS_PROMPT_METRICS, ws).as_posix()
     got = duckdb.sql(f"""select prompt_id, temperature, top1_id, "top_p_0.9_kept", entropy
                          from read_parquet('{path}') where temperature = 1.0""").fetchall()
     want = frame[frame["temperature"] == 1.0]
@@ -71,7 +71,7 @@ def test_duckdb_reads_the_same_table(ws, frame):
 
 def test_recorded_with_its_hash_and_its_input_and_metrics_json_unchanged(ws):
     m = json.loads(paths.manifest_path("probs", ws).read_text())
-    rel = paths.artifact(paths.PROMPT_METRICS).as_posix()
+    rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
     out = next(o for o in m["outputs"] if o["path"] == rel)
     assert out["sha256"] == provenance.sha256_file(ws / rel)
     assert paths.artifact(paths.TOKENIZE_SUMMARY).as_posix() in {i["path"] for i in m["inputs"]}
@@ -84,10 +84,10 @@ def test_its_check_passes_on_the_stored_table(ws, summary):
     probs_cfg, sampling = schema.load_section(params, "probs"), schema.load_section(params, "sampling")
     tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
     last = tok["n_tokens"] - 1
-    got = prompt_metrics.check(paths.artifact(paths.PROMPT_METRICS, ws), tok["prompt_id"], last,
-                               logits_io.read_position(paths.artifact(paths.LOGITS, ws), last),
-                               probs_cfg.temperatures, probs.filters(probs_cfg, sampling),
-                               paths.artifact(paths.VOCAB, ws))
-    assert [c.name for c in got] == ["prompt_metrics_rows", "prompt_metrics_values"]
+    got = next_token.check(paths.artifact(paths.PROBS_PROMPT_METRICS, ws), tok["prompt_id"], last,
+                           logits_io.read_position(paths.artifact(paths.LOGITS, ws), last),
+                           probs_cfg.temperatures, probs.filters(probs_cfg, sampling),
+                           paths.artifact(paths.VOCAB, ws))
+    assert [c.name for c in got] == ["probs_prompt_metrics_rows", "probs_prompt_metrics_values"]
     assert all(c.passed for c in got), got
-    print("prompt_metrics_values measured", got[1].measured, got[1].detail)
+    print("probs_prompt_metrics_values measured", got[1].measured, got[1].detail)
