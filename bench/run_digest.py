@@ -23,6 +23,7 @@ FILES = {
     "logits/logits.parquet": None,
     "probs/table.parquet": None,
     "probs/filtered.parquet": None,
+    "probs/prompt_metrics.parquet": None,
     "trajectories/steps.parquet": ["branch", "kv_cache", "step", "token_id", "logit", "prob", "rank", "top_ids",
                                    "top_logits", "top_probs"],
     "trajectories/step_logits.parquet": None,

@@ -1,4 +1,4 @@
-"""Stage probs: FP64 probability tables, filtered sets and their summary, from logits.parquet."""
+"""Stage probs: FP64 probability tables, filtered sets, their summary, per-prompt metrics, from logits.parquet."""
 
 from __future__ import annotations
 

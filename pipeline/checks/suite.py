@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.checks import recompute, tables
+from pipeline.checks import next_token, recompute, tables
 from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logit_rows
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model import capture, decode, loader
@@ -50,6 +50,9 @@ class Stored:
     token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
     token_special: list[bool] = field(default_factory=list)
     prompt_metrics: Path | None = None   # None also for a run made before trajectories wrote it
+    # probs/prompt_metrics.parquet with what its check needs (tokenize.json's prompt_id,
+    # vocab.parquet); None for a run whose probs stage did not record that file (older code)
+    probs_prompt_metrics: tuple[Path, str, Path] | None = None
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -80,6 +83,9 @@ def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
         return use(item) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() else None
 
     tokens = read_parquet(use(paths.TOKENS), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
+    metrics, item = None, paths.PROBS_PROMPT_METRICS
+    if paths.artifact(item).as_posix() in _recorded_outputs("probs", root):
+        metrics = (use(item), read_json(use(paths.TOKENIZE_SUMMARY))["prompt_id"], use(paths.VOCAB))
     facts, step_logits = read_json(use(paths.FORWARD_FACTS)), optional(paths.STEP_LOGITS)
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
@@ -88,7 +94,13 @@ def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
                   devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
-                  use(paths.PROMPT_METRICS) if paths.artifact(paths.PROMPT_METRICS, root).exists() else None)
+                  use(paths.TRAJECTORY_PROMPT_METRICS) if paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, root).exists() else None, metrics)
+
+
+def _recorded_outputs(stage: str, root: Path | str) -> set[str]:
+    """The outputs `stage`'s manifest lists (none when it has no manifest)."""
+    manifest = paths.manifest_path(stage, root)
+    return {o["path"] for o in read_json(manifest).get("outputs") or []} if manifest.exists() else set()
 
 
 def _where(record: dict) -> str:
@@ -354,6 +366,10 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
                 *tables.table_columns(stored.table, rows),
                 *tables.filtered(stored.filtered, rows, probs.filters(p_cfg, cfg["sampling"]),
                                  lambda f: decode.generate_warpers(model, f.settings))]
+        if stored.probs_prompt_metrics is not None:
+            path, prompt_id, vocab = stored.probs_prompt_metrics
+            out += next_token.check(path, prompt_id, len(ids) - 1, stored.last_row(), p_cfg.temperatures,
+                                        probs.filters(p_cfg, cfg["sampling"]), vocab)
     if stored.steps is None:
         return out + [outputs_missing("trajectories")]
     steps, step_rows = read_parquet(stored.steps).to_pylist(), step_logit_rows(stored.step_logits)

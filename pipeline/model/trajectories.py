@@ -208,7 +208,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     summary_by_run = summary(runs, tokenizer)
     stage.write_json(paths.TRAJECTORIES[1], summary_by_run)
     stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))
-    stage.write_parquet(paths.PROMPT_METRICS[1], prompt_metrics(prompt_id, summary_by_run))
+    stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], prompt_metrics(prompt_id, summary_by_run))
 
 
 def prompt_id_of(tokenize_summary: dict) -> str:

@@ -1,4 +1,5 @@
-"""The probs stage's tables: FP64 probabilities per temperature, filtered sets, a summary.
+"""The probs stage's tables: FP64 probabilities per temperature, filtered sets, a summary, and
+the next-token figures per prompt and temperature (prompt_metrics.parquet).
 
 Everything is derived from the stored logits (float32 holding the exact bf16 values), so
 the audit can recompute every number bit for bit from `logits.parquet` alone.
@@ -23,10 +24,11 @@ from pipeline.numerics.sampling import (
     filter_distribution,
     largest_logit,
     probability_table,
+    rank_order,
     ranks,
 )
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import StageRun, parquet_facts, read_parquet
+from pipeline.store.artifacts import StageRun, parquet_facts, read_json, read_parquet
 
 
 def prob_column(t: float) -> str:
@@ -175,13 +177,59 @@ def bits(p: float) -> float:
     return -math.log2(p) + 0.0
 
 
+# ---------------------------------------------------------------- prompt_metrics.parquet
+def metrics_schema(named: list[NamedFilter]) -> pa.Schema:
+    """prompt_metrics.parquet's columns: the keys, the distribution's figures, then per filter
+    `<filter>_kept` (ids kept) and `<filter>_mass` (their FP64 probability before renormalising)."""
+    return pa.schema([("prompt_id", pa.string()), ("position", pa.int32()), ("temperature", pa.float64()),
+                      ("entropy", pa.float64()), ("top1_id", pa.int32()), ("top1_text", pa.string()),
+                      ("top1_prob", pa.float64())]
+                     + [c for f in named for c in ((f"{f.name}_kept", pa.int32()), (f"{f.name}_mass", pa.float64()))])
+
+
+def at_temperature(flt: NamedFilter, t: float) -> SamplingSettings:
+    """A filter's top_k and top_p after temperature t instead of its own; a greedy filter (T = 0)
+    stays greedy: it keeps the argmax, its mass reported at T = 1 as in summary.json."""
+    s = flt.settings
+    return s if s.is_greedy else SamplingSettings(t, s.top_k, s.top_p)
+
+
+def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures: tuple[float, ...],
+                   named: list[NamedFilter], vocab: dict[int, str]) -> pa.Table:
+    """One row per temperature (ascending) of one prompt's next-token distribution (`row`: the
+    logits at its last position): entropy in nats, the top-1 id (rank 1: highest logit, lower id
+    on ties) and its FP64 probability, and each filter's kept count and mass, by the very
+    computations of summary.json (`entropy_nats`) and filtered.parquet (`filter_distribution`)."""
+    logits = torch.from_numpy(row)
+    tables, top1 = probability_table(logits, list(temperatures)), int(rank_order(logits)[0])
+    rows = []
+    for t in sorted(temperatures):
+        rec = {"prompt_id": prompt_id, "position": position, "temperature": t, "entropy": entropy_nats(tables[t].p64),
+               "top1_id": top1, "top1_text": vocab.get(top1), "top1_prob": float(tables[t].p64[top1])}
+        for f in named:
+            kept = filter_distribution(logits, at_temperature(f, t))
+            rec |= {f"{f.name}_kept": kept.count, f"{f.name}_mass": kept.mass}
+        rows.append(rec)
+    return pa.Table.from_pylist(rows, schema=metrics_schema(named))
+
+
+def prompt_id(tokenize_summary: Path) -> str:
+    """The prompt's id as the tokenize stage recorded it (a set of one today)."""
+    recorded = read_json(tokenize_summary).get("prompt_id")
+    if not isinstance(recorded, str):
+        raise UserError(f"{tokenize_summary} records no prompt_id (written by older code): re-run `dvc repro tokenize`")
+    return recorded
+
+
 # ---------------------------------------------------------------- the stage's outputs
-def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) \
-        -> tuple[dict[tuple[str, str], Any], dict]:
+def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig,
+          tokenize_summary: Path | None = None) -> tuple[dict[tuple[str, str], Any], dict]:
     """Every output of the probs stage (artifact item -> table or JSON object) and its facts.
 
     One function for the stage and for `nexttoken audit`, which re-derives a past run's files
-    with these same calls and compares them bit for bit.
+    with these same calls and compares them bit for bit. prompt_metrics.parquet needs the
+    prompt's id from tokenize.json: without `tokenize_summary` (the audit of a run made before
+    the file existed, which did not read it) it is not built.
     """
     named = filters(probs_cfg, sampling_cfg)
     facts = parquet_facts(logits_path)
@@ -191,8 +239,9 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     if len(vocab) != facts.get("output_size"):
         raise UserError(f"{vocab_path} lists {len(vocab)} ids but {logits_path} holds {facts.get('output_size')} "
                         "per position: they come from different models; re-run `dvc repro`")
+    last_prompt = facts["n_positions"] - 1                     # the next-token distribution's row
     largest = 0.0
-    for pos in positions:               # refuse before any work; one row in memory at a time
+    for pos in sorted(set(positions) | ({last_prompt} if tokenize_summary else set())):   # refuse before any work
         row = logits_io.read_position(logits_path, pos)
         check_finite(pos, row)
         largest = max(largest, largest_logit(row))
@@ -215,6 +264,10 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
                paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
+    if tokenize_summary is not None:
+        outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
+            prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
+            probs_cfg.temperatures, named, vocab)
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}
@@ -222,7 +275,8 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
 
 def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) -> None:
     """The probs stage's whole body (python -m stages.probs; `nexttoken verify` in one process)."""
-    outputs, facts = build(stage.use(paths.LOGITS), stage.use(paths.VOCAB), probs_cfg, sampling_cfg)
+    outputs, facts = build(stage.use(paths.LOGITS), stage.use(paths.VOCAB), probs_cfg, sampling_cfg,
+                           stage.use(paths.TOKENIZE_SUMMARY))
     stage.model = facts["model"]
     stage.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
     stage.write_parquet(paths.TABLE[1], outputs[paths.TABLE], compression="zstd",
@@ -230,3 +284,5 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
     stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], compression="zstd")
     stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY])
     stage.write_json(paths.PROBS_METRICS[1], outputs[paths.PROBS_METRICS])
+    stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], outputs[paths.PROBS_PROMPT_METRICS],
+                        compression="zstd")                     # a few rows: one row group

@@ -53,6 +53,7 @@ class Inputs:
     trajectories: dict                 # trajectories/trajectories.json
     prompt_metrics: list[dict]         # trajectories/prompt_metrics.parquet rows (one per run)
     checks: list[dict] | None          # checks/checks.parquet rows, None when not run
+    probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None for a run made before it
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
 
     @property
@@ -104,6 +105,8 @@ def load(use: Use, root: Path | str = ".") -> Inputs:
     checks = None
     if paths.artifact(paths.CHECKS, root).exists():
         checks = read_parquet(use(paths.CHECKS)).to_pylist()
+    metrics = read_parquet(use(paths.PROBS_PROMPT_METRICS)).to_pylist() \
+        if paths.artifact(paths.PROBS_PROMPT_METRICS, root).exists() else None
     inp = Inputs(
         source=read_json(use(paths.SOURCE)), manifests=manifests,
         tokenize=read_json(use(paths.TOKENIZE_SUMMARY)), tokens=read_parquet(use(paths.TOKENS)).to_pylist(),
@@ -111,7 +114,8 @@ def load(use: Use, root: Path | str = ".") -> Inputs:
         logits=logits_io.read_position(use(paths.LOGITS), position), summary=summary,
         kept_top=read_parquet(use(paths.FILTERED), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
         steps=read_parquet(use(paths.STEPS)).to_pylist(), trajectories=read_json(use(paths.TRAJECTORIES)),
-        prompt_metrics=read_parquet(use(paths.PROMPT_METRICS)).to_pylist(), checks=checks, vocab={})
+        prompt_metrics=read_parquet(use(paths.TRAJECTORY_PROMPT_METRICS)).to_pylist(), checks=checks,
+        probs_prompt_metrics=metrics, vocab={})
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
@@ -316,7 +320,24 @@ def temperatures(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
                 f"FP32 {tol.get('fp32_sum_tolerance')}) and entropy, position {pos}:", ""] + table(
             ["T", "entropy (nats)", "entropy (bits)", "FP64 error", "FP64 within", "FP32 error", "FP32 within"],
             sums, [src(paths.PROBS_SUMMARY), src(paths.manifest_path("probs"))])
-    return out + [line for f in ("temperature_top", "entropy") if f in figures for line in figure(figures[f])]
+    return out + next_token(inp) + [line for f in ("temperature_top", "entropy") if f in figures
+                                    for line in figure(figures[f])]
+
+
+def next_token(inp: Inputs) -> list[str]:
+    """The next-token figures per temperature (prompt_metrics.parquet): each filter's top_k / top_p
+    applied at that temperature, its kept ids and their mass."""
+    if not inp.probs_prompt_metrics:
+        return []
+    first = inp.probs_prompt_metrics[0]
+    kept = [c[:-len("_kept")] for c in first if c.endswith("_kept")]
+    rows = [[f"{r['temperature']:g}", f"{r['entropy']:.4f}", f"{r['top1_id']} {code(r['top1_text'])}",
+             prob(r["top1_prob"])] + [f"{r[f + '_kept']} ({r[f + '_mass']:.4f})" for f in kept]
+            for r in inp.probs_prompt_metrics]
+    return [f"Next token of prompt {name(first['prompt_id'])} (position {first['position']}) by temperature; "
+            "each filter's top_k / top_p after that temperature (a greedy filter keeps the argmax), kept ids "
+            "(their mass):", ""] + table(["T", "entropy (nats)", "top-1", "p(top-1)"] + [name(f) for f in kept],
+                                         rows, src(paths.PROBS_PROMPT_METRICS))
 
 
 def filters(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
@@ -369,7 +390,7 @@ def repetition(rows: list[dict]) -> list[str]:
             "the step where its loop starts and the loop's period (a tail repeating at least two full periods), "
             "and distinct n-grams / n-grams (`-`: fewer than n tokens).", ""] + table(
         ["branch", "KV cache", "new tokens", "stop", "leaves greedy at step", "loop start", "loop period",
-         "distinct-1", "distinct-2", "distinct-3"], cells, src(paths.PROMPT_METRICS))
+         "distinct-1", "distinct-2", "distinct-3"], cells, src(paths.TRAJECTORY_PROMPT_METRICS))
 
 
 def checks(inp: Inputs) -> list[str]:

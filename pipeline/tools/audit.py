@@ -308,12 +308,16 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same
 
 def probs_outputs(root: Path, params: dict, manifest: dict | None = None) -> dict[tuple[str, str], Any]:
     """The probs stage's tables and JSON, recomputed by the stage's own function from the files
-    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits)."""
+    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits;
+    one made before prompt_metrics.parquet did not read tokenize.json, and that file is not made)."""
     from pipeline.numerics import probs
-    read = {Path(i["path"]).name: root / i["path"] for i in (manifest or {}).get("inputs") or []}
+    inputs = [i["path"] for i in (manifest or {}).get("inputs") or []]
+    read = {Path(i).name: root / i for i in inputs}
+    tokenize = paths.artifact(paths.TOKENIZE_SUMMARY)
     outputs, _ = probs.build(read.get(paths.LOGITS[1], paths.artifact(paths.LOGITS, root)),
                              read.get(paths.VOCAB[1], paths.artifact(paths.VOCAB, root)),
-                             schema.load_section(params, "probs"), schema.load_section(params, "sampling"))
+                             schema.load_section(params, "probs"), schema.load_section(params, "sampling"),
+                             root / tokenize if manifest is None or tokenize.as_posix() in inputs else None)
     return outputs
 
 

@@ -9,7 +9,8 @@ and its model snapshot, in a temporary folder: each stage's own library function
 `capture.kernels` (pinned before torch loads). Nothing in the workspace or the DVC cache
 changes.
 
-One line per artifact, `identical` or `differs`; when anything differs, one line each: the
+One line per artifact, `identical` or `differs` (`new`, not compared, for a file only this code
+makes: the run's code did not write it); when anything differs, one line each: the
 kernel path then vs now, the first diverging captured tensor in forward order (max |Δ| and
 where), the top-1 id per position, the kept counts per filter, the first trajectory step
 whose chosen id differs (both candidates and their probabilities), the checks whose result
@@ -105,6 +106,10 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
         result.lines.append(kernel_difference_line(recorded_kernels(manifests), recorded_kernels(now), LABELS))
         for stage in rerun:
             for name, same in _compare_files(root, here, stage):
+                if same is None:
+                    result.lines.append(f"new       {stage}/{name}: made by this code, the run did not record it "
+                                        "(not compared)")
+                    continue
                 result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")
                 if not same:
                     result.differing.append(f"{stage}/{name}")
@@ -165,14 +170,15 @@ def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
                 body[stage](run)
 
 
-def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool]]:
+def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool | None]]:
     """(file name, bit-identical) for every output the stage's manifest lists, stored or re-made
-    (what DVC adds beside them, such as a .gitignore, is not the stage's)."""
+    (what DVC adds beside them, such as a .gitignore, is not the stage's); None for a file only the
+    re-run made (newer code than the run's, e.g. prompt_metrics.parquet for a run made before it)."""
     def files(r: Path) -> dict[str, Path]:
         outputs = read_json(paths.manifest_path(stage, r)).get("outputs") or []
         return {Path(o["path"]).relative_to(paths.stage_dir(stage)).as_posix(): r / o["path"] for o in outputs}
     stored, made = files(root), files(here)
-    return [(name, name in stored and name in made and stored[name].is_file()
+    return [(name, None if name not in stored else name in made and stored[name].is_file()
              and _content(stored[name]) == _content(made[name])) for name in sorted(set(stored) | set(made))]
 
 
@@ -224,7 +230,9 @@ def probs_lines(root: Path, here: Path) -> list[str]:
     """The first value that differs in each table, and the kept counts per filter."""
     summaries = [json.loads(paths.artifact(paths.PROBS_SUMMARY, r).read_text(encoding="utf-8"))["filters"]
                  for r in (root, here)]
-    return table_lines(root, here, (paths.TABLE, paths.FILTERED)) + kept_lines_from(*summaries, LABELS)
+    tables = (paths.TABLE, paths.FILTERED) + tuple(   # prompt_metrics.parquet: not in a run made before it
+        item for item in (paths.PROBS_PROMPT_METRICS,) if all(paths.artifact(item, r).is_file() for r in (root, here)))
+    return table_lines(root, here, tables) + kept_lines_from(*summaries, LABELS)
 
 
 def checks_lines(root: Path, here: Path) -> list[str]:

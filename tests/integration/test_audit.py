@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -73,7 +74,7 @@ def test_fresh_run_is_clean(run):
     result = audit.audit_folder(run, "fresh")
     assert result.clean, result.lines()
     text = "\n".join(result.lines())
-    assert "re-derived table.parquet, filtered.parquet, summary.json" in text
+    assert "re-derived table.parquet, filtered.parquet, summary.json, metrics.json, prompt_metrics.parquet" in text
     assert "re-ran" in text and "checks from the stored artifacts" in text
     assert text.splitlines()[-1].startswith("verdict: CLEAN")
 
@@ -105,6 +106,41 @@ def test_a_changed_probability_with_matching_hashes_is_caught_by_rederivation(co
     assert found and all(f.startswith("FINDING [re-derive]") for f in found), found
     assert any("artifacts/probs/table.parquet" in f and "column p_T1" in f and f"token_id={top}" in f
                for f in found), found
+
+
+def test_a_changed_prompt_metrics_cell_with_matching_hashes_is_caught_twice(copy):
+    """By the re-derivation (the probs stage's code) and by the re-run check (numpy's)."""
+    def one_more_kept(path):
+        table = pq.read_table(path)
+        col = table["top_p_0.9_kept"].to_numpy() + 1
+        pq.write_table(table.set_column(table.schema.get_field_index("top_p_0.9_kept"), "top_p_0.9_kept",
+                                        pa.array(col, pa.int32())), path)
+    forge(copy, paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), one_more_kept)
+    found = findings(copy)
+    assert any(f.startswith("FINDING [re-derive] artifacts/probs/prompt_metrics.parquet") and "top_p_0.9_kept" in f
+               for f in found), found
+    assert any("check probs_prompt_metrics_rows stored pass, re-derived fail" in f for f in found), found
+
+
+def test_a_run_made_before_prompt_metrics_audits_clean(copy):
+    """Its probs stage neither read tokenize.json nor wrote prompt_metrics.parquet, and its checks
+    had no probs_prompt_metrics_* rows: nothing about the file is a finding (or a warning)."""
+    rel, tok = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), paths.artifact(paths.TOKENIZE_SUMMARY).as_posix()
+    (copy / rel).unlink()
+    m = manifest(copy, "probs")
+    m["outputs"] = [o for o in m["outputs"] if o["path"] != rel]
+    m["inputs"] = [i for i in m["inputs"] if i["path"] != tok]
+    save_manifest(copy, "probs", m)
+    checks = paths.artifact(paths.CHECKS, copy)
+    table = pq.read_table(checks)
+    pq.write_table(table.filter(pc.invert(pc.starts_with(table["name"], "probs_prompt_metrics_"))), checks)
+    m = manifest(copy, "checks")
+    m["inputs"] = [i for i in m["inputs"] if i["path"] not in (rel, tok, paths.artifact(paths.VOCAB).as_posix())]
+    save_manifest(copy, "checks", m)
+    rerecord(copy, checks.relative_to(copy).as_posix(), "checks", "outputs")
+    result = audit.audit_folder(copy, "before prompt_metrics")
+    assert result.clean and not any("prompt_metrics" in w for w in result.warnings), result.lines()
+    assert "re-derived table.parquet, filtered.parquet, summary.json, metrics.json from" in "\n".join(result.notes)
 
 
 def test_an_edited_manifest_config_is_named(copy):

@@ -102,7 +102,8 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
                      "future_attention_layer0", "future_attention_layer1", "capture_transparent",
                      "repeat_deterministic", "probs_fp64_table_T1", "probs_fp32_sum_T2", "probs_table_logits",
                      "probs_table_ranks", "filtered_sets_numpy", "filtered_sets_warpers", "filtered_rows",
-                     "filtered_probs", "step1_logits_sample_kv", "greedy_tokens_argmax", "kv_cache_logits_sample",
+                     "filtered_probs", "probs_prompt_metrics_rows", "probs_prompt_metrics_values",
+                     "step1_logits_sample_kv", "greedy_tokens_argmax", "kv_cache_logits_sample",
                      "kv_cache_choices_greedy", "generate_parity_sample", "generate_parity_greedy_kv",
                      "generate_logits_sample_kv", "generate_logits_greedy", "trajectory_loops", "ref_token_ids",
                      "ref_pieces", "ref_byte_split"):

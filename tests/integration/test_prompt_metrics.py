@@ -32,7 +32,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def test_one_row_per_run_matching_its_steps(ws):
-    table = pq.read_table(paths.artifact(paths.PROMPT_METRICS, ws)).to_pandas()
+    table = pq.read_table(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws)).to_pandas()
     steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
     runs, prompt_id = _runs(ws), json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text())["prompt_id"]
     assert sorted(zip(table.branch, table.kv_cache)) == sorted(runs) and len(table) == 4
@@ -53,7 +53,7 @@ def test_one_row_per_run_matching_its_steps(ws):
 
 
 def test_duckdb_reads_the_table_and_its_nulls(ws):
-    path = paths.artifact(paths.PROMPT_METRICS, ws).as_posix()
+    path = paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws).as_posix()
     rows = duckdb.sql(f"select branch, kv_cache, n_new, diverge, loop, loop_start, loop_period, distinct_3 "
                       f"from read_parquet('{path}') order by branch, kv_cache").fetchall()
     runs = _runs(ws)
@@ -69,6 +69,6 @@ def test_duckdb_reads_the_table_and_its_nulls(ws):
 
 def test_the_manifest_lists_it_with_its_hash_and_tokenize_json_as_an_input(ws):
     manifest = json.loads(paths.manifest_path("trajectories", ws).read_text())
-    out = next(o for o in manifest["outputs"] if o["path"] == paths.artifact(paths.PROMPT_METRICS).as_posix())
-    assert out["sha256"] == provenance.sha256_file(paths.artifact(paths.PROMPT_METRICS, ws))
+    out = next(o for o in manifest["outputs"] if o["path"] == paths.artifact(paths.TRAJECTORY_PROMPT_METRICS).as_posix())
+    assert out["sha256"] == provenance.sha256_file(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws))
     assert paths.artifact(paths.TOKENIZE_SUMMARY).as_posix() in {i["path"] for i in manifest["inputs"]}

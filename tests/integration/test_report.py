@@ -107,6 +107,23 @@ def test_temperature_table_and_rest_match_summary(ws, md):
     assert sums["1"]["FP32 within"] == ("yes" if t1["fp32_within_tolerance"] else "**no**")
 
 
+def test_next_token_table_per_temperature_is_prompt_metrics(ws, md):
+    stored = pq.read_table(paths.artifact(paths.PROBS_PROMPT_METRICS, ws)).to_pylist()
+    text = section(md, 6)
+    assert f"Next token of prompt `{stored[0]['prompt_id']}` (position {stored[0]['position']})" in text
+    shown = tables(text)[2]          # after the probabilities and the sums
+    assert [r["T"] for r in shown] == [f"{r['temperature']:g}" for r in stored] == ["0.5", "1", "2"]
+    for r, want in zip(shown, stored):
+        assert float(r["entropy (nats)"]) == pytest.approx(want["entropy"], abs=5e-5)
+        top_id, top_text = r["top-1"].split(" ", 1)
+        assert (int(top_id), unquote(top_text)) == (want["top1_id"], want["top1_text"])
+        assert float(r["p(top-1)"]) == pytest.approx(want["top1_prob"], abs=5e-5)      # 4 decimals
+        for f in ("sampling", "top_k_2", "top_p_0.9"):
+            kept, mass = re.fullmatch(r"(\d+) \(([0-9.]+)\)", r[f"`{f}`"]).groups()
+            assert int(kept) == want[f"{f}_kept"] and float(mass) == pytest.approx(want[f"{f}_mass"], abs=5e-5)
+    assert "source: `artifacts/probs/prompt_metrics.parquet`" in text
+
+
 def test_top_p_kept_count_and_renormalised_probs(ws, md):
     filtered = pq.read_table(paths.artifact(paths.FILTERED, ws)).to_pandas()
     kept = filtered[filtered["filter"] == "top_p_0.9"]
@@ -137,7 +154,7 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
 
 def test_repetition_table_shows_each_runs_loop_and_distinct_2_from_its_ids(ws, md):
     steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
-    stored = pq.read_table(paths.artifact(paths.PROMPT_METRICS, ws)).to_pandas()
+    stored = pq.read_table(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws)).to_pandas()
     rows = tables(section(md, 8))[-1]
     assert len(rows) == len(stored) == 4 and "prompt_metrics.parquet" in section(md, 8).split("Repetition")[1]
     for row in rows:

@@ -72,10 +72,25 @@ def test_a_fresh_run_verifies_identical_and_nothing_changes(native):
     assert result.identical, "\n".join(result.lines)
     files = [ln for ln in result.lines if ln.startswith(("identical", "differs"))]
     # every output of forward..checks (vocab.parquet is tokenize's, which verify does not re-run)
-    assert len(files) == 14 and all(ln.startswith("identical") for ln in files)
+    assert len(files) == 15 and all(ln.startswith("identical") for ln in files)
     assert result.lines[1].startswith("kernel path: same (native;")
     assert result.lines[-1].startswith("verdict: IDENTICAL")
     assert snapshot(native) == before and _everything(native) == listed
+
+
+def test_a_file_the_run_did_not_record_is_new_not_a_difference(native, tmp_path):
+    """A run made before prompt_metrics.parquet: the re-run makes it; it is listed, not compared."""
+    run = copy_ws(native, tmp_path / "old")
+    rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
+    (run / rel).unlink()
+    m = json.loads(paths.manifest_path("probs", run).read_text())
+    m["outputs"] = [o for o in m["outputs"] if o["path"] != rel]
+    paths.manifest_path("probs", run).write_text(json.dumps(m, indent=2) + "\n")
+    result = verify.verify_folder(run, "old", ["probs"])
+    assert result.identical, "\n".join(result.lines)
+    assert "new       probs/prompt_metrics.parquet: made by this code, the run did not record it (not compared)" \
+        in result.lines
+    assert "identical probs/table.parquet" in result.lines
 
 
 def test_kernels_capped_below_avx2_differ_and_verify_names_the_fields_and_tensor(native):

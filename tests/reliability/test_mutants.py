@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 import yaml
@@ -202,6 +204,15 @@ def _filter_rows_at_t1(orig):
     return rows
 
 
+def _temperature_twice(orig):
+    """prompt_metrics.parquet's figures at T * T, labelled T."""
+    def table(prompt_id, position, row, temperatures, named, vocab):
+        out = orig(prompt_id, position, row, tuple(t * t for t in temperatures), named, vocab)
+        return out.set_column(out.schema.get_field_index("temperature"), "temperature",
+                              pa.array(sorted(temperatures), pa.float64()))     # T * T keeps the order
+    return table
+
+
 def _no_renormalisation(orig):
     def kept(logits, settings):
         k = orig(logits, settings)
@@ -249,6 +260,12 @@ MUTANTS = [
     Mutant("top-k keeps k - 1", BOTH, lambda mp: mp.setattr(sampling, "warpers", _warpers_with(k_shift=-1))),
     Mutant("every filter's rows record temperature 1", PROBS,
            lambda mp: wrap(mp, probs, "filtered_rows", _filter_rows_at_t1)),
+    Mutant("prompt metrics: entropy in bits (log2), labelled nats", PROBS,
+           lambda mp: wrap(mp, probs, "entropy_nats", lambda orig: lambda p: orig(p) / math.log(2))),
+    Mutant("prompt metrics: temperature applied twice", PROBS,
+           lambda mp: wrap(mp, probs, "prompt_metrics", _temperature_twice)),
+    Mutant("prompt metrics: each filter at its own temperature, not the row's", PROBS,
+           lambda mp: wrap(mp, probs, "at_temperature", lambda orig: lambda flt, t: flt.settings)),
     Mutant("seed not applied to the generator", ("trajectories",),
            lambda mp: wrap(mp, trajectories, "run_branch", _positional(4, torch.Generator().initial_seed()))),
     Mutant("RoPE position off by one in the KV-cache steps", ("trajectories",),
