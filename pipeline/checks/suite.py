@@ -90,11 +90,13 @@ def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
+    loops_item = paths.TRAJECTORY_PROMPT_METRICS
+    loops_table = use(loops_item) if paths.artifact(loops_item, root).exists() else None   # None: made before it
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(), read_safetensors(use(paths.CAPTURE)),
                   devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
-                  use(paths.TRAJECTORY_PROMPT_METRICS) if paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, root).exists() else None, metrics)
+                  loops_table, metrics)
 
 
 def _recorded_outputs(stage: str, root: Path | str) -> set[str]:

@@ -34,7 +34,8 @@ STEPS = ("trajectories", "steps.parquet")
 STEP_LOGITS = ("trajectories", "step_logits.parquet")
 TRAJECTORIES = ("trajectories", "trajectories.json")
 TRAJECTORIES_METRICS = ("trajectories", "metrics.json")
-TRAJECTORY_PROMPT_METRICS = ("trajectories", "prompt_metrics.parquet")   # per (prompt_id, branch, kv_cache): loop, n-grams
+# per (prompt_id, branch, kv_cache): loop, n-grams
+TRAJECTORY_PROMPT_METRICS = ("trajectories", "prompt_metrics.parquet")
 CHECKS = ("checks", "checks.parquet")
 METRICS = ("checks", "metrics.json")
 REPORT = ("report", "report.md")

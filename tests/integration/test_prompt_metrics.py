@@ -69,6 +69,7 @@ def test_duckdb_reads_the_table_and_its_nulls(ws):
 
 def test_the_manifest_lists_it_with_its_hash_and_tokenize_json_as_an_input(ws):
     manifest = json.loads(paths.manifest_path("trajectories", ws).read_text())
-    out = next(o for o in manifest["outputs"] if o["path"] == paths.artifact(paths.TRAJECTORY_PROMPT_METRICS).as_posix())
+    table = paths.artifact(paths.TRAJECTORY_PROMPT_METRICS).as_posix()
+    out = next(o for o in manifest["outputs"] if o["path"] == table)
     assert out["sha256"] == provenance.sha256_file(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws))
     assert paths.artifact(paths.TOKENIZE_SUMMARY).as_posix() in {i["path"] for i in manifest["inputs"]}
