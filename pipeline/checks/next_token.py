@@ -65,7 +65,7 @@ def check(path: Path, prompt_id: str, position: int, row: np.ndarray, temperatur
           filters: Sequence, vocab_path: Path) -> list[Check]:
     """prompt_metrics.parquet vs numpy on `row` (logits.parquet at `position`, the last prompt
     position); `filters`: the configured ones (`probs.filters`: sampling, then probs.extra_filters)."""
-    table, bad, worst = read_parquet(path), [], (0.0, "")
+    table, bad, worst = read_parquet(path, filters=[("prompt_id", "=", prompt_id)]), [], (0.0, "")   # its rows
     missing = [c for c in columns(filters) if c not in table.column_names]
     bad += [f"column {c} missing" for c in missing]
     groups = pq.ParquetFile(path).metadata.num_row_groups

@@ -49,7 +49,8 @@ class Stored:
     step_logits: Path | None
     token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
     token_special: list[bool] = field(default_factory=list)
-    prompt_metrics: Path | None = None   # None also for a run made before trajectories wrote it
+    # trajectories/prompt_metrics.parquet and this prompt's id in it; None for a run made before it
+    prompt_metrics: tuple[Path, str] | None = None
     # probs/prompt_metrics.parquet with what its check needs (tokenize.json's prompt_id,
     # vocab.parquet); None for a run whose probs stage did not record that file (older code)
     probs_prompt_metrics: tuple[Path, str, Path] | None = None
@@ -73,27 +74,31 @@ class Stored:
 OPTIONAL_STAGES = ("probs", "trajectories")   # they refuse non-finite logits; forward and logits record them
 
 
-def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
-    """Read the artifacts through `use` (StageRun.use: records each one as an input).
+def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = None) -> Stored:
+    """Read one prompt's artifacts through `use(item, prompt_id)` (StageRun.use: records each one as an
+    input; `paths.lookup`: prompt_id None is a run recorded before partitions).
 
     An OPTIONAL_STAGES stage without an output folder (DVC removes a failed stage's outputs)
     is recorded as missing; any other absent or partial output stays an error (from `use`).
     """
     def optional(item: tuple[str, str]) -> Path | None:
-        return use(item) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() else None
+        return use(item, prompt_id) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() \
+            else None
 
-    tokens = read_parquet(use(paths.TOKENS), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
+    tokens = read_parquet(use(paths.TOKENS, prompt_id), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
+    own_id = read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)).get("prompt_id")
     metrics, item = None, paths.PROBS_PROMPT_METRICS
     if paths.artifact(item).as_posix() in _recorded_outputs("probs", root):
-        metrics = (use(item), read_json(use(paths.TOKENIZE_SUMMARY))["prompt_id"], use(paths.VOCAB))
-    facts, step_logits = read_json(use(paths.FORWARD_FACTS)), optional(paths.STEP_LOGITS)
+        metrics = (use(item), own_id, use(paths.VOCAB))
+    facts, step_logits = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEP_LOGITS)
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
     loops_item = paths.TRAJECTORY_PROMPT_METRICS
-    loops_table = use(loops_item) if paths.artifact(loops_item, root).exists() else None   # None: made before it
-    return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(), read_safetensors(use(paths.CAPTURE)),
-                  devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
+    loops_table = (use(loops_item), own_id) if paths.artifact(loops_item, root).exists() else None  # None: older run
+    return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(),
+                  read_safetensors(use(paths.CAPTURE, prompt_id)), devices, use(paths.LOGITS, prompt_id),
+                  optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
                   loops_table, metrics)
@@ -382,5 +387,6 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),
         *kernel_bound(generate_parity(model, ids, steps, step_rows, cfg["sampling"], eos_ids, device, "error"),
                       traj, here),
-        *(loops(read_parquet(stored.prompt_metrics).to_pylist(), steps) if stored.prompt_metrics else []),
+        *(loops(read_parquet(stored.prompt_metrics[0], filters=[("prompt_id", "=", stored.prompt_metrics[1])])
+                .to_pylist(), steps) if stored.prompt_metrics else []),
     ]

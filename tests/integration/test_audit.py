@@ -25,6 +25,7 @@ from pipeline.store import paths, provenance
 from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
 from pipeline.tools import audit, cli, revisions
 from tests.conftest import ON_CPU, copy_ws, run_module
+from tests.helpers.partitions import part
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +81,19 @@ def test_fresh_run_is_clean(run):
 
 
 def test_one_flipped_byte_in_logits_is_named(copy, monkeypatch, capsys):
-    path = paths.artifact(paths.LOGITS, copy)
+    path = part(paths.LOGITS, copy)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     monkeypatch.chdir(copy)
     assert cli.main(["audit"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert "FINDING [hashes] artifacts/logits/logits.parquet: sha256" in "\n".join(lines)
+    assert f"FINDING [hashes] {path.relative_to(copy).as_posix()}: sha256" in "\n".join(lines)
     assert lines[-1].startswith("verdict: FAIL")
 
 
 def test_a_changed_probability_with_matching_hashes_is_caught_by_rederivation(copy):
-    path = paths.artifact(paths.TABLE, copy)
+    path = part(paths.TABLE, copy)
     table = pq.read_table(path)   # keeps the schema metadata (the run's facts)
     p = table["p_T1"].to_numpy().copy()
     top = int(p.argmax())
@@ -104,7 +105,7 @@ def test_a_changed_probability_with_matching_hashes_is_caught_by_rederivation(co
     rerecord(copy, rel, "checks", "inputs")   # every hash in every manifest now agrees
     found = findings(copy)
     assert found and all(f.startswith("FINDING [re-derive]") for f in found), found
-    assert any("artifacts/probs/table.parquet" in f and "column p_T1" in f and f"token_id={top}" in f
+    assert any(rel in f and "column p_T1" in f and f"token_id={top}" in f
                for f in found), found
 
 
@@ -152,19 +153,21 @@ def test_an_edited_manifest_config_is_named(copy):
 
 
 def test_an_artifact_from_another_run_breaks_the_chain(copy, other_prompt_run):
-    # The other run's whole tokenize folder: its manifest agrees with its own files.
+    # The other run's whole tokenize folder: its manifest agrees with its own files (another
+    # prompt: another partition, so forward's tokens are no output of this tokenize run).
+    tokens = part(paths.TOKENS, copy).relative_to(copy).as_posix()
     shutil.rmtree(paths.stage_dir("tokenize", copy))
     shutil.copytree(paths.stage_dir("tokenize", other_prompt_run), paths.stage_dir("tokenize", copy))
     found = findings(copy)
-    assert any(f.startswith("FINDING [chain] forward read artifacts/tokenize/tokens.parquet") for f in found), found
+    assert any(f.startswith(f"FINDING [chain] forward read {tokens}") for f in found), found
     assert any(f.startswith("FINDING [config] tokenize: prompt.text recorded 'Hello world'") for f in found), found
 
 
 def test_a_replaced_file_is_traced_to_the_run_that_wrote_it(copy, other_prompt_run):
     # Only tokens.parquet, with this run's manifest updated to its bytes: the file's own
     # metadata still says which config wrote it.
-    rel = paths.artifact(paths.TOKENS, copy).relative_to(copy).as_posix()
-    shutil.copy2(other_prompt_run / rel, copy / rel)
+    rel = part(paths.TOKENS, copy).relative_to(copy).as_posix()
+    shutil.copy2(part(paths.TOKENS, other_prompt_run), copy / rel)     # the other prompt's, in this one's partition
     rerecord(copy, rel, "tokenize", "outputs")
     found = findings(copy)
     assert any(f.startswith(f"FINDING [provenance] {rel}: written by a run with config") for f in found), found
@@ -211,8 +214,8 @@ def as_gpu_run(root: Path) -> None:
         table = pf.read()
         meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **RTX}).encode()}
         pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
-    forge(root, paths.artifact(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
-    forge(root, paths.artifact(paths.STEP_LOGITS, root).relative_to(root).as_posix(), step_logits)
+    forge(root, part(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
+    forge(root, part(paths.STEP_LOGITS, root).relative_to(root).as_posix(), step_logits)
 
 
 def kernels_differ_here(monkeypatch) -> None:
