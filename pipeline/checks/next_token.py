@@ -71,7 +71,8 @@ def check(path: Path, prompt_id: str, position: int, row: np.ndarray, temperatur
     groups = pq.ParquetFile(path).metadata.num_row_groups
     bad += [] if groups == 1 else [f"{groups} row groups"]
     got, temps = table.to_pylist(), sorted(temperatures)
-    bad += [] if len(got) == len(temps) else [f"{len(got)} rows for {len(temps)} temperatures"]
+    bad += [] if len(got) == len(temps) else [f"{len(got)} rows with prompt_id {prompt_id!r} for {len(temps)} "
+                                              "temperatures"]
     vocab = read_parquet(vocab_path, columns=["token_id", "text"], filters=[("token_id", "=", int(np.argmax(row)))])
     text = vocab["text"][0].as_py() if vocab.num_rows else None
     for t, r in zip(temps, got):

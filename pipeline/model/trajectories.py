@@ -222,6 +222,6 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
 def prompt_id_of(tokenize_summary: dict) -> str:
     """The run's prompt id, as tokenize recorded it (a tokenize.json made before ids has none)."""
     if not tokenize_summary.get("prompt_id"):
-        raise UserError(f"{paths.artifact(paths.TOKENIZE_SUMMARY).as_posix()} records no prompt_id (made by "
+        raise UserError(f"{paths.TOKENIZE_SUMMARY[1]} records no prompt_id (made by "
                         "older code): re-run the tokenize stage (`dvc repro tokenize`)")
     return tokenize_summary["prompt_id"]
