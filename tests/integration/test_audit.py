@@ -25,7 +25,7 @@ from pipeline.store import paths, provenance
 from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
 from pipeline.tools import audit, cli, revisions
 from tests.conftest import ON_CPU, copy_ws, run_module
-from tests.helpers.partitions import part
+from tests.helpers.partitions import part, rel
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +126,18 @@ def test_a_changed_prompt_metrics_cell_with_matching_hashes_is_caught_twice(copy
 def test_a_run_made_before_prompt_metrics_audits_clean(copy):
     """Its probs stage neither read tokenize.json nor wrote prompt_metrics.parquet, and its checks
     had no probs_prompt_metrics_* rows: nothing about the file is a finding (or a warning)."""
-    rel, tok = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), paths.artifact(paths.TOKENIZE_SUMMARY).as_posix()
-    (copy / rel).unlink()
+    metrics_rel, tok = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), rel(paths.TOKENIZE_SUMMARY, copy)
+    (copy / metrics_rel).unlink()
     m = manifest(copy, "probs")
-    m["outputs"] = [o for o in m["outputs"] if o["path"] != rel]
+    m["outputs"] = [o for o in m["outputs"] if o["path"] != metrics_rel]
     m["inputs"] = [i for i in m["inputs"] if i["path"] != tok]
     save_manifest(copy, "probs", m)
     checks = paths.artifact(paths.CHECKS, copy)
     table = pq.read_table(checks)
     pq.write_table(table.filter(pc.invert(pc.starts_with(table["name"], "probs_prompt_metrics_"))), checks)
     m = manifest(copy, "checks")
-    m["inputs"] = [i for i in m["inputs"] if i["path"] not in (rel, tok, paths.artifact(paths.VOCAB).as_posix())]
+    dropped = (metrics_rel, tok, paths.artifact(paths.VOCAB).as_posix())
+    m["inputs"] = [i for i in m["inputs"] if i["path"] not in dropped]
     save_manifest(copy, "checks", m)
     rerecord(copy, checks.relative_to(copy).as_posix(), "checks", "outputs")
     result = audit.audit_folder(copy, "before prompt_metrics")

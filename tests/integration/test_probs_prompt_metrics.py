@@ -13,6 +13,7 @@ from pipeline.checks import next_token
 from pipeline.config import schema
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths, provenance
+from tests.helpers.partitions import part
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def ws(tiny_chain):
 
 @pytest.fixture(scope="module")
 def summary(ws) -> dict:
-    return json.loads(paths.artifact(paths.PROBS_SUMMARY, ws).read_text(encoding="utf-8"))
+    return json.loads(part(paths.PROBS_SUMMARY, ws).read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def frame(ws):
 def test_one_row_per_temperature_keyed_by_the_prompt_id(ws, frame):
     params = schema.read_params(ws / paths.PARAMS)
     named = probs.filters(schema.load_section(params, "probs"), schema.load_section(params, "sampling"))
-    tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
+    tok = json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
     assert list(frame.columns) == next_token.columns(named)
     assert frame["temperature"].tolist() == sorted(params["probs"]["temperatures"]) == [0.5, 1.0, 2.0]
     assert set(frame["prompt_id"]) == {tok["prompt_id"]} == {"temperature_question"}
@@ -74,7 +75,7 @@ def test_recorded_with_its_hash_and_its_input_and_metrics_json_unchanged(ws):
     rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
     out = next(o for o in m["outputs"] if o["path"] == rel)
     assert out["sha256"] == provenance.sha256_file(ws / rel)
-    assert paths.artifact(paths.TOKENIZE_SUMMARY).as_posix() in {i["path"] for i in m["inputs"]}
+    assert rel(paths.TOKENIZE_SUMMARY, ws) in {i["path"] for i in m["inputs"]}
     metrics = json.loads(paths.artifact(paths.PROBS_METRICS, ws).read_text())
     assert sorted(metrics) == ["entropy", "kept", "mass", "top_bits"]         # the `dvc exp show` columns
 
@@ -82,10 +83,10 @@ def test_recorded_with_its_hash_and_its_input_and_metrics_json_unchanged(ws):
 def test_its_check_passes_on_the_stored_table(ws, summary):
     params = schema.read_params(ws / paths.PARAMS)
     probs_cfg, sampling = schema.load_section(params, "probs"), schema.load_section(params, "sampling")
-    tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
+    tok = json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
     last = tok["n_tokens"] - 1
     got = next_token.check(paths.artifact(paths.PROBS_PROMPT_METRICS, ws), tok["prompt_id"], last,
-                           logits_io.read_position(paths.artifact(paths.LOGITS, ws), last),
+                           logits_io.read_position(part(paths.LOGITS, ws), last),
                            probs_cfg.temperatures, probs.filters(probs_cfg, sampling),
                            paths.artifact(paths.VOCAB, ws))
     assert [c.name for c in got] == ["probs_prompt_metrics_rows", "probs_prompt_metrics_values"]

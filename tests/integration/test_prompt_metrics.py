@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.numerics.repetition import has_no_loop, is_loop
 from pipeline.store import paths, provenance
+from tests.helpers.partitions import part, rel
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def ws(tiny_chain):
 
 
 def _runs(ws) -> dict[tuple[str, bool], list[int]]:
-    steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas().sort_values("step")
+    steps = pq.read_table(part(paths.STEPS, ws)).to_pandas().sort_values("step")
     return {(b, kv): g["token_id"].tolist() for (b, kv), g in steps.groupby(["branch", "kv_cache"])}
 
 
@@ -33,8 +34,8 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def test_one_row_per_run_matching_its_steps(ws):
     table = pq.read_table(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws)).to_pandas()
-    steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
-    runs, prompt_id = _runs(ws), json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text())["prompt_id"]
+    steps = pq.read_table(part(paths.STEPS, ws)).to_pandas()
+    runs, prompt_id = _runs(ws), json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text())["prompt_id"]
     assert sorted(zip(table.branch, table.kv_cache)) == sorted(runs) and len(table) == 4
     assert (table.prompt_id == prompt_id).all() and prompt_id == "temperature_question"
     for row in table.itertuples():
@@ -72,4 +73,4 @@ def test_the_manifest_lists_it_with_its_hash_and_tokenize_json_as_an_input(ws):
     table = paths.artifact(paths.TRAJECTORY_PROMPT_METRICS).as_posix()
     out = next(o for o in manifest["outputs"] if o["path"] == table)
     assert out["sha256"] == provenance.sha256_file(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws))
-    assert paths.artifact(paths.TOKENIZE_SUMMARY).as_posix() in {i["path"] for i in manifest["inputs"]}
+    assert rel(paths.TOKENIZE_SUMMARY, ws) in {i["path"] for i in manifest["inputs"]}

@@ -154,7 +154,7 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
 
 
 def test_repetition_table_shows_each_runs_loop_and_distinct_2_from_its_ids(ws, md):
-    steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
+    steps = pq.read_table(part(paths.STEPS, ws)).to_pandas()
     stored = pq.read_table(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws)).to_pandas()
     rows = tables(section(md, 8))[-1]
     assert len(rows) == len(stored) == 4 and "prompt_metrics.parquet" in section(md, 8).split("Repetition")[1]
