@@ -72,9 +72,9 @@ def test_duckdb_reads_the_same_table(ws, frame):
 
 def test_recorded_with_its_hash_and_its_input_and_metrics_json_unchanged(ws):
     m = json.loads(paths.manifest_path("probs", ws).read_text())
-    rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
-    out = next(o for o in m["outputs"] if o["path"] == rel)
-    assert out["sha256"] == provenance.sha256_file(ws / rel)
+    table_rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
+    out = next(o for o in m["outputs"] if o["path"] == table_rel)
+    assert out["sha256"] == provenance.sha256_file(ws / table_rel)
     assert rel(paths.TOKENIZE_SUMMARY, ws) in {i["path"] for i in m["inputs"]}
     metrics = json.loads(paths.artifact(paths.PROBS_METRICS, ws).read_text())
     assert sorted(metrics) == ["entropy", "kept", "mass", "top_bits"]         # the `dvc exp show` columns
