@@ -13,7 +13,7 @@ from pipeline.checks import next_token
 from pipeline.config import schema
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths, provenance
-from tests.helpers.partitions import part
+from tests.helpers.partitions import part, rel
 
 
 @pytest.fixture(scope="module")
