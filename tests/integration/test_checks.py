@@ -621,7 +621,7 @@ def test_a_changed_sampled_token_or_step_logit_fails_generate_parity(model, stor
 
 
 def test_a_wrong_loop_claim_or_token_count_in_prompt_metrics_fails_trajectory_loops(stored, steps):
-    rows = pq.read_table(stored.prompt_metrics).to_pylist()
+    rows = pq.read_table(stored.prompt_metrics[0]).to_pylist()
     assert trajectory.loops(rows, steps)[0].passed and len(rows) == 4
     greedy = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"]) if (r["branch"], r["kv_cache"]) ==
               ("greedy", False)]

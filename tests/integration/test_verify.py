@@ -91,7 +91,7 @@ def test_a_file_the_run_did_not_record_is_new_not_a_difference(native, tmp_path)
     assert result.identical, "\n".join(result.lines)
     assert "new       probs/prompt_metrics.parquet: made by this code, the run did not record it (not compared)" \
         in result.lines
-    assert "identical probs/table.parquet" in result.lines
+    assert "identical probs/table/prompt_id=temperature_question/table.parquet" in result.lines
 
 
 def test_kernels_capped_below_avx2_differ_and_verify_names_the_fields_and_tensor(native):
