@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import pyarrow.compute as pc
 
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_dataset
+from pipeline.store.artifacts import read_dataset, read_parquet
 from pipeline.tools import audit
 from tests.conftest import CHAIN, copy_ws, run_module
 
@@ -35,6 +36,9 @@ def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(tiny_workspa
         twin = paths.partition(item, TWIN, ws)
         twin.parent.mkdir(parents=True)
         shutil.copy2(paths.partition(item, pid, ws), twin)
+        if item == paths.TOKENIZE_SUMMARY:            # the id tokenize records for the prompt
+            twin.write_text(json.dumps({**json.loads(twin.read_text(encoding="utf-8")), "prompt_id": TWIN}),
+                            encoding="utf-8")
         manifest["outputs"].append(provenance.file_record(twin, ws))
     paths.manifest_path("tokenize", ws).write_text(json.dumps(manifest, indent=2))
     for stage in CHAIN:
@@ -48,6 +52,22 @@ def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(tiny_workspa
             assert _content(paths.partition(item, p, ws)) == alone, (item, p)
     outputs = {o["path"] for s in CHAIN for o in json.loads(paths.manifest_path(s, ws).read_text())["outputs"]}
     assert {paths.partition(i, p).as_posix() for i in per_prompt for p in (pid, TWIN)} <= outputs
+
+    # the run-level per-prompt tables hold one block of rows per prompt, each the prompt alone's
+    for item in (paths.PROBS_PROMPT_METRICS, paths.TRAJECTORY_PROMPT_METRICS):
+        alone = read_parquet(paths.artifact(item, tiny_chain)).drop_columns(["prompt_id"]).to_pylist()
+        both = read_parquet(paths.artifact(item, ws))
+        assert sorted(set(both["prompt_id"].to_pylist())) == sorted([pid, TWIN]), item
+        for p in (pid, TWIN):
+            rows = both.filter(pc.field("prompt_id") == p).drop_columns(["prompt_id"]).to_pylist()
+            assert rows == alone, (item, p)
+
+    # the checks stage checks each prompt against its own rows of those tables (a row of the other
+    # prompt's would fail prompt_metrics' and trajectory_loops' checks): it exits 0, each check twice
+    run_module("stages.checks", ws, check=True)
+    names = Counter(read_parquet(paths.artifact(paths.CHECKS, ws))["name"].to_pylist())
+    assert {"trajectory_loops", "probs_prompt_metrics_rows", "probs_prompt_metrics_values"} <= set(names)
+    assert set(names.values()) == {2}, names
 
     # the set reads as one table; a filter on prompt_id reads one prompt's rows
     whole = read_dataset(paths.LOGITS, ws)
