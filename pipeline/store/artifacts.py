@@ -62,13 +62,13 @@ class StageRun:
         self.staging.mkdir(parents=True)
 
     # ------------------------------------------------------------ inputs
-    def use(self, item: tuple[str, str] | Path) -> Path:
-        """Record an input (an artifact item or a path).
+    def use(self, item: tuple[str, str] | Path, prompt_id: str | None = None) -> Path:
+        """Record an input (an artifact item, a per-prompt one with its prompt id, or a path).
 
         A folder records every file its stage produced (not its manifest, which is the
         record of those files, not one of them). See `_input_record` for what is read.
         """
-        path = paths.locate(item, self.root)
+        path = paths.locate(item, self.root, prompt_id)
         if not path.exists():
             raise UserError(f"input {_rel(path, self.root)} is missing: run the stage that makes it "
                             f"(`dvc repro`)")
@@ -139,6 +139,10 @@ class StageRun:
         if made is not None and made.get("sha256") != sha:
             raise UserError(f"{rel} was not produced by the recorded run of stage {stage} "
                             f"(sha256 {sha[:12]} != manifest {str(made.get('sha256'))[:12]}): re-run `dvc repro`")
+        if made is None and any(p.startswith(paths.PARTITION_KEY + "=") for p in parts):
+            # a stray partition would join every query over the dataset: only the recorded ones count
+            raise UserError(f"{rel} is not a partition the recorded run of stage {stage} wrote: "
+                            f"remove it or re-run `dvc repro`")
         for i in manifest.get("inputs") or []:
             self._agree(i.get("path"), i.get("sha256"), stage)
         self._fresh(rel, stage, manifest)
@@ -191,22 +195,25 @@ class StageRun:
                             f"runs; re-run `dvc repro`")
 
     # ------------------------------------------------------------ outputs
-    def out(self, name: str) -> Path:
-        """A path in the staging folder, for writers that need a file name."""
-        p = self.staging / name
+    def out(self, name: str, prompt_id: str | None = None) -> Path:
+        """A path in the staging folder, for writers that need a file name; with a prompt id,
+        inside that prompt's partition (`paths.partition_rel`)."""
+        p = self.staging / (name if prompt_id is None else paths.partition_rel(name, prompt_id))
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
-    def write_json(self, name: str, obj: Any) -> Path:
-        p = self.out(name)
+    def write_json(self, name: str, obj: Any, prompt_id: str | None = None) -> Path:
+        p = self.out(name, prompt_id)
         p.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
         return p
 
-    def write_parquet(self, name: str, table, facts: dict[str, Any] | None = None, **kwargs) -> Path:
-        """A Parquet file whose schema metadata carries the key facts of this run."""
+    def write_parquet(self, name: str, table, facts: dict[str, Any] | None = None, prompt_id: str | None = None,
+                      **kwargs) -> Path:
+        """A Parquet file whose schema metadata carries the key facts of this run (in its
+        prompt's partition when given one)."""
         import pyarrow.parquet as pq
         meta = {**(table.schema.metadata or {}), **self.parquet_metadata(facts)}
-        p = self.out(name)
+        p = self.out(name, prompt_id)
         pq.write_table(table.replace_schema_metadata(meta), p, **kwargs)
         return p
 
@@ -335,6 +342,23 @@ def read_parquet(path: Path, columns: list[str] | None = None, filters=None):
         return pq.read_table(path, columns=columns, filters=filters)
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path} is not a readable Parquet file (truncated or corrupt?): "
+                        f"{str(e).splitlines()[0]}") from None
+
+
+def read_dataset(item: tuple[str, str], root: Path | str = ".", columns: list[str] | None = None, filter=None):
+    """Every prompt's partition of a per-prompt Parquet file as one Arrow table, with a
+    `prompt_id` column (string) taken from the Hive path; `filter` (a pyarrow expression, e.g.
+    `pc.field("prompt_id") == "q"`) is pushed down to the partitions, so others are not read."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    folder = paths.dataset(item, root)
+    if not paths.prompt_ids(item, root):
+        raise UserError(f"{folder} holds no partition: run `dvc repro` to make it")
+    hive = ds.partitioning(pa.schema([(paths.PARTITION_KEY, pa.string())]), flavor="hive")
+    try:
+        return ds.dataset(folder, format="parquet", partitioning=hive).to_table(columns=columns, filter=filter)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{folder} is not a readable Parquet dataset (truncated or corrupt?): "
                         f"{str(e).splitlines()[0]}") from None
 
 

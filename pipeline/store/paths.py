@@ -3,6 +3,13 @@
 Stage folders are fixed and untimestamped (`artifacts/<stage>/`); history lives in git and
 `dvc exp`. dvc.yaml names the same folders as stage outputs, and a test keeps the two in
 step. Functions take the repository root so nothing here touches the disk at import time.
+
+A run is a set of prompts (a single prompt is a set of one). A per-prompt file `<name>` of
+stage S lives in a Hive-style partition, `artifacts/S/<stem>/prompt_id=<id>/<name>` (stem: the
+name without its extension), so DuckDB, pyarrow.dataset, pandas and polars read the folder
+`artifacts/S/<stem>` as one table with a `prompt_id` column taken from the path. Set-level
+files (manifest.json, metrics.json, source.json, vocab.parquet, checks.parquet, report.md)
+stay in the stage folder. docs/prompt_sets.md lists which file is which.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ CHECKS = ("checks", "checks.parquet")
 METRICS = ("checks", "metrics.json")
 REPORT = ("report", "report.md")
 
+# One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
+PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,
+                        PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES})
+PARTITION_KEY = "prompt_id"
+
 
 def stage_dir(stage: str, root: Path | str = ".") -> Path:
     if stage not in STAGES:
@@ -50,14 +62,59 @@ def validated(stage: str, root: Path | str = ".") -> Path:
 
 
 def artifact(item: tuple[str, str], root: Path | str = ".") -> Path:
-    """Path of one artifact file, e.g. `artifact(TOKENS)`."""
+    """Path of one set-level artifact file, e.g. `artifact(VOCAB)`; a per-prompt one is `partition`'s."""
+    if item in PER_PROMPT:
+        raise ValueError(f"{item[1]} is one file per prompt: paths.partition(item, prompt_id)")
     stage, name = item
     return stage_dir(stage, root) / name
 
 
-def locate(item: tuple[str, str] | Path, root: Path | str = ".") -> Path:
-    """An artifact item, or a path relative to the repository (e.g. a stage's folder), under root."""
-    return artifact(item, root) if isinstance(item, tuple) else Path(root) / item
+def partition_rel(name: str, prompt_id: str) -> Path:
+    """Where a per-prompt file sits inside its stage folder: `<stem>/prompt_id=<id>/<name>`."""
+    return Path(Path(name).stem) / f"{PARTITION_KEY}={prompt_id}" / name
+
+
+def partition(item: tuple[str, str], prompt_id: str, root: Path | str = ".") -> Path:
+    """Path of one prompt's file, e.g. `partition(LOGITS, "q")` = artifacts/logits/logits/prompt_id=q/logits.parquet."""
+    if item not in PER_PROMPT:
+        raise ValueError(f"{item[1]} is one file per run: paths.artifact(item)")
+    stage, name = item
+    return stage_dir(stage, root) / partition_rel(name, prompt_id)
+
+
+def dataset(item: tuple[str, str], root: Path | str = ".") -> Path:
+    """The folder holding every prompt's partition of a per-prompt file (what a reader opens whole)."""
+    return partition(item, "_", root).parent.parent
+
+
+def prompt_ids(item: tuple[str, str], root: Path | str = ".") -> list[str]:
+    """The prompt ids a dataset folder holds a partition for, sorted (none: the folder is missing)."""
+    folder, prefix = dataset(item, root), f"{PARTITION_KEY}="
+    if not folder.is_dir():
+        return []
+    return sorted(d.name.removeprefix(prefix) for d in folder.iterdir()
+                  if d.is_dir() and d.name.startswith(prefix) and (d / item[1]).is_file())
+
+
+def run_prompt_ids(root: Path | str = ".") -> list[str | None]:
+    """The prompts a recorded run holds (its tokenize partitions); [None] for a run recorded
+    before the partition layout, whose per-prompt files sit flat in the stage folders."""
+    ids: list[str | None] = list(prompt_ids(TOKENS, root))
+    return ids or ([None] if (stage_dir(TOKENS[0], root) / TOKENS[1]).is_file() else [])
+
+
+def recorded(item: tuple[str, str], prompt_id: str | None, root: Path | str = ".") -> Path:
+    """A per-prompt file of a recorded run: its partition; prompt_id None (`run_prompt_ids` of a
+    run recorded before partitions): the flat file in the stage folder."""
+    return stage_dir(item[0], root) / item[1] if prompt_id is None else partition(item, prompt_id, root)
+
+
+def locate(item: tuple[str, str] | Path, root: Path | str = ".", prompt_id: str | None = None) -> Path:
+    """An artifact item (a per-prompt one with its prompt id), or a path relative to the
+    repository (e.g. a stage's folder), under root."""
+    if not isinstance(item, tuple):
+        return Path(root) / item
+    return partition(item, prompt_id, root) if prompt_id is not None else artifact(item, root)
 
 
 def manifest_path(stage: str, root: Path | str = ".") -> Path:

@@ -122,7 +122,7 @@ def test_the_swap_keeps_the_gitignore_dvc_keeps_in_the_stage_folder(tmp_path):
 
 def _run_checks_on(tmp_path) -> None:
     with artifacts.stage_run("checks", {}, tmp_path) as run:
-        run.use(paths.TABLE)
+        run.use(paths.TABLE, "q")
         run.write_json("metrics.json", {})
 
 
@@ -133,11 +133,12 @@ def test_an_input_made_with_another_config_is_named_stale(tmp_path):
     config = {"probs": {"top_n": 3}, "sampling": sampling, "capture": capture}
     (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(config))
     with artifacts.stage_run("probs", config, tmp_path) as run:
-        run.write_parquet("table.parquet", _table())
+        run.write_parquet(paths.TABLE[1], _table(), prompt_id="q")
     _run_checks_on(tmp_path)                                          # in step: fine
     changed = {**config, "sampling": {**sampling, "top_p": 1.0}}
     (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(changed))
-    with pytest.raises(UserError, match=r"^artifacts/probs/table.parquet is stale: stage probs ran with "
+    with pytest.raises(UserError, match=r"^artifacts/probs/table/prompt_id=q/table.parquet is stale: "
+                                        r"stage probs ran with "
                                         r"sampling.top_p=0.9, params.yaml has 1.0: re-run probs and the stages "
                                         r"after it \(`dvc repro`\)$"):
         _run_checks_on(tmp_path)
@@ -148,16 +149,17 @@ def test_an_input_made_from_a_prompt_file_edited_since_is_named_stale(tmp_path):
     (tmp_path / "prompts/p.txt").write_text("one")
     with artifacts.stage_run("probs", {}, tmp_path) as run:
         run.use(tmp_path / "prompts/p.txt")
-        run.write_parquet("table.parquet", _table())
+        run.write_parquet(paths.TABLE[1], _table(), prompt_id="q")
     _run_checks_on(tmp_path)
     (tmp_path / "prompts/p.txt").write_text("two")
-    with pytest.raises(UserError, match=r"^artifacts/probs/table.parquet is stale: stage probs read prompts/p.txt "
+    with pytest.raises(UserError, match=r"^artifacts/probs/table/prompt_id=q/table.parquet is stale: "
+                                        r"stage probs read prompts/p.txt "
                                         r"\(sha256 [0-9a-f]{12}\), which has changed since \(now [0-9a-f]{12}\)"):
         _run_checks_on(tmp_path)
     stale = r"^artifacts/probs is stale: stage probs read prompts/p.txt \(sha256 "
     with pytest.raises(UserError, match=stale), artifacts.stage_run("checks", {}, tmp_path) as run:
         run.use(tmp_path / "prompts/p.txt")      # as the checks stage: the prompt file first, then the tables
-        run.use(paths.TABLE)
+        run.use(paths.TABLE, "q")
 
 
 def _produce(tmp_path, rows_per_group: int = 2):
