@@ -6,7 +6,9 @@ count, so two runs (or two versions of the code) can be compared number for numb
     python -m bench.run_digest artifacts > after.json && diff before.json after.json
 
 bench/results/digests_0286aca_*.json hold the digests of the run before the library was
-reorganised by role (commit 0286aca, this machine's CPU: AVX-512 + AMX-bf16, native kernels).
+reorganised by role (commit 0286aca, this machine's CPU: AVX-512 + AMX-bf16, native kernels),
+when the files were flat in their stage folders; since issue 17 a per-prompt file is digested per
+partition (`logits/logits/prompt_id=<id>/logits.parquet`): the same values under a new key.
 """
 
 import hashlib
@@ -18,15 +20,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-FILES = {
-    "tokenize/tokens.parquet": None,
-    "logits/logits.parquet": None,
-    "probs/table.parquet": None,
-    "probs/filtered.parquet": None,
-    "trajectories/steps.parquet": ["branch", "kv_cache", "step", "token_id", "logit", "prob", "rank", "top_ids",
-                                   "top_logits", "top_probs"],
-    "trajectories/step_logits.parquet": None,
-}
+from pipeline.store import paths
+
+# (item, the columns digested: None = all) of every data file; per-prompt files are digested per partition
+FILES = [
+    (paths.TOKENS, None),
+    (paths.LOGITS, None),
+    (paths.TABLE, None),
+    (paths.FILTERED, None),
+    (paths.STEPS, ["branch", "kv_cache", "step", "token_id", "logit", "prob", "rank", "top_ids", "top_logits",
+                   "top_probs"]),
+    (paths.STEP_LOGITS, None),
+]
+
+
+def data_files(repo: Path, item: tuple[str, str]) -> list[Path]:
+    """A per-prompt item's files in a run (a run recorded before partitions: its one flat file)."""
+    return [paths.recorded(item, pid, repo) for pid in paths.run_prompt_ids(repo)]
+
 
 def col_digest(col: pa.ChunkedArray) -> str:
     """sha256 (16 hex) of a column's values: the numpy buffer, or the JSON of its Python values."""
@@ -43,22 +54,24 @@ def col_digest(col: pa.ChunkedArray) -> str:
     return h.hexdigest()[:16]
 
 def main(root: Path) -> dict:
-    """file -> column or tensor -> digest, for the data files present under root (an artifacts/ folder)."""
-    out = {}
-    for rel, cols in FILES.items():
-        p = root / rel
-        if not p.exists():
-            continue
-        t = pq.read_table(p)
-        out[rel] = {c: col_digest(t[c]) for c in (cols or t.column_names) if c in t.column_names}
-        out[rel]["_rows"] = t.num_rows
-    cap = root / "forward/capture.safetensors"
-    if cap.exists():
-        import torch
-        from safetensors.torch import load_file
-        out["forward/capture.safetensors"] = {
-            k: f"{hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]} "
-               f"{v.dtype} {list(v.shape)}" for k, v in sorted(load_file(str(cap)).items())}
+    """file -> column or tensor -> digest, for the data files present under root (an artifacts/ folder);
+    keys are paths relative to root (a partition's: `logits/logits/prompt_id=<id>/logits.parquet`)."""
+    out, repo = {}, root.parent
+    for item, cols in FILES:
+        for p in data_files(repo, item):
+            if not p.exists():
+                continue
+            t = pq.read_table(p)
+            rel = p.relative_to(root).as_posix()
+            out[rel] = {c: col_digest(t[c]) for c in (cols or t.column_names) if c in t.column_names}
+            out[rel]["_rows"] = t.num_rows
+    for cap in data_files(repo, paths.CAPTURE):
+        if cap.exists():
+            import torch
+            from safetensors.torch import load_file
+            out[cap.relative_to(root).as_posix()] = {
+                k: f"{hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]} "
+                   f"{v.dtype} {list(v.shape)}" for k, v in sorted(load_file(str(cap)).items())}
     return out
 
 if __name__ == "__main__":

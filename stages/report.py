@@ -11,7 +11,8 @@ STAGE = "report"
 
 def main() -> None:
     with stage_run(STAGE, {}) as run:
-        inputs = render.load(run.use)
+        # the run's prompt (a set of one today; a set's overview and chosen prompt: issue 17 item 6)
+        inputs = render.load(run.use, run.prompt_ids(paths.TOKENS)[0])
         run.model = inputs.manifests.get("forward", {}).get("model")
         font = plots.fonts()
         run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None}

@@ -1,4 +1,5 @@
-"""Stage tokenize: tokens.parquet (one row per prompt position), the round trip, and vocab.parquet."""
+"""Stage tokenize: per prompt of the run's set, tokens.parquet (one row per position) and the round trip
+(tokenize.json), each in its prompt's partition; vocab.parquet once for the run."""
 
 from __future__ import annotations
 
@@ -24,21 +25,20 @@ def main() -> None:
         for f in loader.tokenizer_files(prepared, source):          # what the tokenizer reads: recorded
             run.use(f)
         snapshot = loader.snapshot_dir(prepared, source)
-        tokenizer = loader.load_tokenizer(snapshot)
-        tok = tokenization.tokenize_prompt(tokenizer, prompt.text, model_cfg.tokenizer.add_special_tokens,
-                                           max_positions=loader.max_positions(snapshot))
-        expected = prompt.expected_ids_for(model_cfg.tokenizer.family)
-        (record,) = prompt_set.for_config(prompt).prompts        # a single prompt is a set of one
-        summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
-                   "tokenizer_family": model_cfg.tokenizer.family,
-                   "expected_token_ids": expected,
-                   "expected_token_ids_match": None if expected is None else expected == tok.ids}
+        tokenizer = loader.load_tokenizer(snapshot)                 # once for every prompt of the set
         run.model = provenance.model_record(source)
-        run.facts = {"n_tokens": len(tok.ids), "round_trip_ok": tok.summary["round_trip_ok"]}
-        run.write_parquet(paths.TOKENS[1], tok.table)
+        for record in prompt_set.for_config(prompt).prompts:        # a single prompt is a set of one
+            tok = tokenization.tokenize_prompt(tokenizer, record.text, model_cfg.tokenizer.add_special_tokens,
+                                               max_positions=loader.max_positions(snapshot))
+            expected = record.expected_ids_for(model_cfg.tokenizer.family)
+            summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
+                       "tokenizer_family": model_cfg.tokenizer.family, "expected_token_ids": expected,
+                       "expected_token_ids_match": None if expected is None else expected == tok.ids}
+            run.facts = {"n_tokens": len(tok.ids), "round_trip_ok": tok.summary["round_trip_ok"]}
+            run.write_parquet(paths.TOKENS[1], tok.table, prompt_id=record.id)
+            run.write_json(paths.TOKENIZE_SUMMARY[1], summary, prompt_id=record.id)
         # every id of the model's output, built here once: later stages read it instead of a tokenizer
         run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(loader.output_size(snapshot))))
-        run.write_json(paths.TOKENIZE_SUMMARY[1], summary)
 
 
 if __name__ == "__main__":

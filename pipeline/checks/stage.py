@@ -28,12 +28,13 @@ def sections(params: dict, root: Path | str = ".") -> tuple[dict, list]:
     return cfg, reference.applicable(m.reference_figures, m.tokenizer.family, cfg["prompt"].text)
 
 
-def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: Path | str = ".") \
+def compute(params: dict, use: Callable[..., Path], root: Path | str = ".") \
         -> tuple[list[verdicts.Check], dict, dict]:
     """Every check on the run in `root` -> (results, source.json, facts), written nowhere.
 
-    `use` resolves an input item (StageRun.use records it; `nexttoken audit` passes a plain
-    path lookup to re-run a past run's checks with these same calls).
+    `use(item, prompt_id=None)` resolves an input item (StageRun.use records it; `nexttoken audit`
+    passes `paths.lookup` to re-run a past run's checks with these same calls). Every prompt of the
+    run (its tokenize partitions) is checked in turn; one model load.
     """
     cfg, references = sections(params, root)
     cap, model_cfg = cfg["capture"], cfg["model"]
@@ -42,13 +43,18 @@ def compute(params: dict, use: Callable[[tuple[str, str] | Path], Path], root: P
         use(Path(cfg["prompt"].file))                  # its sha256 goes into the manifest, as tokenize's
     source = read_json(use(paths.SOURCE))
     snapshot = loader.snapshot_dir(use(paths.stage_dir("prepare_model")), source)
-    stored = suite.load(use, root)
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
                               spread=loader.spread(cap.device, snapshot, dtype))
     tokenizer = loader.load_tokenizer(snapshot, model_cfg.trust_remote_code)
-    results = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model), snapshot / "tokenizer.json")
-    results += reference.run(stored, model, tokenizer, cfg, results, references)
-    return results, source, {**loader.device_record(model, device), "missing_stages": list(stored.missing)}
+    results, missing, prompt_ids = [], [], paths.run_prompt_ids(root)
+    if not prompt_ids:
+        use(paths.dataset(paths.TOKENS))               # missing: one line naming it
+    for pid in prompt_ids:                             # the model loads once for the set
+        stored = suite.load(use, root, pid)
+        mine = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model), snapshot / "tokenizer.json")
+        results += mine + reference.run(stored, model, tokenizer, cfg, mine, references)
+        missing += [s for s in stored.missing if s not in missing]
+    return results, source, {**loader.device_record(model, device), "missing_stages": missing}
 
 
 def record(stage: StageRun, params: dict) -> list[verdicts.Check]:

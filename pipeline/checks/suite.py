@@ -69,22 +69,25 @@ class Stored:
 OPTIONAL_STAGES = ("probs", "trajectories")   # they refuse non-finite logits; forward and logits record them
 
 
-def load(use: Callable[[tuple[str, str]], Path], root: Path | str) -> Stored:
-    """Read the artifacts through `use` (StageRun.use: records each one as an input).
+def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = None) -> Stored:
+    """Read one prompt's artifacts through `use(item, prompt_id)` (StageRun.use: records each one as an
+    input; `paths.lookup`: prompt_id None is a run recorded before partitions).
 
     An OPTIONAL_STAGES stage without an output folder (DVC removes a failed stage's outputs)
     is recorded as missing; any other absent or partial output stays an error (from `use`).
     """
     def optional(item: tuple[str, str]) -> Path | None:
-        return use(item) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() else None
+        return use(item, prompt_id) if item[0] not in OPTIONAL_STAGES or paths.stage_dir(item[0], root).exists() \
+            else None
 
-    tokens = read_parquet(use(paths.TOKENS), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
-    facts, step_logits = read_json(use(paths.FORWARD_FACTS)), optional(paths.STEP_LOGITS)
+    tokens = read_parquet(use(paths.TOKENS, prompt_id), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
+    facts, step_logits = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEP_LOGITS)
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
-    return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(), read_safetensors(use(paths.CAPTURE)),
-                  devices, use(paths.LOGITS), optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
+    return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(),
+                  read_safetensors(use(paths.CAPTURE, prompt_id)), devices, use(paths.LOGITS, prompt_id),
+                  optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist())
 

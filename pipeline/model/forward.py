@@ -59,15 +59,25 @@ class ForwardResult:
     facts: dict
 
 
-def run(p: ForwardPlan, ids: list[int], tokenizer_len: int, trust_remote_code: bool) -> ForwardResult:
+def check_tokens(ids: list[int], tokenizer_len: int) -> None:
     """`tokenizer_len`: as the tokenize stage recorded it (tokenize.json), not a second tokenizer load."""
     if not ids:
         raise UserError("tokens.parquet holds no tokens: re-run the tokenize stage")
     if isinstance(tokenizer_len, bool) or not isinstance(tokenizer_len, int):
         raise UserError(f"tokenize.json records tokenizer_len={tokenizer_len!r}: re-run the tokenize stage")
-    memory.guard(memory.estimate(p.snapshot, p.dtype, len(ids), p.spec, trust_remote_code), p.device, p.spread)
-    model = loader.load_model(p.snapshot, p.dtype, str(p.device), p.capture.attn_implementation,
-                              trust_remote_code, spread=p.spread)
+
+
+def load(p: ForwardPlan, longest: int, trust_remote_code: bool):
+    """The model, once for every prompt: refused first when the longest prompt's pass would not fit."""
+    memory.guard(memory.estimate(p.snapshot, p.dtype, longest, p.spec, trust_remote_code), p.device, p.spread)
+    return loader.load_model(p.snapshot, p.dtype, str(p.device), p.capture.attn_implementation,
+                             trust_remote_code, spread=p.spread)
+
+
+def run(p: ForwardPlan, ids: list[int], tokenizer_len: int, trust_remote_code: bool, model=None) -> ForwardResult:
+    """One captured pass over one prompt's ids, on `model` (loaded here when not given)."""
+    check_tokens(ids, tokenizer_len)
+    model = model if model is not None else load(p, len(ids), trust_remote_code)
     input_ids = torch.tensor([ids], dtype=torch.long)
     tensors = capture.run_capture(model, input_ids, p.spec)
     where = loader.device_record(model, p.device)
@@ -90,15 +100,21 @@ def run(p: ForwardPlan, ids: list[int], tokenizer_len: int, trust_remote_code: b
 
 
 def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool) -> None:
-    """The forward stage: one captured pass over the stored tokens -> capture.safetensors + facts.json."""
+    """The forward stage: per prompt, one captured pass over its stored tokens -> capture.safetensors +
+    facts.json in its partition; the model loads once for the set."""
     stage.use(paths.stage_dir("prepare_model"))
-    ids = read_parquet(stage.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
-    tokenizer_len = read_json(stage.use(paths.TOKENIZE_SUMMARY))["tokenizer_len"]
-    result = run(p, ids, tokenizer_len, trust_remote_code=trust_remote_code)
+    prompts = {}
+    for pid in stage.prompt_ids(paths.TOKENS):
+        ids = read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
+        prompts[pid] = (ids, read_json(stage.use(paths.TOKENIZE_SUMMARY, pid))["tokenizer_len"])
+        check_tokens(*prompts[pid])
+    model = load(p, max(len(ids) for ids, _ in prompts.values()), trust_remote_code)
     stage.model = {**p.model_record, "trust_remote_code": trust_remote_code}
-    stage.facts = result.facts
-    save_capture(result, stage.out(paths.CAPTURE[1]))
-    stage.write_json(paths.FORWARD_FACTS[1], result.facts)
+    for pid, (ids, tokenizer_len) in prompts.items():
+        result = run(p, ids, tokenizer_len, trust_remote_code=trust_remote_code, model=model)
+        stage.facts = result.facts
+        save_capture(result, stage.out(paths.CAPTURE[1], pid))
+        stage.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
 
 
 def logit_positions(positions: str, n: int) -> list[int]:

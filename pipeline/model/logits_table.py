@@ -15,10 +15,12 @@ from pipeline.store.artifacts import StageRun, read_json
 
 
 def record(stage: StageRun) -> None:
-    """The logits stage: the captured logits in long format (logits.parquet)."""
+    """The logits stage: per prompt, the captured logits in long format (logits.parquet in its partition)."""
     source = read_json(stage.use(paths.SOURCE))
-    facts = read_json(stage.use(paths.FORWARD_FACTS))
-    logits = CapturedLogits.open(stage.use(paths.CAPTURE), facts)      # [1, T or 1, V], checked against facts
     stage.model = provenance.model_record(source)
-    stage.facts = logits.parquet_facts()
-    logits_io.write_logits(stage.out(paths.LOGITS[1]), logits.rows(), stage.parquet_metadata(), total=logits.n_rows)
+    for pid in stage.prompt_ids(paths.CAPTURE):
+        facts = read_json(stage.use(paths.FORWARD_FACTS, pid))
+        logits = CapturedLogits.open(stage.use(paths.CAPTURE, pid), facts)     # [1, T or 1, V], checked against facts
+        stage.facts = logits.parquet_facts()
+        logits_io.write_logits(stage.out(paths.LOGITS[1], pid), logits.rows(), stage.parquet_metadata(),
+                               total=logits.n_rows)

@@ -161,24 +161,30 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig) -> None:
-    """The trajectories stage: every run on the stored prompt ids -> steps, step logits, summary."""
+    """The trajectories stage: per prompt, every run on its stored ids -> steps, step logits, summary
+    in its partition; the model loads once for the set."""
     device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
     source = read_json(stage.use(paths.SOURCE))
     stage.use(paths.stage_dir("prepare_model"))
-    ids = read_parquet(stage.use(paths.TOKENS), columns=["token_id"])["token_id"].to_pylist()
     snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", stage.root), source)
-    check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
+    prompts = {pid: read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
+               for pid in stage.prompt_ids(paths.TOKENS)}
+    for ids in prompts.values():                        # every prompt fits before the model loads
+        check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
                               spread=loader.spread(cap.device, snapshot, dtype))
     tokenizer = loader.load_tokenizer(snapshot)
-    runs = run_all(model, ids, sampling, loader.eos_ids(model))
     stage.model = provenance.model_record(source)
     stage.seeds["sample"] = sampling.seed
-    stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
-    stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), compression="zstd")
-    rows, keys = step_logit_rows(runs)
-    logits_io.write_logits(stage.out(paths.STEP_LOGITS[1]), rows, stage.parquet_metadata(),
-                           extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
-    summary_by_run = summary(runs, tokenizer)
-    stage.write_json(paths.TRAJECTORIES[1], summary_by_run)
+    for pid, ids in prompts.items():
+        runs = run_all(model, ids, sampling, loader.eos_ids(model))
+        stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
+        stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
+                            compression="zstd")
+        rows, keys = step_logit_rows(runs)
+        logits_io.write_logits(stage.out(paths.STEP_LOGITS[1], pid), rows, stage.parquet_metadata(),
+                               extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
+        summary_by_run = summary(runs, tokenizer)
+        stage.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
+    # set-level: one prompt's metrics for a set of one (aggregates over a set: issue 17 item 4)
     stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))

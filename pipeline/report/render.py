@@ -27,7 +27,7 @@ from pipeline.report.plots import Figure, Fonts
 from pipeline.store import logits_io, paths, safetensors_io
 from pipeline.store.artifacts import read_json, read_parquet
 
-Use = Callable[[Any], Path]     # StageRun.use: records an input, returns its path
+Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records an input, returns its path
 N_COORDS = 4                    # the article prints the first 4 coordinates
 MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
 SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
@@ -53,6 +53,7 @@ class Inputs:
     trajectories: dict                 # trajectories/trajectories.json
     checks: list[dict] | None          # checks/checks.parquet rows, None when not run
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
+    prompt_id: str = ""                # whose partitions these are
 
     @property
     def top_n(self) -> int:
@@ -61,6 +62,9 @@ class Inputs:
     def where(self) -> str:
         last = self.facts["n_positions"] - 1
         return f"position {self.position}" + (" (the last prompt position)" if self.position == last else "")
+
+    def cite(self, item) -> str:
+        return src(item, self.prompt_id)
 
     def top_logit_ids(self) -> list[int]:
         return top_ids(self.logits, self.top_n)
@@ -72,9 +76,12 @@ def top_ids(logits: np.ndarray, n: int) -> list[int]:
     return np.argsort(-logits.astype(np.float64), kind="stable")[:n].tolist()
 
 
-def src(item) -> str:
-    """The repository-relative path of an artifact, as the report cites it."""
-    return (paths.artifact(item) if isinstance(item, tuple) else Path(item)).as_posix()
+def src(item, prompt_id: str | None = None) -> str:
+    """The repository-relative path of an artifact (a per-prompt one: the prompt's partition), as the
+    report cites it."""
+    if not isinstance(item, tuple):
+        return Path(item).as_posix()
+    return (paths.partition(item, prompt_id) if item in paths.PER_PROMPT else paths.artifact(item)).as_posix()
 
 
 def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], str]]:
@@ -91,13 +98,14 @@ def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], s
     return coords, (list(ids.shape), ids.dtype)
 
 
-def load(use: Use, root: Path | str = ".") -> Inputs:
-    """Read every artifact the report needs; `checks` is optional (its stage may not have run)."""
+def load(use: Use, prompt_id: str, root: Path | str = ".") -> Inputs:
+    """Read every artifact the report needs, the per-prompt ones from `prompt_id`'s partitions;
+    `checks` is optional (its stage may not have run)."""
     manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM
                  if paths.manifest_path(s, root).exists()}
-    facts = read_json(use(paths.FORWARD_FACTS))
-    coords, input_ids = _first_coords(use(paths.CAPTURE))
-    summary = read_json(use(paths.PROBS_SUMMARY))
+    facts = read_json(use(paths.FORWARD_FACTS, prompt_id))
+    coords, input_ids = _first_coords(use(paths.CAPTURE, prompt_id))
+    summary = read_json(use(paths.PROBS_SUMMARY, prompt_id))
     position = summary["positions"][-1]      # probs.positions, resolved; -1 (the last) by default
     top_n = len(summary["temperatures"][0]["top"])
     checks = None
@@ -105,12 +113,13 @@ def load(use: Use, root: Path | str = ".") -> Inputs:
         checks = read_parquet(use(paths.CHECKS)).to_pylist()
     inp = Inputs(
         source=read_json(use(paths.SOURCE)), manifests=manifests,
-        tokenize=read_json(use(paths.TOKENIZE_SUMMARY)), tokens=read_parquet(use(paths.TOKENS)).to_pylist(),
+        tokenize=read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)),
+        tokens=read_parquet(use(paths.TOKENS, prompt_id)).to_pylist(),
         facts=facts, input_ids=input_ids, coords=coords, position=position,
-        logits=logits_io.read_position(use(paths.LOGITS), position), summary=summary,
-        kept_top=read_parquet(use(paths.FILTERED), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
-        steps=read_parquet(use(paths.STEPS)).to_pylist(), trajectories=read_json(use(paths.TRAJECTORIES)),
-        checks=checks, vocab={})
+        logits=logits_io.read_position(use(paths.LOGITS, prompt_id), position), summary=summary,
+        kept_top=read_parquet(use(paths.FILTERED, prompt_id), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
+        steps=read_parquet(use(paths.STEPS, prompt_id)).to_pylist(),
+        trajectories=read_json(use(paths.TRAJECTORIES, prompt_id)), checks=checks, vocab={}, prompt_id=prompt_id)
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
@@ -216,7 +225,8 @@ def conditions(inp: Inputs) -> list[str]:
          else f"{git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}"],
     ]
     out = ["## 1. Run conditions", ""] + table(["", "value"], rows, [
-        src(paths.SOURCE), src(paths.FORWARD_FACTS), src(paths.manifest_path("forward")), "artifacts/*/manifest.json"])
+        src(paths.SOURCE), inp.cite(paths.FORWARD_FACTS), src(paths.manifest_path("forward")),
+        "artifacts/*/manifest.json"])
     stage_rows = [[st, m.get("created_at"), m.get("duration_s"), m.get("hardware", {}).get("cpu_model"),
                    ", ".join(g["name"] for g in m.get("hardware", {}).get("gpus", [])) or "-",
                    (m.get("config_sha256") or "")[:12], (m.get("git") or {}).get("commit") or "-"]
@@ -249,7 +259,7 @@ def tokens(inp: Inputs) -> list[str]:
             f"{yes(t.get('expected_token_ids_match'))}. A piece that does not decode alone is part of a "
             f"multi-byte character.", ""] + table(
         ["position", "id", "piece", "text alone", "bytes (hex)", "decodes alone?"], rows,
-        [src(paths.TOKENS), src(paths.TOKENIZE_SUMMARY)])
+        [inp.cite(paths.TOKENS), inp.cite(paths.TOKENIZE_SUMMARY)])
 
 
 def shapes(inp: Inputs) -> list[str]:
@@ -267,7 +277,7 @@ def shapes(inp: Inputs) -> list[str]:
               f"bias: {yes(f['lm_head_has_bias'])}"], row("logits", act_name("logits")),
              [f"next id (argmax at position {inp.position})", "-", "[1]", f"id {inp.top_logit_ids()[0]}"]]
     return ["## 3. Shapes through the model", ""] + table(["step", "tensor", "shape", "dtype"], rows,
-                                                         [src(paths.FORWARD_FACTS), src(paths.CAPTURE)])
+                                                         [inp.cite(paths.FORWARD_FACTS), inp.cite(paths.CAPTURE)])
 
 
 def coordinates(inp: Inputs) -> list[str]:
@@ -286,7 +296,8 @@ def coordinates(inp: Inputs) -> list[str]:
             f"The first {N_COORDS} coordinates of each position's embedding row (`embed`) and of the LM-head "
             f"input (`final_norm_out`), printed exactly ({inp.facts['names']['embed']['dtype']} values). "
             f"LM-head input at the last position ({n}): `[{last}]`.", ""] + table(
-        ["position", "id", "text", f"embed[:{N_COORDS}]", f"final_norm_out[:{N_COORDS}]"], rows, src(paths.CAPTURE))
+        ["position", "id", "text", f"embed[:{N_COORDS}]", f"final_norm_out[:{N_COORDS}]"], rows,
+        inp.cite(paths.CAPTURE))
 
 
 def top_logits(inp: Inputs) -> list[str]:
@@ -294,7 +305,7 @@ def top_logits(inp: Inputs) -> list[str]:
     return [f"## 5. Top-{inp.top_n} logits at {inp.where()}", "",
             f"Raw {inp.facts['compute_dtype']} logits over all {inp.logits.size} outputs (the tokenizer has "
             f"{inp.facts['tokenizer_len']} tokens).", ""] + table(
-        ["rank", "id", "text", "logit"], rows, [src(paths.LOGITS), src(paths.VOCAB)])
+        ["rank", "id", "text", "logit"], rows, [inp.cite(paths.LOGITS), src(paths.VOCAB)])
 
 
 def temperatures(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
@@ -307,14 +318,14 @@ def temperatures(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
         rows = [[c["token_id"], token_text(inp, c["token_id"])] + [prob(t["top"][k]["prob"]) for t in temps]
                 for k, c in enumerate(temps[0]["top"])]
         rows.append(["rest", "(all other ids)"] + [prob(t["rest"]) for t in temps])
-        out += [f"Position {pos}:", ""] + table(head, rows, src(paths.PROBS_SUMMARY))
+        out += [f"Position {pos}:", ""] + table(head, rows, inp.cite(paths.PROBS_SUMMARY))
         sums = [[f"{t['temperature']:g}", f"{t['entropy_nats']:.4f}", f"{t['entropy_bits']:.4f}",
                  f"{t['sum_error_fp64']:.3e}", yes(t["fp64_within_tolerance"]),
                  f"{t['sum_error_fp32']:.3e}", yes(t["fp32_within_tolerance"])] for t in temps]
         out += [f"Sum errors |sum(p) - 1| (tolerance FP64 {tol.get('fp64_sum_tolerance')}, "
                 f"FP32 {tol.get('fp32_sum_tolerance')}) and entropy, position {pos}:", ""] + table(
             ["T", "entropy (nats)", "entropy (bits)", "FP64 error", "FP64 within", "FP32 error", "FP32 within"],
-            sums, [src(paths.PROBS_SUMMARY), src(paths.manifest_path("probs"))])
+            sums, [inp.cite(paths.PROBS_SUMMARY), src(paths.manifest_path("probs"))])
     return out + [line for f in ("temperature_top", "entropy") if f in figures for line in figure(figures[f])]
 
 
@@ -327,12 +338,12 @@ def filters(inp: Inputs, figures: dict[str, Figure]) -> list[str]:
            "`top_p = 1` are off. Top-p keeps the smallest set whose mass reaches p: without its last id the "
            "mass falls below p.", ""]
     out += table(["filter", "position", "T", "top_k", "top_p", "kept ids", "kept mass", "mass without last"],
-                 rows, src(paths.PROBS_SUMMARY))
+                 rows, inp.cite(paths.PROBS_SUMMARY))
     kept = [[name(r["filter"]), r["position"], r["kept_rank"], r["token_id"], token_text(inp, r["token_id"]),
              prob(r["prob_before"]), prob(r["prob_after"])] for r in inp.kept_top]
     out += [f"Renormalised probabilities of the top {inp.top_n} kept ids of each filter:", ""] + table(
         ["filter", "position", "kept rank", "id", "text", "p before", "p after (renormalised)"], kept,
-        [src(paths.FILTERED), src(paths.VOCAB)])
+        [inp.cite(paths.FILTERED), src(paths.VOCAB)])
     return out + (figure(figures["cumulative"]) if "cumulative" in figures else [])
 
 
@@ -349,7 +360,7 @@ def trajectories(inp: Inputs) -> list[str]:
         out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: ids {t['token_ids']}, "
                 f"stop: {t['stop_reason']}.", ""]
         out += table(["step", "prefix length", "id", "piece", "text so far", "logit", "prob", "rank"], rows,
-                     [src(paths.STEPS), src(paths.TRAJECTORIES)])
+                     [inp.cite(paths.STEPS), inp.cite(paths.TRAJECTORIES)])
     for branch in dict.fromkeys(t["branch"] for t in inp.trajectories.values()):
         runs = {t["kv_cache"]: t["token_ids"] for t in inp.trajectories.values() if t["branch"] == branch}
         if len(runs) == 2:

@@ -80,6 +80,14 @@ class StageRun:
             self._inputs.append(record)
         return path
 
+    def prompt_ids(self, item: tuple[str, str]) -> list[str]:
+        """The prompts an input dataset holds a partition for (the set this stage loops over)."""
+        ids = paths.prompt_ids(item, self.root)
+        if not ids:
+            raise UserError(f"input {_rel(paths.dataset(item, self.root), self.root)} holds no prompt partition: "
+                            f"run the stage that makes it (`dvc repro`)")
+        return ids
+
     def _input_record(self, f: Path) -> dict[str, Any]:
         """path, size and sha256 of an input, read cheaply where that is safe.
 

@@ -109,6 +109,14 @@ def recorded(item: tuple[str, str], prompt_id: str | None, root: Path | str = ".
     return stage_dir(item[0], root) / item[1] if prompt_id is None else partition(item, prompt_id, root)
 
 
+def lookup(root: Path | str = "."):
+    """A plain `(item, prompt_id=None) -> Path` lookup over a recorded run, recording nothing (what
+    `StageRun.use` is to a stage); a per-prompt item with prompt_id None is a pre-partition run's flat file."""
+    def find(item: tuple[str, str] | Path, prompt_id: str | None = None) -> Path:
+        return recorded(item, prompt_id, root) if item in PER_PROMPT else locate(item, root)
+    return find
+
+
 def locate(item: tuple[str, str] | Path, root: Path | str = ".", prompt_id: str | None = None) -> Path:
     """An artifact item (a per-prompt one with its prompt id), or a path relative to the
     repository (e.g. a stage's folder), under root."""

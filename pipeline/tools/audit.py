@@ -271,47 +271,66 @@ def code_changes(lock: dict, result: Audit) -> list[str]:
 
 # ---------------------------------------------------------------- re-derivation
 def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same_code: bool) -> None:
-    """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does.
+    """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does, per
+    prompt (partition; a run recorded before partitions: its flat files).
 
     same_code: dvc.lock shows the run's code is this code; else metrics.json (DVC's metrics
     view, whose layout follows the code) is compared on the keys both layouts have."""
-    try:
-        derived = probs_outputs(root, params, manifest)
-    except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
-        result.find("re-derive", f"probs could not be recomputed from {paths.LOGITS[1]}: {type(e).__name__}: {e}")
-        return
-    recorded = {o["path"] for o in manifest["outputs"]}
-    for item, want in derived.items():
-        path = paths.artifact(item, root)
-        where = path.relative_to(root).as_posix()
-        if where not in recorded:   # written by newer code than the run's
-            result.warn(f"{where} is re-derivable but the run did not record it: not compared")
-            continue
+    recorded, items = {o["path"] for o in manifest["outputs"]}, []
+    prompt_ids = paths.run_prompt_ids(root)
+    for n, pid in enumerate(prompt_ids):
         try:
-            stored = read_parquet(path) if isinstance(want, pa.Table) else read_json(path)
-        except UserError as e:
-            result.find("re-derive", str(e))
+            derived = probs_outputs(root, params, manifest, pid)
+        except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
+            result.find("re-derive", f"probs could not be recomputed from "
+                                     f"{_rel(paths.recorded(paths.LOGITS, pid, root), root)}: {type(e).__name__}: {e}")
             continue
-        if not isinstance(want, pa.Table):   # through JSON, as the stage wrote it (tuples -> lists)
-            want = json.loads(json.dumps(want, ensure_ascii=False))
-        if item == paths.PROBS_METRICS and not same_code:
-            stored, want, only = shared_keys(stored, want)
-            if only:
-                result.warn(f"{where}: {len(only)} key(s) only in the run's layout or only in this code's "
-                            f"({', '.join(only[:3])}{', ...' if len(only) > 3 else ''}): made by other "
-                            "code, or by code dvc.lock cannot show; the keys both have are compared")
-        diff = table_difference(stored, want) if isinstance(want, pa.Table) else json_difference(stored, want)
-        if diff:
-            result.find("re-derive", f"{where}: {diff}")
-    result.notes.append(f"re-derived {', '.join(i[1] for i in derived)} from {paths.LOGITS[1]}")
+        if n < len(prompt_ids) - 1:       # metrics.json: set-level, made from the last prompt (a set of one)
+            derived.pop(paths.PROBS_METRICS)
+        items = list(derived)
+        for item, want in derived.items():
+            path = paths.recorded(item, pid, root) if item in paths.PER_PROMPT else paths.artifact(item, root)
+            _compare_derived(path, want, root, recorded, result, item == paths.PROBS_METRICS and not same_code)
+    result.notes.append(f"re-derived {', '.join(i[1] for i in items)} from {paths.LOGITS[1]} "
+                        f"({len(prompt_ids)} prompt(s))")
 
 
-def probs_outputs(root: Path, params: dict, manifest: dict | None = None) -> dict[tuple[str, str], Any]:
-    """The probs stage's tables and JSON, recomputed by the stage's own function from the files
-    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits)."""
+def _compare_derived(path: Path, want: Any, root: Path, recorded: set[str], result: Audit, shared: bool) -> None:
+    """A stored probs file against its re-derivation, bit for bit (shared: on the keys both have)."""
+    where = _rel(path, root)
+    if where not in recorded:   # written by newer code than the run's
+        result.warn(f"{where} is re-derivable but the run did not record it: not compared")
+        return
+    try:
+        stored = read_parquet(path) if isinstance(want, pa.Table) else read_json(path)
+    except UserError as e:
+        result.find("re-derive", str(e))
+        return
+    if not isinstance(want, pa.Table):   # through JSON, as the stage wrote it (tuples -> lists)
+        want = json.loads(json.dumps(want, ensure_ascii=False))
+    if shared:
+        stored, want, only = shared_keys(stored, want)
+        if only:
+            result.warn(f"{where}: {len(only)} key(s) only in the run's layout or only in this code's "
+                        f"({', '.join(only[:3])}{', ...' if len(only) > 3 else ''}): made by other "
+                        "code, or by code dvc.lock cannot show; the keys both have are compared")
+    diff = table_difference(stored, want) if isinstance(want, pa.Table) else json_difference(stored, want)
+    if diff:
+        result.find("re-derive", f"{where}: {diff}")
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def probs_outputs(root: Path, params: dict, manifest: dict | None = None, prompt_id: str | None = None) \
+        -> dict[tuple[str, str], Any]:
+    """One prompt's probs tables and JSON, recomputed by the stage's own function from the files
+    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits;
+    prompt_id None: a run made before partitions)."""
     from pipeline.numerics import probs
     read = {Path(i["path"]).name: root / i["path"] for i in (manifest or {}).get("inputs") or []}
-    outputs, _ = probs.build(read.get(paths.LOGITS[1], paths.artifact(paths.LOGITS, root)),
+    outputs, _ = probs.build(paths.recorded(paths.LOGITS, prompt_id, root),
                              read.get(paths.VOCAB[1], paths.artifact(paths.VOCAB, root)),
                              schema.load_section(params, "probs"), schema.load_section(params, "sampling"))
     return outputs
@@ -348,7 +367,7 @@ def rederive_checks(root: Path, params: dict, result: Audit) -> None:
 def checks_verdicts(root: Path, params: dict) -> dict[str, tuple[str, float, str]]:
     """name -> (verdict, measured, device note), computed by the checks stage's own function."""
     from pipeline.checks import stage  # torch and the model load only when re-deriving the checks
-    results, _, _ = stage.compute(params, lambda item: paths.locate(item, root), root)
+    results, _, _ = stage.compute(params, paths.lookup(root), root)
     return {c.name: (c.verdict, c.measured, c.device_note) for c in results}
 
 

@@ -51,8 +51,25 @@ def diff(repo: Path, rev_a: str, rev_b: str) -> list[str]:
     with ExitStack() as stack:
         a, b = (stack.enter_context(revisions.open_run(repo, r)) for r in (ra, rb))
         revisions.load_manifests(a), revisions.load_manifests(b)   # both must hold a run (a clear error if not)
-        return [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b), kernel_line(a, b),
-                capture_line(a, b), *number_lines(a, b), *trajectory_lines(a, b)]
+        pairs, only = prompt_pairs(a, b)
+        out = [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b, *(pairs or [(None, None)])[0]),
+               kernel_line(a, b)]
+        for ia, ib in pairs:
+            out += [f"prompt {ia} | {ib}:"] if len(pairs) > 1 or ia != ib else []
+            out += [capture_line(a, b, ia, ib), *number_lines(a, b, ia, ib), *trajectory_lines(a, b, ia, ib)]
+        return out + only
+
+
+def prompt_pairs(a: Path, b: Path) -> tuple[list[tuple[str | None, str | None]], list[str]]:
+    """The prompts compared, (id in A, id in B): those both runs hold, by id; two runs of one prompt
+    each are compared whatever their ids (a run recorded before partitions has the one id None).
+    Then a line per prompt only one run holds."""
+    ia, ib = paths.run_prompt_ids(a), paths.run_prompt_ids(b)
+    if len(ia) == 1 and len(ib) == 1:
+        return [(ia[0], ib[0])], []
+    pairs = [(i, i) for i in ia if i in ib]
+    return pairs, [f"prompt {i}: only in {side}" for side, ids, other in (("A", ia, ib), ("B", ib, ia))
+                   for i in ids if i not in other]
 
 
 # ---------------------------------------------------------------- config
@@ -74,14 +91,14 @@ def _show(v: Any, width: int = 60) -> str:
 
 
 # ---------------------------------------------------------------- environment
-def environment_lines(a: Path, b: Path) -> list[str]:
+def environment_lines(a: Path, b: Path, ia: str | None, ib: str | None) -> list[str]:
     ea, eb = (revisions.recorded_environment(revisions.load_manifests(r)) for r in (a, b))
     keys = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
     out = [f"environment: {len(keys)} recorded version/hardware value(s) differ" if keys
            else "environment: same recorded versions and hardware"]
     out += [f"  environment {k}: {_one(ea.get(k))} | {_one(eb.get(k))}" for k in keys]
     for what, key in (("dtype", "compute_dtype"), ("device", "device")):
-        va, vb = _forward_fact(a, key), _forward_fact(b, key)
+        va, vb = _forward_fact(a, key, ia), _forward_fact(b, key, ib)
         out.append(f"  {what}: {va} | {vb}" + (" (same)" if va == vb else "  <- differs"))
     return out
 
@@ -92,8 +109,8 @@ def _one(values: list | None) -> str:
     return str(values[0]) if len(values) == 1 else f"mixed {values}"
 
 
-def _forward_fact(root: Path, key: str) -> Any:
-    path = paths.artifact(paths.FORWARD_FACTS, root)
+def _forward_fact(root: Path, key: str, pid: str | None) -> Any:
+    path = paths.recorded(paths.FORWARD_FACTS, pid, root)
     return read_json(path).get(key, "<not recorded>") if path.exists() else "<no forward run>"
 
 
@@ -102,12 +119,12 @@ def kernel_line(a: Path, b: Path) -> str:
     return kernel_difference_line(*(recorded_kernels(revisions.load_manifests(r)) for r in (a, b)))
 
 
-def capture_line(a: Path, b: Path) -> str:
-    pa_, pb = paths.artifact(paths.CAPTURE, a), paths.artifact(paths.CAPTURE, b)
+def capture_line(a: Path, b: Path, ia: str | None, ib: str | None) -> str:
+    pa_, pb = paths.recorded(paths.CAPTURE, ia, a), paths.recorded(paths.CAPTURE, ib, b)
     if not (pa_.exists() and pb.exists()):
         return "capture: not in both runs"
     ta, tb = read_safetensors(pa_), read_safetensors(pb)
-    n = _forward_fact(a, "n_positions")
+    n = _forward_fact(a, "n_positions", ia)
     d = first_diverging_tensor(ta, tb, capture_order(pa_), n if isinstance(n, int) else None)
     return divergence_line(d, len(ta))
 
@@ -118,8 +135,9 @@ class Alignment:
     Different prompts: the last prompt positions are aligned (A's last with B's last: the next-token
     distributions), and only positions counted from the end that both prompts have are compared."""
 
-    def __init__(self, a: Path, b: Path):
-        ia, ib = _prompt_ids(a), _prompt_ids(b)
+    def __init__(self, a: Path, b: Path, pa_: str | None, pb: str | None):
+        self.files = (lambda item: paths.recorded(item, pa_, a), lambda item: paths.recorded(item, pb, b))
+        ia, ib = _token_ids(self.files[0]), _token_ids(self.files[1])
         self.same = ia == ib
         self.lengths = (len(ia or []), len(ib or []))
         self.offset = 0 if self.same or ia is None or ib is None else len(ib) - len(ia)
@@ -138,19 +156,18 @@ class Alignment:
                 f"(A {na - 1} | B {nb - 1}: the next-token distributions); earlier ones hold other prefixes"]
 
 
-def _prompt_ids(root: Path) -> list[int] | None:
-    path = paths.artifact(paths.TOKENS, root)
+def _token_ids(file) -> list[int] | None:
+    path = file(paths.TOKENS)
     return pq.read_table(path, columns=["token_id"])["token_id"].to_pylist() if path.exists() else None
 
 
-def number_lines(a: Path, b: Path) -> list[str]:
-    align = Alignment(a, b)
-    return ["numbers:", *align.lines(), *logit_lines(a, b, align), *probability_lines(a, b, align),
-            *kept_lines(a, b, align)]
+def number_lines(a: Path, b: Path, ia: str | None, ib: str | None) -> list[str]:
+    align = Alignment(a, b, ia, ib)
+    return ["numbers:", *align.lines(), *logit_lines(align), *probability_lines(align), *kept_lines(align)]
 
 
-def _same_file(a: Path, b: Path, item: tuple[str, str]) -> bool | None:
-    pa_, pb = paths.artifact(item, a), paths.artifact(item, b)
+def _same_file(align: Alignment, item: tuple[str, str]) -> bool | None:
+    pa_, pb = (f(item) for f in align.files)
     if not (pa_.exists() and pb.exists()):
         return None
     return provenance.sha256_file(pa_) == provenance.sha256_file(pb)
@@ -163,14 +180,15 @@ def _by_position(path: Path, column: str) -> dict[int, np.ndarray]:
     return {int(p): values[pos == p] for p in np.unique(pos)}
 
 
-def logit_lines(a: Path, b: Path, align: Alignment) -> list[str]:
-    same = _same_file(a, b, paths.LOGITS)
+def logit_lines(align: Alignment) -> list[str]:
+    fa, fb = align.files
+    same = _same_file(align, paths.LOGITS)
     if same is None:
         return ["  logits: not in both runs"]
-    la = _by_position(paths.artifact(paths.LOGITS, a), "logit")
+    la = _by_position(fa(paths.LOGITS), "logit")
     if same:
         return [f"  logits: identical {paths.LOGITS[1]} (same sha256): max |Δlogit| = 0 at all {len(la)} positions"]
-    lb = _by_position(paths.artifact(paths.LOGITS, b), "logit")
+    lb = _by_position(fb(paths.LOGITS), "logit")
     head = "per position" if align.same else "at the aligned last position (A | B)"
     out, same_at = [f"  logits: max |Δlogit| {head} (token id of the largest change)"], 0
     # different prompts: the last positions only (the next-token distributions); the rest are other prefixes
@@ -191,19 +209,20 @@ def logit_lines(a: Path, b: Path, align: Alignment) -> list[str]:
         ([f"    {only} position(s) only in B"] if only else [])
 
 
-def probability_lines(a: Path, b: Path, align: Alignment) -> list[str]:
-    same = _same_file(a, b, paths.TABLE)
+def probability_lines(align: Alignment) -> list[str]:
+    fa, fb = align.files
+    same = _same_file(align, paths.TABLE)
     if same is None:
         return ["  probabilities: not in both runs"]
     if same:
         return [f"  probabilities: identical {paths.TABLE[1]} (same sha256): largest change 0 at every temperature"]
-    cols = lambda r: [c for c in pq.read_schema(paths.artifact(paths.TABLE, r)).names if c.startswith("p_T")]
+    cols = lambda f: [c for c in pq.read_schema(f(paths.TABLE)).names if c.startswith("p_T")]
     out = ["  probabilities: largest |Δp| per temperature"]
-    for col in sorted(set(cols(a)) | set(cols(b))):
-        if col not in cols(a) or col not in cols(b):
+    for col in sorted(set(cols(fa)) | set(cols(fb))):
+        if col not in cols(fa) or col not in cols(fb):
             out.append(f"    {col}: only in one run")
             continue
-        ta, tb = _by_position(paths.artifact(paths.TABLE, a), col), _by_position(paths.artifact(paths.TABLE, b), col)
+        ta, tb = _by_position(fa(paths.TABLE), col), _by_position(fb(paths.TABLE), col)
         pairs = [(ta[p], tb[align.b_of(p)], p) for p in ta
                  if align.b_of(p) in tb and ta[p].shape == tb[align.b_of(p)].shape]
         worst = max(((float(np.abs(x - y).max()), p, int(np.abs(x - y).argmax())) for x, y, p in pairs), default=None)
@@ -215,12 +234,12 @@ def probability_lines(a: Path, b: Path, align: Alignment) -> list[str]:
     return out
 
 
-def kept_lines(a: Path, b: Path, align: Alignment) -> list[str]:
-    def filters(root: Path) -> list[dict]:
-        path = paths.artifact(paths.PROBS_SUMMARY, root)
+def kept_lines(align: Alignment) -> list[str]:
+    def filters(file) -> list[dict]:
+        path = file(paths.PROBS_SUMMARY)
         return read_json(path)["filters"] if path.exists() else []
 
-    return kept_lines_from(filters(a), filters(b), offset=None if align.same else align.offset)
+    return kept_lines_from(*(filters(f) for f in align.files), offset=None if align.same else align.offset)
 
 
 def kept_lines_from(entries_a: list[dict], entries_b: list[dict], labels: tuple[str, str] = ("A", "B"),
@@ -247,8 +266,8 @@ def _kept(f: dict | None) -> str:
 
 
 # ---------------------------------------------------------------- trajectories
-def _runs(root: Path) -> dict[str, list[dict]]:
-    path = paths.artifact(paths.STEPS, root)
+def _runs(root: Path, pid: str | None) -> dict[str, list[dict]]:
+    path = paths.recorded(paths.STEPS, pid, root)
     return runs_from_table(pq.read_table(path)) if path.exists() else {}
 
 
@@ -268,8 +287,8 @@ def first_divergence(a: list[dict], b: list[dict]) -> int | None:
     return None
 
 
-def trajectory_lines(a: Path, b: Path) -> list[str]:
-    return trajectory_lines_from(_runs(a), _runs(b))
+def trajectory_lines(a: Path, b: Path, ia: str | None, ib: str | None) -> list[str]:
+    return trajectory_lines_from(_runs(a, ia), _runs(b, ib))
 
 
 def trajectory_lines_from(ra: dict[str, list[dict]], rb: dict[str, list[dict]],

@@ -91,6 +91,9 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
     params = schema.read_params(root / paths.PARAMS)
     cap = schema.load_section(params, "capture", root)
     _snapshot(root, manifests)
+    if paths.run_prompt_ids(root) == [None]:
+        raise UserError(f"{label} was recorded before per-prompt partitions (issue 17): this code re-runs it "
+                        "in the new layout, so nothing would compare; `nexttoken audit` checks it as it is")
     rerun = [s for s in wanted if s in manifests]
     if not rerun:
         raise UserError(f"{label} has none of the stages to re-run ({', '.join(wanted)}): run `dvc repro` first")
@@ -183,26 +186,28 @@ def _content(path: Path) -> str:
 
 # ---------------------------------------------------------------- explaining a difference
 def explain(root: Path, here: Path, differing: set[str]) -> list[str]:
-    """One line per finding in the stages whose artifacts differ, in the pipeline's order."""
+    """One line per finding in the stages whose artifacts differ, in the pipeline's order, per prompt."""
     out: list[str] = []
-    if differing & {"forward", "logits"}:
-        out += capture_lines(root, here)
-    if "probs" in differing:
-        out += probs_lines(root, here)
-    if "trajectories" in differing:
-        out += table_lines(root, here, (paths.STEPS, paths.STEP_LOGITS))
-        out += trajectory_lines_from(*(runs_from_table(read_parquet(paths.artifact(paths.STEPS, r)))
-                                       for r in (root, here)), LABELS)
+    for pid in paths.run_prompt_ids(root):
+        out += [f"prompt {pid}:"] if len(paths.run_prompt_ids(root)) > 1 else []
+        if differing & {"forward", "logits"}:
+            out += capture_lines(root, here, pid)
+        if "probs" in differing:
+            out += probs_lines(root, here, pid)
+        if "trajectories" in differing:
+            out += table_lines(root, here, (paths.STEPS, paths.STEP_LOGITS), pid)
+            out += trajectory_lines_from(*(runs_from_table(read_parquet(paths.partition(paths.STEPS, pid, r)))
+                                           for r in (root, here)), LABELS)
     if "checks" in differing:
         out += checks_lines(root, here)
     return out
 
 
-def capture_lines(root: Path, here: Path) -> list[str]:
+def capture_lines(root: Path, here: Path, pid: str) -> list[str]:
     """The first diverging captured tensor, then the top-1 id per position of the logits."""
-    stored, made = (read_safetensors(paths.artifact(paths.CAPTURE, r)) for r in (root, here))
-    facts = read_json(paths.artifact(paths.FORWARD_FACTS, root))
-    order = capture_order(paths.artifact(paths.CAPTURE, root))
+    stored, made = (read_safetensors(paths.partition(paths.CAPTURE, pid, r)) for r in (root, here))
+    facts = read_json(paths.partition(paths.FORWARD_FACTS, pid, root))
+    order = capture_order(paths.partition(paths.CAPTURE, pid, root))
     d = first_diverging_tensor(stored, made, order, facts.get("n_positions"))
     lines = [divergence_line(d, len(stored), LABELS)]
     if "logits" in stored and "logits" in made:
@@ -210,21 +215,21 @@ def capture_lines(root: Path, here: Path) -> list[str]:
     return lines
 
 
-def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...]) -> list[str]:
+def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...], pid: str) -> list[str]:
     """Per table that differs, its first differing value (then vs now)."""
     out = []
     for item in items:
-        diff = table_difference(*(read_parquet(paths.artifact(item, r)) for r in (root, here)))
+        diff = table_difference(*(read_parquet(paths.partition(item, pid, r)) for r in (root, here)))
         if diff:
             out.append(f"{item[0]} {item[1]}: " + diff.replace("stored", "then").replace("re-derived", "now"))
     return out
 
 
-def probs_lines(root: Path, here: Path) -> list[str]:
+def probs_lines(root: Path, here: Path, pid: str) -> list[str]:
     """The first value that differs in each table, and the kept counts per filter."""
-    summaries = [json.loads(paths.artifact(paths.PROBS_SUMMARY, r).read_text(encoding="utf-8"))["filters"]
+    summaries = [json.loads(paths.partition(paths.PROBS_SUMMARY, pid, r).read_text(encoding="utf-8"))["filters"]
                  for r in (root, here)]
-    return table_lines(root, here, (paths.TABLE, paths.FILTERED)) + kept_lines_from(*summaries, LABELS)
+    return table_lines(root, here, (paths.TABLE, paths.FILTERED), pid) + kept_lines_from(*summaries, LABELS)
 
 
 def checks_lines(root: Path, here: Path) -> list[str]:

@@ -66,6 +66,21 @@ def test_stage_declares_its_code_params_and_outs(stage):
         + [next(iter(p)) if isinstance(p, dict) else p for p in spec.get("plots", [])]
     assert outs == [folder] or f"{folder}/{paths.MANIFEST}" in outs
     assert all(d == folder or d.startswith(folder + "/") for d in declared)
+    # a per-prompt file is a folder of partitions (one per prompt): outs name the folder, never a file
+    datasets = {paths.dataset(i).as_posix() for i in paths.PER_PROMPT if i[0] == stage}
+    assert outs == [folder] or datasets <= set(outs)
+
+
+@pytest.mark.parametrize("stage", list(DVC))
+def test_artifact_deps_name_what_the_stages_write(stage):
+    """A dep under artifacts/ is a stage folder, a set-level file or a per-prompt dataset folder:
+    a per-prompt file's flat path (the layout before issue 17) names nothing DVC could hash."""
+    flat = {paths.stage_dir(i[0]).joinpath(i[1]).as_posix() for i in paths.PER_PROMPT}
+    datasets = {paths.dataset(i).as_posix() for i in paths.PER_PROMPT}
+    for dep in (d for d in DVC[stage]["deps"] if d.startswith(paths.ARTIFACTS + "/")):
+        assert dep not in flat, f"{stage}: {dep} is one file per prompt now: depend on its folder"
+        assert Path(dep).parts[1] in paths.STAGES and (len(Path(dep).parts) == 2 or dep in datasets
+                                                        or "." in Path(dep).name), dep
 
 
 @pytest.mark.parametrize("stage", list(DVC))

@@ -20,29 +20,38 @@ from pipeline.tools import rundiff
 V = 4
 
 
-def _run(root: Path, ids: list[int], last_logits: list[float], kept: int) -> Path:
+def test_prompts_pair_by_id_and_the_rest_are_named(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, pids in ((a, ("x", "y")), (b, ("y", "z"))):
+        for pid in pids:
+            _run(root, [1, 2], [0.0, 1.0, 2.0, 3.0], kept=1, pid=pid)
+    assert rundiff.prompt_pairs(a, b) == ([("y", "y")], ["prompt x: only in A", "prompt z: only in B"])
+
+
+def _run(root: Path, ids: list[int], last_logits: list[float], kept: int, pid: str = "q") -> Path:
     n = len(ids)
     for item in (paths.TOKENS, paths.LOGITS, paths.TABLE, paths.PROBS_SUMMARY):
-        paths.artifact(item, root).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"position": list(range(n)), "token_id": ids}), paths.artifact(paths.TOKENS, root))
+        paths.partition(item, pid, root).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"position": list(range(n)), "token_id": ids}), paths.partition(paths.TOKENS, pid, root))
     logits = np.tile(np.arange(V, dtype=np.float32), (n, 1))
     logits[-1] = last_logits
     pq.write_table(pa.table({"position": np.repeat(np.arange(n), V).astype(np.int32),
                              "token_id": np.tile(np.arange(V), n).astype(np.int32),
-                             "logit": logits.ravel()}), paths.artifact(paths.LOGITS, root))
+                             "logit": logits.ravel()}), paths.partition(paths.LOGITS, pid, root))
     p = np.exp(logits[-1] - logits[-1].max())
     pq.write_table(pa.table({"position": np.full(V, n - 1, np.int32), "token_id": np.arange(V, dtype=np.int32),
-                             "p_T1": p / p.sum()}), paths.artifact(paths.TABLE, root))
+                             "p_T1": p / p.sum()}), paths.partition(paths.TABLE, pid, root))
     summary = {"filters": [{"position": n - 1, "filter": "sampling", "kept_count": kept, "temperature": 1.0,
                             "top_k": 0, "top_p": 0.9, "kept_mass": 0.95}]}
-    paths.artifact(paths.PROBS_SUMMARY, root).write_text(json.dumps(summary))
+    paths.partition(paths.PROBS_SUMMARY, pid, root).write_text(json.dumps(summary))
     return root
 
 
 def test_different_prompts_compare_the_last_positions(tmp_path):
     a = _run(tmp_path / "a", [11, 12, 13, 14, 15], [0.0, 1.0, 2.0, 5.0], kept=2)
-    b = _run(tmp_path / "b", [21, 22, 23], [0.0, 1.0, 2.5, 5.0], kept=3)
-    out = rundiff.number_lines(a, b)
+    b = _run(tmp_path / "b", [21, 22, 23], [0.0, 1.0, 2.5, 5.0], kept=3, pid="other")
+    assert rundiff.prompt_pairs(a, b) == ([("q", "other")], [])    # one prompt each: compared whatever their ids
+    out = rundiff.number_lines(a, b, "q", "other")
     text = "\n".join(out)
     assert "prompts differ (A 5 tokens, B 3)" in text and "A 4 | B 2" in text
     assert "    position 4 | 2: 0.5 (token 2: 2 | 2.5)" in out
@@ -55,7 +64,7 @@ def test_different_prompts_compare_the_last_positions(tmp_path):
 def test_the_same_prompt_compares_position_by_position(tmp_path):
     a = _run(tmp_path / "a", [11, 12, 13], [0.0, 1.0, 2.0, 5.0], kept=2)
     b = _run(tmp_path / "b", [11, 12, 13], [0.0, 1.0, 2.5, 5.0], kept=2)
-    out = rundiff.number_lines(a, b)
+    out = rundiff.number_lines(a, b, "q", "q")
     assert not any("prompts differ" in line for line in out)
     assert "    position 2: 0.5 (token 2: 2 | 2.5)" in out and "    0 at the other 2 positions" in out
     assert any(line.startswith("    2, sampling: 2 (") and "differs" not in line for line in out)
