@@ -30,6 +30,7 @@ from pathlib import Path
 from bench.common import child, fit_exponent
 from pipeline.store import paths
 from tests.helpers import worktree
+from tests.helpers.partitions import part
 
 STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
 MODEL_STAGES = ("forward", "trajectories", "checks")      # the stages that run the model
@@ -86,7 +87,7 @@ def measure_length(src: Path, dest: Path, model: str, text: str, positions: str)
     for stage in STAGES[1:]:
         stages[stage] = run_stage(ws, stage)
         print(f"[scale] {model} T~{len(text)} chars {positions}: {stage} {stages[stage]}", file=sys.stderr, flush=True)
-    facts = json.loads(paths.artifact(paths.FORWARD_FACTS, ws).read_text())
+    facts = json.loads(part(paths.FORWARD_FACTS, ws).read_text())
     t, v = facts["n_positions"], facts["output_size"]
     rows = len(facts["logit_positions"])
     extra = max(s["peak_mb"] for s in stages.values()) - base["rss_loaded_mb"]
@@ -113,7 +114,7 @@ def loaded_child(ws, spec: dict) -> dict:
     ws.load()
     release_freed()
     loaded = rss_mb()
-    ids = torch.tensor([pq.read_table(paths.artifact(paths.TOKENS, ws.root), columns=["token_id"])
+    ids = torch.tensor([pq.read_table(part(paths.TOKENS, ws.root), columns=["token_id"])
                         ["token_id"].to_pylist()])
     t, c = time.perf_counter(), time.process_time()
     capture.plain_forward_logits(ws.model, ids, ws.cfg["capture"].positions)

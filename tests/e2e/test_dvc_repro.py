@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.store import provenance
+from pipeline.store import paths, provenance
+from tests.helpers.partitions import part
 from tests.helpers.worktree import clone_worktree, sh
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def test_verify_after_dvc_repro_is_identical_and_changes_nothing(clone):
 
 
 def test_forced_tokenize_is_byte_identical(clone):
-    path = clone / "artifacts/tokenize/tokens.parquet"
+    path = part(paths.TOKENS, clone)
     before = provenance.sha256_file(path)
     sh(clone, "dvc", "repro", "--force", "--single-item", "tokenize")
     assert provenance.sha256_file(path) == before
@@ -90,7 +91,7 @@ def test_exp_run_with_a_new_prompt_composes_and_runs(clone):
     sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "prompt.text='Hello world, it\\'s me!'")
     params = yaml.safe_load((clone / "params.yaml").read_text())
     assert params["prompt"]["text"] == "Hello world, it's me!"
-    tokens = __import__("pyarrow.parquet", fromlist=["x"]).read_table(clone / "artifacts/tokenize/tokens.parquet")
+    tokens = __import__("pyarrow.parquet", fromlist=["x"]).read_table(part(paths.TOKENS, clone))
     assert tokens.num_rows == 7   # "Hello", " world", ",", " it", "'s", " me", "!"
 
 
@@ -118,7 +119,7 @@ def test_compose_prompt_then_repro_names_the_prompt_in_the_report(clone):
     sh(clone, "dvc", "repro")
     title = (clone / "artifacts/report/report.md").read_text(encoding="utf-8").splitlines()[0]
     assert title == f'# Next-token report: tiny_qwen2 on prompt {name} ("{text}")'
-    tok = json.loads((clone / "artifacts/tokenize/tokenize.json").read_text(encoding="utf-8"))
+    tok = json.loads(part(paths.TOKENIZE_SUMMARY, clone).read_text(encoding="utf-8"))
     assert tok["prompt"] == text and tok["expected_token_ids"] is None
     checks = pq.read_table(clone / "artifacts/checks/checks.parquet").to_pylist()
     assert "tokenizer_expected_ids" not in {c["name"] for c in checks}

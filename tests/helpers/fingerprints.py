@@ -26,6 +26,7 @@ import yaml
 
 from pipeline.store import paths, provenance
 from tests.conftest import ON_CPU, REPO, make_workspace, run_module
+from tests.helpers.partitions import part
 
 FILE = REPO / "pipeline" / "reference" / "fingerprints.yaml"
 ENTRIES = {"tiny_qwen2_bfloat16": ("tiny_qwen2", "bfloat16"),
@@ -72,7 +73,7 @@ def compute(base: Path, dest: Path, model: str, dtype: str, kernels: str = "port
 def entry(ws: Path, model: str, dtype: str) -> dict:
     """The fingerprint fields of a workspace that ran forward, logits and trajectories."""
     logits = json.loads(paths.manifest_path("logits", ws).read_text())["facts"]["logits_content_sha256"]
-    runs = json.loads(paths.artifact(paths.TRAJECTORIES, ws).read_text())
+    runs = json.loads(part(paths.TRAJECTORIES, ws).read_text())
     forward = json.loads(paths.manifest_path("forward", ws).read_text())
     out = {"model": model, "dtype": dtype, "logits_content_sha256": logits}
     for branch in ("greedy", "sample"):

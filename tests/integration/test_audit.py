@@ -24,6 +24,7 @@ from pipeline.store import paths, provenance
 from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
 from pipeline.tools import audit, cli, revisions
 from tests.conftest import ON_CPU, copy_ws, run_module
+from tests.helpers.partitions import part
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_fresh_run_is_clean(run):
 
 
 def test_one_flipped_byte_in_logits_is_named(copy, monkeypatch, capsys):
-    path = paths.artifact(paths.LOGITS, copy)
+    path = part(paths.LOGITS, copy)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
@@ -91,7 +92,7 @@ def test_one_flipped_byte_in_logits_is_named(copy, monkeypatch, capsys):
 
 
 def test_a_changed_probability_with_matching_hashes_is_caught_by_rederivation(copy):
-    path = paths.artifact(paths.TABLE, copy)
+    path = part(paths.TABLE, copy)
     table = pq.read_table(path)   # keeps the schema metadata (the run's facts)
     p = table["p_T1"].to_numpy().copy()
     top = int(p.argmax())
@@ -127,7 +128,7 @@ def test_an_artifact_from_another_run_breaks_the_chain(copy, other_prompt_run):
 def test_a_replaced_file_is_traced_to_the_run_that_wrote_it(copy, other_prompt_run):
     # Only tokens.parquet, with this run's manifest updated to its bytes: the file's own
     # metadata still says which config wrote it.
-    rel = paths.artifact(paths.TOKENS, copy).relative_to(copy).as_posix()
+    rel = part(paths.TOKENS, copy).relative_to(copy).as_posix()
     shutil.copy2(other_prompt_run / rel, copy / rel)
     rerecord(copy, rel, "tokenize", "outputs")
     found = findings(copy)
@@ -175,8 +176,8 @@ def as_gpu_run(root: Path) -> None:
         table = pf.read()
         meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **RTX}).encode()}
         pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
-    forge(root, paths.artifact(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
-    forge(root, paths.artifact(paths.STEP_LOGITS, root).relative_to(root).as_posix(), step_logits)
+    forge(root, part(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
+    forge(root, part(paths.STEP_LOGITS, root).relative_to(root).as_posix(), step_logits)
 
 
 def kernels_differ_here(monkeypatch) -> None:

@@ -28,6 +28,7 @@ from pipeline.model import decode, loader
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
 from tests.conftest import copy_ws, run_module
+from tests.helpers.partitions import part, rel
 
 V = 152064
 
@@ -51,7 +52,7 @@ def cfg(ws) -> dict:
 
 @pytest.fixture(scope="module")
 def stored(ws) -> suite.Stored:
-    return suite.load(lambda item: paths.locate(item, ws), ws)
+    return suite.load(paths.lookup(ws), ws, paths.run_prompt_ids(ws)[0])
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
     manifest = json.loads((ws / "artifacts/checks/manifest.json").read_text())
     assert manifest["stage"] == "checks" and {"artifacts/checks/checks.parquet", "artifacts/checks/metrics.json"} \
         <= {o["path"] for o in manifest["outputs"]}
-    assert "artifacts/trajectories/step_logits.parquet" in {i["path"] for i in manifest["inputs"]}
+    assert rel(paths.STEP_LOGITS, ws) in {i["path"] for i in manifest["inputs"]}
 
 
 def test_clean_run_measures_the_fp32_sums_and_the_kv_cache(ws, clean_run):
@@ -141,7 +142,7 @@ def test_checks_stage_params_are_in_params_yaml(ws):
 def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path):
     copy = tmp_path / "ws"
     shutil.copytree(ws, copy, symlinks=True)
-    logits = copy / "artifacts/logits/logits.parquet"
+    logits = part(paths.LOGITS, copy)
 
     def flip(v):          # position 3: no later table reads it, so only the file check can see it
         v[3 * V + 42] += 0.25
@@ -151,7 +152,7 @@ def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path
     for manifest_path in (copy / "artifacts").glob("*/manifest.json"):
         manifest = json.loads(manifest_path.read_text())
         for rec in manifest["outputs"] + manifest["inputs"]:
-            if rec["path"] == "artifacts/logits/logits.parquet":
+            if rec["path"] == rel(paths.LOGITS, copy):
                 rec["sha256"] = provenance.sha256_file(logits)
         if manifest["stage"] == "tokenize":     # as if tokenize ran with the ids below (else it is stale)
             manifest["config"]["prompt"]["known"]["expected_token_ids"]["qwen2"][3] = 445

@@ -18,7 +18,9 @@ from pipeline.checks import recompute
 from pipeline.checks.verdicts import max_abs
 from pipeline.model import capture, decode, loader
 from pipeline.numerics.sampling import SamplingSettings
+from pipeline.store import paths
 from tests.conftest import make_workspace, run_module
+from tests.helpers.partitions import part
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -36,7 +38,7 @@ def gpu_ws(tmp_path_factory):
 
 def test_the_chain_on_a_gpu_records_it_and_passes_every_error_check(gpu_ws):
     name = torch.cuda.get_device_name(0)
-    facts = json.loads((gpu_ws / "artifacts/forward/facts.json").read_text())
+    facts = json.loads(part(paths.FORWARD_FACTS, gpu_ws).read_text())
     assert facts["device"] == "cuda" and facts["gpu_name"] == name
     for stage in ("trajectories", "checks"):
         recorded = json.loads((gpu_ws / f"artifacts/{stage}/manifest.json").read_text())["facts"]

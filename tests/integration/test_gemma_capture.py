@@ -25,8 +25,9 @@ from safetensors import safe_open
 
 from pipeline.checks.recompute import lm_head_recompute
 from pipeline.model import capture, loader
-from pipeline.store import artifacts, logits_io
+from pipeline.store import artifacts, logits_io, paths
 from tests.conftest import make_workspace, run_module
+from tests.helpers.partitions import part
 
 pytestmark = pytest.mark.slow
 
@@ -74,17 +75,17 @@ def ws(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tensors(ws) -> dict[str, torch.Tensor]:
-    return artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
+    return artifacts.read_safetensors(part(paths.CAPTURE, ws))
 
 
 @pytest.fixture(scope="module")
 def facts(ws) -> dict:
-    return json.loads((ws / "artifacts/forward/facts.json").read_text())
+    return json.loads(part(paths.FORWARD_FACTS, ws).read_text())
 
 
 @pytest.fixture(scope="module")
 def token_ids(ws) -> list[int]:
-    return pq.read_table(ws / "artifacts/tokenize/tokens.parquet", columns=["token_id"])["token_id"].to_pylist()
+    return pq.read_table(part(paths.TOKENS, ws), columns=["token_id"])["token_id"].to_pylist()
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,7 @@ def test_the_model_is_the_documented_one(facts, token_ids):
 
 
 def test_capture_names_are_the_naming_functions(ws, tensors, facts, model):
-    with safe_open(str(ws / "artifacts/forward/capture.safetensors"), framework="pt") as f:
+    with safe_open(str(part(paths.CAPTURE, ws)), framework="pt") as f:
         order = json.loads(f.metadata()["names"])
     assert order == [*facts["names"], "input_ids"] and set(order) == set(tensors)
     spec = capture.CaptureSpec(attention_layers=(0, -1), positions="all")
@@ -163,7 +164,7 @@ def test_lm_head_of_final_norm_out_is_the_logits_bit_for_bit(tensors, model):
 
 
 def test_logits_parquet_holds_the_capture_exactly(ws, tensors, token_ids):
-    path = ws / "artifacts/logits/logits.parquet"
+    path = part(paths.LOGITS, ws)
     want = tensors["logits"][0].float().numpy()
     positions, stored = logits_io.read_matrix(path)
     assert positions == list(range(len(token_ids))) and stored.shape == (len(token_ids), V)

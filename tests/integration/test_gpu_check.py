@@ -22,7 +22,9 @@ from safetensors.torch import load_file
 from bench import gpu_check
 from pipeline.checks import recompute
 from pipeline.model import capture
+from pipeline.store import paths
 from tests.conftest import REPO
+from tests.helpers.partitions import part
 
 BARE = {"PYTHONPATH": str(REPO / "tests/helpers/bare_site"), "NEXTTOKEN_BARE_REPO": str(REPO),
         "HF_HUB_OFFLINE": "1"}
@@ -45,7 +47,7 @@ def test_the_built_model_is_the_one_prepare_model_saves(tiny_workspace, tmp_path
     want, got = load_file(prepared / "model.safetensors"), load_file(built / "model.safetensors")
     assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)
     assert json.loads((prepared / "generation_config.json").read_text())["eos_token_id"] == gpu_check.EOS_ID
-    assert gpu_check.settings()["ids"] == json.loads((tiny_workspace / "artifacts/tokenize/tokenize.json")
+    assert gpu_check.settings()["ids"] == json.loads(part(paths.TOKENIZE_SUMMARY, tiny_workspace)
                                                      .read_text())["token_ids"]
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from pipeline.store import paths
 from tests.conftest import make_workspace
+from tests.helpers.partitions import part
 
 T_TARGET = 4096
 STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
@@ -43,13 +44,13 @@ def test_whole_chain_at_4096_tokens_all_positions_stays_bounded(tiny_workspace, 
     ws = tmp_path / "ws"
     (ws / "prompts").mkdir(parents=True)
     # The reference prompt (25 tokens) repeated to just over T_TARGET tokens.
-    text = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, tiny_workspace).read_text())["prompt"]
+    text = json.loads(part(paths.TOKENIZE_SUMMARY, tiny_workspace).read_text())["prompt"]
     (ws / "prompts/long.txt").write_text(text * (T_TARGET // 24 + 1), encoding="utf-8")
     make_workspace(ws, ["model=tiny_qwen2", "prompt.file=prompts/long.txt", "prompt.text=null",
                         "capture.positions=all"])
     shutil.copytree(paths.stage_dir("prepare_model", tiny_workspace), paths.stage_dir("prepare_model", ws))
     peaks = {stage: _peak_mb(stage, ws) for stage in STAGES}
-    facts = json.loads(paths.artifact(paths.FORWARD_FACTS, ws).read_text())
+    facts = json.loads(part(paths.FORWARD_FACTS, ws).read_text())
     t, v = facts["n_positions"], facts["output_size"]
     assert t >= T_TARGET and facts["logit_positions"] == list(range(t))
     one_copy_mb = 4 * t * v / 2**20

@@ -15,6 +15,8 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.model import capture, loader, memory
+from pipeline.store import paths
+from tests.helpers.partitions import part
 
 GIB = 2**30
 # Qwen2.5-7B's config.json (the fields the estimate reads) and its weights in bf16 (7,615,616,512 parameters).
@@ -36,7 +38,7 @@ def model(snapshot):
 
 @pytest.fixture(scope="module")
 def ids(tiny_workspace) -> torch.Tensor:
-    return torch.tensor([pq.read_table(tiny_workspace / "artifacts/tokenize/tokens.parquet")["token_id"].to_pylist()])
+    return torch.tensor([pq.read_table(part(paths.TOKENS, tiny_workspace))["token_id"].to_pylist()])
 
 
 @pytest.mark.parametrize("layers, positions", [((0, -1), "all"), ((), "last"), ((1,), "last")])

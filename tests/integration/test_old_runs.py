@@ -59,7 +59,7 @@ def test_audit_of_an_old_run_still_sees_a_changed_table(old_run, tmp_path):
     import pyarrow.parquet as pq
     run = tmp_path / "run"
     shutil.copytree(old_run, run, symlinks=True)
-    path = run / paths.artifact(paths.TOKENS)
+    path = paths.recorded(paths.TOKENS, None, run)          # flat: made before partitions
     table = pq.read_table(path)
     pq.write_table(table.set_column(1, "token_id", pa.array([0] * table.num_rows, pa.int32())), path)
     out = next(o for o in json.loads(paths.manifest_path("tokenize", run).read_text())["outputs"]

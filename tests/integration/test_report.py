@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from pipeline.report import plots, render
 from pipeline.store import logits_io, paths
 from tests.conftest import CHAIN, copy_ws, run_module
+from tests.helpers.partitions import part
 
 CHECKS_SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
                            ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
@@ -81,9 +82,9 @@ def unquote(cell: str) -> str:
 
 # ---------------------------------------------------------------- numbers
 def test_top_logits_are_the_stored_ones(ws, md):
-    facts = json.loads(paths.artifact(paths.FORWARD_FACTS, ws).read_text())
+    facts = json.loads(part(paths.FORWARD_FACTS, ws).read_text())
     last = facts["logit_positions"][-1]
-    logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), last)
+    logits = logits_io.read_position(part(paths.LOGITS, ws), last)
     top = np.argsort(-logits.astype(np.float64), kind="stable")[:3]
     rows = tables(section(md, 5))[0]
     assert [int(r["id"]) for r in rows] == top.tolist()
@@ -92,7 +93,7 @@ def test_top_logits_are_the_stored_ones(ws, md):
 
 
 def test_temperature_table_and_rest_match_summary(ws, md):
-    summary = json.loads(paths.artifact(paths.PROBS_SUMMARY, ws).read_text())
+    summary = json.loads(part(paths.PROBS_SUMMARY, ws).read_text())
     t1 = next(t for t in summary["temperatures"] if t["temperature"] == 1.0)
     rows = tables(section(md, 6))[0]
     by_id = {r["id"]: r for r in rows}
@@ -107,7 +108,7 @@ def test_temperature_table_and_rest_match_summary(ws, md):
 
 
 def test_top_p_kept_count_and_renormalised_probs(ws, md):
-    filtered = pq.read_table(paths.artifact(paths.FILTERED, ws)).to_pandas()
+    filtered = pq.read_table(part(paths.FILTERED, ws)).to_pandas()
     kept = filtered[filtered["filter"] == "top_p_0.9"]
     summary_rows, kept_rows = tables(section(md, 7))[:2]
     row = next(r for r in summary_rows if r["filter"] == "`top_p_0.9`")
@@ -120,7 +121,7 @@ def test_top_p_kept_count_and_renormalised_probs(ws, md):
 
 
 def test_trajectory_tables_show_the_stored_ids(ws, md):
-    steps = pq.read_table(paths.artifact(paths.STEPS, ws)).to_pandas()
+    steps = pq.read_table(part(paths.STEPS, ws)).to_pandas()
     text = section(md, 8)
     blocks = tables(text)
     heads = re.findall(r"^Branch `(\w+)`, KV cache (on|off)", text, flags=re.M)
@@ -130,12 +131,12 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
         assert [int(r["id"]) for r in rows] == want["token_id"].tolist()
         assert [unquote(r["text so far"]) for r in rows] == want["text_so_far"].tolist()
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache].sort_values("step")
-    logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), 24)
+    logits = logits_io.read_position(part(paths.LOGITS, ws), 24)
     assert greedy["token_id"].iloc[0] == int(np.argmax(logits))   # greedy step 1 = argmax
 
 
 def test_coordinates_are_the_captured_bf16_values(ws, md):
-    capture = load_file(str(paths.artifact(paths.CAPTURE, ws)))
+    capture = load_file(str(part(paths.CAPTURE, ws)))
     rows = {r["position"]: r for r in tables(section(md, 4))[0]}
     for name, column in (("embed", "embed[:4]"), ("final_norm_out", "final_norm_out[:4]")):
         values = capture[name][0, :, :4].float()
@@ -154,7 +155,7 @@ def test_checks_table_shows_every_verdict(md):
 
 
 def test_title_names_the_runs_prompt_and_names_are_plain(ws, md):
-    tok = json.loads(paths.artifact(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
+    tok = json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text(encoding="utf-8"))
     assert tok["prompt_name"] == "temperature_question"       # the known name of the reference text
     assert tok["prompt_id"] == "temperature_question"         # its id in a set of one (prompt_set.for_config)
     title = md.splitlines()[0]
@@ -177,7 +178,7 @@ def test_ties_rank_the_lower_id_first_as_duckdb_orders_them(tmp_path):
 
 
 def test_shapes_follow_the_capture(ws, md):
-    facts = json.loads(paths.artifact(paths.FORWARD_FACTS, ws).read_text())
+    facts = json.loads(part(paths.FORWARD_FACTS, ws).read_text())
     rows = tables(section(md, 3))[0]
     assert rows[0]["shape"] == f"[1, {facts['n_positions']}]"
     layer_rows = [r for r in rows if r["step"].startswith("layer ")]
@@ -212,14 +213,14 @@ def test_every_png_named_exists_and_is_a_real_image(ws, md):
 
 
 def test_plot_data_matches_the_summary(ws):
-    summary = json.loads(paths.artifact(paths.PROBS_SUMMARY, ws).read_text())
+    summary = json.loads(part(paths.PROBS_SUMMARY, ws).read_text())
     folder = paths.stage_dir("report", ws) / "plots"
     configured = {t["temperature"]: t["entropy_nats"] for t in summary["temperatures"]}
     lines = (folder / "entropy_configured.csv").read_text().splitlines()
     assert lines[0] == "temperature,entropy_nats,entropy_bits"
     assert {float(a): float(b) for a, b, _ in (line.split(",") for line in lines[1:])} == configured
     # the fine-grid curve, recomputed here, passes through the configured points
-    logits = logits_io.read_position(paths.artifact(paths.LOGITS, ws), 24)
+    logits = logits_io.read_position(part(paths.LOGITS, ws), 24)
     for t, h in configured.items():
         assert plots.entropy_curve(logits, np.array([t]))[0] == pytest.approx(h, rel=1e-9)
     cum = (folder / "cumulative.csv").read_text().splitlines()

@@ -19,8 +19,9 @@ import yaml
 
 from pipeline.model import capture, decode, loader
 from pipeline.numerics.sampling import SamplingSettings
-from pipeline.store import artifacts, logits_io, provenance
+from pipeline.store import artifacts, logits_io, paths, provenance
 from tests.conftest import CHAIN, run_module
+from tests.helpers.partitions import part
 
 REFERENCE = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipeline/reference/seed_article.yaml")
                            .read_text())
@@ -32,7 +33,7 @@ def ws(tiny_chain):
 
 
 def test_tokens_are_the_reference_ids_and_pieces(ws):
-    tokens = pq.read_table(ws / "artifacts/tokenize/tokens.parquet").to_pandas()
+    tokens = pq.read_table(part(paths.TOKENS, ws)).to_pandas()
     assert tokens["token_id"].tolist() == REFERENCE["tokenize"]["token_ids"]
     assert tokens["position"].tolist() == list(range(25))
     for pos, (tid, text) in REFERENCE["tokenize"]["pieces"].items():
@@ -43,7 +44,7 @@ def test_tokens_are_the_reference_ids_and_pieces(ws):
     assert not split["decodes_alone"].any() and tokens.drop(index=[15, 16])["decodes_alone"].all()
     # the two halves' bytes together are " 就"
     assert bytes.fromhex("".join(split["piece_bytes_hex"])).decode() == " 就"
-    summary = json.loads((ws / "artifacts/tokenize/tokenize.json").read_text())
+    summary = json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text())
     assert summary["round_trip_ok"] and summary["decoded"] == REFERENCE["prompt"]
     assert summary["expected_token_ids_match"] is True
 
@@ -61,18 +62,18 @@ def test_every_manifest_hash_matches_its_file(ws):
 def test_tokenize_rerun_is_byte_identical(ws, tmp_path):
     copy = tmp_path / "ws"
     shutil.copytree(ws, copy, symlinks=True)
-    before = provenance.sha256_file(copy / "artifacts/tokenize/tokens.parquet")
+    before = provenance.sha256_file(part(paths.TOKENS, copy))
     run_module("stages.tokenize", copy, check=True)
-    assert provenance.sha256_file(copy / "artifacts/tokenize/tokens.parquet") == before
+    assert provenance.sha256_file(part(paths.TOKENS, copy)) == before
 
 
 def test_capture_names_and_shapes(ws):
-    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
-    facts = json.loads((ws / "artifacts/forward/facts.json").read_text())
+    t = artifacts.read_safetensors(part(paths.CAPTURE, ws))
+    facts = json.loads(part(paths.FORWARD_FACTS, ws).read_text())
     T, H, V = 25, 64, 152064
     # safetensors stores names sorted; the capture order is kept in its metadata
     from safetensors import safe_open
-    with safe_open(str(ws / "artifacts/forward/capture.safetensors"), framework="pt") as f:
+    with safe_open(str(part(paths.CAPTURE, ws)), framework="pt") as f:
         order = json.loads(f.metadata()["names"])
     assert order == [*facts["names"], "input_ids"] and set(order) == set(t)
     assert t["embed"].shape == (1, T, H) and t["logits"].shape == (1, T, V)
@@ -90,7 +91,7 @@ def test_capture_names_and_shapes(ws):
 
 
 def test_lm_head_recompute_is_exact(ws):
-    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
+    t = artifacts.read_safetensors(part(paths.CAPTURE, ws))
     snapshot = ws / "artifacts/prepare_model"
     model = loader.load_model(snapshot, torch.bfloat16, "cpu", "eager", False)
     from pipeline.checks.recompute import lm_head_recompute
@@ -98,8 +99,8 @@ def test_lm_head_recompute_is_exact(ws):
 
 
 def test_logits_parquet_equals_capture_exactly(ws):
-    path = ws / "artifacts/logits/logits.parquet"
-    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")["logits"][0]
+    path = part(paths.LOGITS, ws)
+    t = artifacts.read_safetensors(part(paths.CAPTURE, ws))["logits"][0]
     table = pq.read_table(path)
     assert table.num_rows == 25 * 152064
     assert table.schema.field("logit").type == "float" and table.schema.field("position").type == "int32"
@@ -113,7 +114,7 @@ def test_logits_parquet_equals_capture_exactly(ws):
 def test_logits_readable_by_duckdb_and_polars_and_one_row_group_per_position(ws):
     duckdb = pytest.importorskip("duckdb")
     pl = pytest.importorskip("polars")
-    path = ws / "artifacts/logits/logits.parquet"
+    path = part(paths.LOGITS, ws)
     n, mx = duckdb.sql(f"select count(*), max(logit) from '{path}' where position = 24").fetchall()[0]
     assert n == 152064
     df = pl.read_parquet(path).filter(pl.col("position") == 24)
@@ -153,7 +154,7 @@ def test_vocab_text_is_each_ids_own_decode(ws):
 
 
 def test_probability_tables_are_numpys_softmax_of_the_logits(ws):
-    table = pq.read_table(ws / "artifacts/probs/table.parquet").to_pandas()
+    table = pq.read_table(part(paths.TABLE, ws)).to_pandas()
     assert set(table["position"]) == {24} and len(table) == 152064
     logits = table["logit"].to_numpy().astype(np.float64)
     for col, t in (("p_T0_5", 0.5), ("p_T1", 1.0), ("p_T2", 2.0)):
@@ -172,22 +173,22 @@ def _generate_kept(model, ids: list[int], **filter_) -> set[int]:
 
 
 def test_filtered_sets_are_what_generate_keeps(ws):
-    f = pq.read_table(ws / "artifacts/probs/filtered.parquet").to_pandas()
+    f = pq.read_table(part(paths.FILTERED, ws)).to_pandas()
     model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
-    ids = pq.read_table(ws / "artifacts/tokenize/tokens.parquet")["token_id"].to_pylist()
+    ids = pq.read_table(part(paths.TOKENS, ws))["token_id"].to_pylist()
     k2, p9 = f[f["filter"] == "top_k_2"], f[f["filter"] == "top_p_0.9"]
     assert set(k2["token_id"]) == _generate_kept(model, ids, top_k=2) and len(k2) == 2
     assert set(p9["token_id"]) == _generate_kept(model, ids, top_p=0.9) and len(p9) > 2
 
 
 def _steps(ws):
-    return pq.read_table(ws / "artifacts/trajectories/steps.parquet").to_pandas()
+    return pq.read_table(part(paths.STEPS, ws)).to_pandas()
 
 
 def test_trajectories_match_generate(ws):
     steps = _steps(ws)
     model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
-    ids = pq.read_table(ws / "artifacts/tokenize/tokens.parquet")["token_id"].to_pylist()
+    ids = pq.read_table(part(paths.TOKENS, ws))["token_id"].to_pylist()
     sample = steps[(steps.branch == "sample") & ~steps.kv_cache]["token_id"].tolist()
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache]["token_id"].tolist()
     ref = decode.generate_reference(model, ids, SamplingSettings(1.0, 0, 1.0), 4, 20261002, kv_cache=False)
@@ -199,11 +200,11 @@ def test_trajectories_match_generate(ws):
 
 def test_step_one_is_the_lm_head_on_the_captured_input_one_row(ws):
     # generate's prompt pass computes one row of logits; so does step 1, from the same LM-head input
-    t = artifacts.read_safetensors(ws / "artifacts/forward/capture.safetensors")
+    t = artifacts.read_safetensors(part(paths.CAPTURE, ws))
     model = loader.load_model(ws / "artifacts/prepare_model", torch.bfloat16, "cpu", "eager", False)
     with torch.no_grad():
         one_row = model.lm_head(t["final_norm_out"][:, -1:, :])[0, -1].float().numpy()
-    sl = pq.read_table(ws / "artifacts/trajectories/step_logits.parquet", filters=[("step", "==", 1)]).to_pandas()
+    sl = pq.read_table(part(paths.STEP_LOGITS, ws), filters=[("step", "==", 1)]).to_pandas()
     for (branch, kv), g in sl.groupby(["branch", "kv_cache"]):
         assert np.array_equal(g.sort_values("token_id")["logit"].to_numpy(), one_row), (branch, kv)
     steps = _steps(ws)

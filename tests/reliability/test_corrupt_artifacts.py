@@ -13,6 +13,7 @@ Each case runs the consuming stage's real entry point on a copy of a complete ru
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import yaml
 
 from pipeline.store import paths
 from tests.conftest import copy_ws, snapshot
+from tests.helpers.partitions import part
 from tests.reliability.conftest import one_line_error, python_env, run_stage_here, staging_left, truncate
 
 
@@ -45,6 +47,11 @@ def _swap_in(ws: Path, other: Path, rel: str) -> None:
     (ws / rel).write_bytes((other / rel).read_bytes())
 
 
+def _swap_folder(ws: Path, other: Path, rel: str) -> None:
+    shutil.rmtree(ws / rel)
+    shutil.copytree(other / rel, ws / rel)
+
+
 @dataclass(frozen=True)
 class Corrupt:
     id: str
@@ -53,31 +60,43 @@ class Corrupt:
     needles: tuple[str, ...]
 
 
-def _trunc(rel: str) -> Callable[..., None]:
-    return lambda ws, mp, tmp: truncate(ws / rel)
+def _trunc(rel: str | tuple[str, str]) -> Callable[..., None]:
+    return lambda ws, mp, tmp: truncate(_at(ws, rel))
 
 
-def _trunc_no_manifest(rel: str, stage: str) -> Callable[..., None]:
-    return lambda ws, mp, tmp: (truncate(ws / rel), _no_manifest(ws, stage))
+def _trunc_no_manifest(rel: str | tuple[str, str], stage: str) -> Callable[..., None]:
+    return lambda ws, mp, tmp: (truncate(_at(ws, rel)), _no_manifest(ws, stage))
+
+
+def _at(ws: Path, rel: str | tuple[str, str]) -> Path:
+    """A repository path, or a per-prompt item's partition (the run's one prompt)."""
+    return part(rel, ws) if isinstance(rel, tuple) else ws / rel
+
+
+PART = "/prompt_id=temperature_question/"       # the chain workspace's prompt
 
 
 def _foreign_tokens(ws, mp, tmp):
-    _swap_in(ws, _other_prompt(ws, mp, tmp), "artifacts/tokenize/tokens.parquet")
+    """Another prompt's tokens.parquet put in this prompt's partition."""
+    other = part(paths.TOKENS, _other_prompt(ws, mp, tmp))
+    part(paths.TOKENS, ws).unlink()
+    part(paths.TOKENS, ws).write_bytes(other.read_bytes())
 
 
 def _foreign_tokenize_folder(ws, mp, tmp, params_too: bool = True):
     """tokenize's whole folder from a run on another prompt. params_too: params.yaml names that
     prompt too (so tokenize is not stale, and only forward's record of its tokens can tell)."""
     other = _other_prompt(ws, mp, tmp)
-    for name in ("tokens.parquet", "tokenize.json", "manifest.json") + ((paths.PARAMS,) if params_too else ()):
-        _swap_in(ws, other, f"artifacts/tokenize/{name}" if name != paths.PARAMS else name)
+    _swap_folder(ws, other, paths.stage_dir("tokenize").as_posix())    # its partitions are the other prompt's
+    if params_too:
+        _swap_in(ws, other, paths.PARAMS)
 
 
 def _foreign_facts(ws, mp, tmp):
-    facts = json.loads((ws / "artifacts/forward/facts.json").read_text())
+    facts = json.loads(part(paths.FORWARD_FACTS, ws).read_text())
     facts["input_ids"] = facts["input_ids"][:-1] + [facts["input_ids"][-1] + 1]   # another prompt's ids
-    (ws / "artifacts/forward/facts.json").unlink()
-    (ws / "artifacts/forward/facts.json").write_text(json.dumps(facts))
+    part(paths.FORWARD_FACTS, ws).unlink()
+    part(paths.FORWARD_FACTS, ws).write_text(json.dumps(facts))
     _no_manifest(ws, "forward")
 
 
@@ -96,25 +115,26 @@ def _edited_model_config(ws, mp, tmp):
 
 
 CASES = [
-    Corrupt("truncated capture.safetensors", "logits", _trunc("artifacts/forward/capture.safetensors"),
-            ("artifacts/forward/capture.safetensors was not produced by the recorded run of stage forward",
-             "re-run `dvc repro`")),
+    Corrupt("truncated capture.safetensors", "logits", _trunc(paths.CAPTURE),
+            (f"artifacts/forward/capture{PART}capture.safetensors was not produced by the recorded run of stage "
+             "forward", "re-run `dvc repro`")),
     Corrupt("truncated capture.safetensors, no manifest", "logits",
-            _trunc_no_manifest("artifacts/forward/capture.safetensors", "forward"),
-            ("artifacts/forward/capture.safetensors is not a readable safetensors file (truncated or corrupt?)",)),
-    Corrupt("truncated logits.parquet", "probs", _trunc("artifacts/logits/logits.parquet"),
-            ("artifacts/logits/logits.parquet was not produced by the recorded run of stage logits",)),
+            _trunc_no_manifest(paths.CAPTURE, "forward"),
+            (f"artifacts/forward/capture{PART}capture.safetensors is not a readable safetensors file "
+             "(truncated or corrupt?)",)),
+    Corrupt("truncated logits.parquet", "probs", _trunc(paths.LOGITS),
+            (f"artifacts/logits/logits{PART}logits.parquet was not produced by the recorded run of stage logits",)),
     Corrupt("truncated logits.parquet, no manifest", "probs",
-            _trunc_no_manifest("artifacts/logits/logits.parquet", "logits"),
-            ("artifacts/logits/logits.parquet is not a readable Parquet file (truncated or corrupt?)",)),
+            _trunc_no_manifest(paths.LOGITS, "logits"),
+            (f"artifacts/logits/logits{PART}logits.parquet is not a readable Parquet file (truncated or corrupt?)",)),
     Corrupt("truncated vocab.parquet, no manifest", "probs",
             _trunc_no_manifest("artifacts/tokenize/vocab.parquet", "tokenize"),
             ("artifacts/tokenize/vocab.parquet is not a readable Parquet file",)),
-    Corrupt("truncated tokens.parquet", "forward", _trunc("artifacts/tokenize/tokens.parquet"),
-            ("artifacts/tokenize/tokens.parquet was not produced by the recorded run of stage tokenize",)),
+    Corrupt("truncated tokens.parquet", "forward", _trunc(paths.TOKENS),
+            (f"artifacts/tokenize/tokens{PART}tokens.parquet was not produced by the recorded run of stage tokenize",)),
     Corrupt("truncated tokens.parquet, no manifest", "trajectories",
-            _trunc_no_manifest("artifacts/tokenize/tokens.parquet", "tokenize"),
-            ("artifacts/tokenize/tokens.parquet is not a readable Parquet file",)),
+            _trunc_no_manifest(paths.TOKENS, "tokenize"),
+            (f"artifacts/tokenize/tokens{PART}tokens.parquet is not a readable Parquet file",)),
     Corrupt("truncated source.json, no manifest", "tokenize",
             _trunc_no_manifest("artifacts/prepare_model/source.json", "prepare_model"),
             ("artifacts/prepare_model/source.json is not valid JSON",)),
@@ -124,14 +144,14 @@ CASES = [
             _trunc_no_manifest("artifacts/prepare_model/config.json", "prepare_model"),
             ("artifacts/prepare_model/config.json is not a readable model config",)),
     Corrupt("tokens.parquet of another prompt", "forward", _foreign_tokens,
-            ("artifacts/tokenize/tokens.parquet was not produced by the recorded run of stage tokenize",)),
+            (f"artifacts/tokenize/tokens{PART}tokens.parquet was not produced by the recorded run of stage tokenize",)),
+    # another prompt is another partition: forward holds none for it (issue 17's layout)
     Corrupt("whole tokenize run of another prompt, forward of this one", "checks", _foreign_tokenize_folder,
-            ("artifacts/tokenize/tokens.parquet (sha256", "is not the file stage forward was made from",
-             "different runs")),
+            ("input artifacts/forward/facts/prompt_id=hello_world-", "/facts.json is missing")),
     Corrupt("whole tokenize run of another prompt than params.yaml's", "checks",
             lambda ws, mp, tmp: _foreign_tokenize_folder(ws, mp, tmp, params_too=False),
-            ("artifacts/tokenize/tokens.parquet is stale: stage tokenize ran with prompt.text='Hello world', "
-             "params.yaml has ", "re-run tokenize and the stages after it (`dvc repro`)")),
+            ("artifacts/tokenize/tokens/prompt_id=hello_world-", "tokens.parquet is stale: stage tokenize ran with "
+             "prompt.text='Hello world', params.yaml has ", "re-run tokenize and the stages after it (`dvc repro`)")),
     Corrupt("facts.json of another run beside this capture, no manifest", "logits", _foreign_facts,
             ("capture.safetensors and", "facts.json come from different runs")),
     Corrupt("corrupt forward manifest.json", "logits", _bad_manifest,
@@ -159,8 +179,8 @@ def test_intact_copy_runs(chain_ws, tmp_path, monkeypatch):
 
 def test_audit_flags_a_truncated_artifact(chain_ws, tmp_path):
     ws = copy_ws(chain_ws, tmp_path / "ws")
-    truncate(ws / "artifacts/logits/logits.parquet")
+    truncate(part(paths.LOGITS, ws))
     proc = subprocess.run(["nexttoken", "audit"], cwd=ws, capture_output=True, text=True, timeout=600,
                           env=python_env())
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
-    assert "artifacts/logits/logits.parquet" in proc.stdout, proc.stdout
+    assert f"artifacts/logits/logits{PART}logits.parquet" in proc.stdout, proc.stdout

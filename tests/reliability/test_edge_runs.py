@@ -21,6 +21,7 @@ import yaml
 
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import parquet_facts
+from tests.helpers.partitions import part
 from tests.reliability.conftest import link_copy, one_thread, rewrite_weights, run_stage_here
 
 CHAIN = ("forward", "logits", "probs", "trajectories", "checks")
@@ -42,7 +43,7 @@ def failed_errors(rows: list[dict]) -> list[str]:
 @pytest.fixture(scope="module")
 def masked(chain_ws, tmp_path_factory):
     ws = link_copy(chain_ws, tmp_path_factory.mktemp("edge") / "masked")
-    clean_last = logits_io.read_position(ws / "artifacts/logits/logits.parquet", 24)
+    clean_last = logits_io.read_position(part(paths.LOGITS, ws), 24)
     ids = sorted(set(range(100, 200)) | {int(i) for i in np.argsort(-clean_last)[:10]})   # the best ten among them
 
     def mask(t: dict) -> None:
@@ -71,19 +72,19 @@ def test_a_model_masking_ids_passes_every_error_check(masked):
 
 def test_masked_ids_have_probability_zero_everywhere_and_are_never_kept_or_drawn(masked):
     ws, ids, _ = masked
-    logits = logits_io.read_position(ws / "artifacts/logits/logits.parquet", 24)
+    logits = logits_io.read_position(part(paths.LOGITS, ws), 24)
     assert np.all(logits[ids] == -np.inf) and np.isfinite(np.delete(logits, ids)).all()
-    table = pq.read_table(ws / "artifacts/probs/table.parquet").to_pandas()
+    table = pq.read_table(part(paths.TABLE, ws)).to_pandas()
     p_cols = [c for c in table.columns if c.startswith("p_T")]
     assert len(p_cols) == 3 and (table.loc[ids, p_cols] == 0.0).all().all()
     assert (table.loc[np.delete(np.arange(len(table)), ids), p_cols] > 0).all().all()
     assert (table.loc[ids, "rank"] > len(table) - ids.size).all()                 # ranked last
-    filtered = pq.read_table(ws / "artifacts/probs/filtered.parquet").to_pandas()
+    filtered = pq.read_table(part(paths.FILTERED, ws)).to_pandas()
     assert not filtered["token_id"].isin(ids).any()
     assert len(filtered[filtered["filter"] == "sampling"]) == len(table) - ids.size   # T=1, no filter: all others
-    steps = pq.read_table(ws / "artifacts/trajectories/steps.parquet").to_pandas()
+    steps = pq.read_table(part(paths.STEPS, ws)).to_pandas()
     assert not steps["token_id"].isin(ids).any() and (steps["prob"] > 0).all()
-    step_logits = pq.read_table(ws / "artifacts/trajectories/step_logits.parquet").to_pandas()
+    step_logits = pq.read_table(part(paths.STEP_LOGITS, ws)).to_pandas()
     assert (step_logits[step_logits["token_id"].isin(ids)]["logit"] == -np.inf).all()
 
 
@@ -110,6 +111,6 @@ def test_float32_passes_generate_parity_for_both_branches(float32):
         for run in (branch, f"{branch}_kv"):
             for check in ("generate_parity", "generate_logits", "step1_logits"):
                 assert rows[f"{check}_{run}"]["verdict"] == "pass" and rows[f"{check}_{run}"]["severity"] == "error"
-    assert parquet_facts(ws / "artifacts/logits/logits.parquet")["dtype"] == "float32"
+    assert parquet_facts(part(paths.LOGITS, ws))["dtype"] == "float32"
     # CPU-dependent, so printed, not asserted: how far the all-rows forward's last row is from one row
     print(f"\nfloat32: step 1 {rows['step1_logits_sample']['detail']}")

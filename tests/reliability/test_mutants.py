@@ -43,6 +43,7 @@ from pipeline.model import capture, decode, loader, tokenization, trajectories
 from pipeline.model.capture_file import CapturedLogits
 from pipeline.numerics import probs, sampling
 from pipeline.store import logits_io, paths
+from tests.helpers.partitions import part
 from tests.reliability.conftest import link_copy, one_thread, run_stage_here
 
 SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
@@ -190,7 +191,7 @@ def _previous_step_logits(orig):
 
 def _first_position(orig):
     def table(position, row, temperatures):
-        return orig(position, logits_io.read_position(paths.artifact(paths.LOGITS), 0), temperatures)
+        return orig(position, logits_io.read_position(part(paths.LOGITS, "."), 0), temperatures)
     return table
 
 
@@ -270,7 +271,7 @@ def run_stages(ws: Path, stages: tuple[str, ...], mp: pytest.MonkeyPatch) -> Non
 
 def error_failures(ws: Path) -> list[str]:
     params = schema.read_params(ws / paths.PARAMS)
-    results, _, _ = checks_stage.compute(params, lambda item: paths.locate(item, ws), ws)
+    results, _, _ = checks_stage.compute(params, paths.lookup(ws), ws)
     return [c.name for c in results if c.severity == "error" and not c.passed]
 
 

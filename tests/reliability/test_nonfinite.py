@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from pipeline.store import paths
 from tests.conftest import copy_ws, snapshot
+from tests.helpers.partitions import part
 from tests.reliability.conftest import one_line_error, rewrite_weights, run_stage_here, staging_left
 
 POISONED_ID = 100          # one vocabulary row of the LM head
@@ -50,7 +51,7 @@ def poisoned(request, chain_ws, tmp_path_factory) -> Path:
 
 
 def test_forward_records_the_nonfinite_logits(poisoned):
-    logits = load_file(str(poisoned / "artifacts/forward/capture.safetensors"))["logits"][0]
+    logits = load_file(str(part(paths.CAPTURE, poisoned)))["logits"][0]
     assert not torch.isfinite(logits).all()
     if poisoned.name == "nan_lm_head_row":
         assert torch.isnan(logits[:, POISONED_ID]).all() and torch.isfinite(logits[:, :POISONED_ID]).all()
