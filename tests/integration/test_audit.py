@@ -87,7 +87,7 @@ def test_one_flipped_byte_in_logits_is_named(copy, monkeypatch, capsys):
     monkeypatch.chdir(copy)
     assert cli.main(["audit"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert "FINDING [hashes] artifacts/logits/logits.parquet: sha256" in "\n".join(lines)
+    assert f"FINDING [hashes] {path.relative_to(copy).as_posix()}: sha256" in "\n".join(lines)
     assert lines[-1].startswith("verdict: FAIL")
 
 
@@ -104,7 +104,7 @@ def test_a_changed_probability_with_matching_hashes_is_caught_by_rederivation(co
     rerecord(copy, rel, "checks", "inputs")   # every hash in every manifest now agrees
     found = findings(copy)
     assert found and all(f.startswith("FINDING [re-derive]") for f in found), found
-    assert any("artifacts/probs/table.parquet" in f and "column p_T1" in f and f"token_id={top}" in f
+    assert any(rel in f and "column p_T1" in f and f"token_id={top}" in f
                for f in found), found
 
 
@@ -117,11 +117,13 @@ def test_an_edited_manifest_config_is_named(copy):
 
 
 def test_an_artifact_from_another_run_breaks_the_chain(copy, other_prompt_run):
-    # The other run's whole tokenize folder: its manifest agrees with its own files.
+    # The other run's whole tokenize folder: its manifest agrees with its own files (another
+    # prompt: another partition, so forward's tokens are no output of this tokenize run).
+    tokens = part(paths.TOKENS, copy).relative_to(copy).as_posix()
     shutil.rmtree(paths.stage_dir("tokenize", copy))
     shutil.copytree(paths.stage_dir("tokenize", other_prompt_run), paths.stage_dir("tokenize", copy))
     found = findings(copy)
-    assert any(f.startswith("FINDING [chain] forward read artifacts/tokenize/tokens.parquet") for f in found), found
+    assert any(f.startswith(f"FINDING [chain] forward read {tokens}") for f in found), found
     assert any(f.startswith("FINDING [config] tokenize: prompt.text recorded 'Hello world'") for f in found), found
 
 

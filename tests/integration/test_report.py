@@ -250,7 +250,7 @@ def test_without_checks_the_report_says_so(ws, tmp_path):
 
 def test_missing_input_is_a_clear_error(tmp_path):
     proc = run_module("stages.report", tmp_path)
-    assert proc.returncode == 2 and "artifacts/forward/facts.json is missing" in proc.stderr
+    assert proc.returncode == 2 and "input artifacts/tokenize/tokens holds no prompt partition" in proc.stderr
     assert not paths.stage_dir("report", tmp_path).exists()
 
 

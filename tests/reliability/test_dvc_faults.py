@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.store import paths
 from tests.conftest import ON_CPU
 from tests.helpers import worktree
 from tests.helpers.worktree import clone_worktree
@@ -122,5 +123,5 @@ def test_two_experiments_at_once_equal_the_same_run_one_after_the_other(clone):
         seed_read, files = _outputs(clone, commit)
         assert seed_read == seed and files == together[seed], seed
     assert set(together) == set(SEEDS)
-    steps = "artifacts/trajectories/steps.parquet"
+    steps = paths.partition(paths.STEPS, "temperature_question").as_posix()      # the default prompt's
     assert together[1][steps] != together[2][steps]     # the seed mattered: trajectories really re-ran

@@ -51,9 +51,9 @@ def start_paused(ws: Path, point: str, cmd: list[str] | None = None) -> tuple[su
 def partial_file(ws: Path, point: str, pid: int) -> Path:
     """The half-written file in the paused stage's staging folder (proof the kill is mid-write)."""
     stage, name = POINTS[point]
-    path = ws / paths.STAGING / f"{stage}-{pid}" / name
-    assert path.is_file() and path.stat().st_size > 0, f"no partial {name} in staging"
-    return path
+    found = sorted((ws / paths.STAGING / f"{stage}-{pid}").rglob(name))    # in its prompt's partition
+    assert len(found) == 1 and found[0].stat().st_size > 0, f"no partial {name} in staging"
+    return found[0]
 
 
 def test_stale_staging_of_a_killed_run_is_removed_by_the_next_run(tmp_path):
