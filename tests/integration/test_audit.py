@@ -131,7 +131,7 @@ def test_a_replaced_file_is_traced_to_the_run_that_wrote_it(copy, other_prompt_r
     # Only tokens.parquet, with this run's manifest updated to its bytes: the file's own
     # metadata still says which config wrote it.
     rel = part(paths.TOKENS, copy).relative_to(copy).as_posix()
-    shutil.copy2(other_prompt_run / rel, copy / rel)
+    shutil.copy2(part(paths.TOKENS, other_prompt_run), copy / rel)     # the other prompt's, in this one's partition
     rerecord(copy, rel, "tokenize", "outputs")
     found = findings(copy)
     assert any(f.startswith(f"FINDING [provenance] {rel}: written by a run with config") for f in found), found

@@ -67,3 +67,14 @@ def test_audit_of_an_old_run_still_sees_a_changed_table(old_run, tmp_path):
     assert provenance.logical_matches(path, out) is False
     lines = audit.audit_folder(run, "old run, edited").lines()
     assert any("tokens.parquet" in line and "FINDING" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_verify_of_a_run_recorded_before_partitions_is_one_clear_line(old_run):
+    """verify re-runs with this code, which writes partitions: nothing would compare, so it says why."""
+    from pipeline.errors import UserError
+    from pipeline.tools import verify
+    assert paths.run_prompt_ids(old_run) == [None]          # flat files: made before partitions
+    with pytest.raises(UserError, match=r"^old run was recorded before per-prompt partitions \(issue 17\): .*"
+                                        r"`nexttoken audit` checks it as it is$"):
+        verify.verify_folder(old_run, "old run", list(verify.RERUN))

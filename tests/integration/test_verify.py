@@ -23,6 +23,7 @@ from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.tools import audit, divergence, rundiff, verify
 from tests.conftest import copy_ws, run_module, snapshot
+from tests.helpers.partitions import part
 from tests.reliability.conftest import python_env
 
 PORTABLE = ("forward", "logits", "probs")
@@ -86,7 +87,8 @@ def test_kernels_capped_below_avx2_differ_and_verify_names_the_fields_and_tensor
     line = next(ln for ln in out.splitlines() if ln.startswith("kernel path:"))
     assert "-> DEFAULT" in line and "env.ATEN_CPU_CAPABILITY None -> default" in line \
         and "env.ONEDNN_MAX_CPU_ISA None -> SSE41" in line, line
-    assert "differs   forward/capture.safetensors" in out
+    capture = part(paths.CAPTURE, native).relative_to(paths.stage_dir("forward", native)).as_posix()
+    assert f"differs   forward/{capture}" in out
     assert re.search(r"capture: first diverging tensor \(forward order\) (embed|blocks\.\d+\.[\w.]+|final_norm_out"
                      r"|logits): max \|Δ\| [0-9.e-]+ at position \d+", out), out
     assert "top-1 id:" in out and "kept counts per filter (position, filter: then | now)" in out
@@ -114,8 +116,9 @@ def test_diff_of_a_native_and_a_portable_run_shows_the_kernel_path_and_first_ten
     line = rundiff.kernel_line(other, portable)
     assert line.startswith("kernel path: ") and "mode native -> portable" in line \
         and "aten_cpu_capability DEFAULT -> AVX2" in line, line
-    assert rundiff.capture_line(other, portable).startswith("capture: first diverging tensor (forward order) ")
-    assert rundiff.capture_line(portable, portable).startswith("capture: all ")
+    (pair,), _ = rundiff.prompt_pairs(other, portable)
+    assert rundiff.capture_line(other, portable, *pair).startswith("capture: first diverging tensor (forward order) ")
+    assert rundiff.capture_line(portable, portable, pair[1], pair[1]).startswith("capture: all ")
 
 
 def test_audit_shows_a_kernel_path_difference_as_its_own_line(native, monkeypatch):
