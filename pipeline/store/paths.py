@@ -71,6 +71,8 @@ def artifact(item: tuple[str, str], root: Path | str = ".") -> Path:
 
 def partition_rel(name: str, prompt_id: str) -> Path:
     """Where a per-prompt file sits inside its stage folder: `<stem>/prompt_id=<id>/<name>`."""
+    if not prompt_id or "/" in prompt_id or "\\" in prompt_id or prompt_id in (".", ".."):
+        raise ValueError(f"prompt id {prompt_id!r} cannot name a partition folder")   # ids are checked on reading
     return Path(Path(name).stem) / f"{PARTITION_KEY}={prompt_id}" / name
 
 
@@ -84,7 +86,9 @@ def partition(item: tuple[str, str], prompt_id: str, root: Path | str = ".") -> 
 
 def dataset(item: tuple[str, str], root: Path | str = ".") -> Path:
     """The folder holding every prompt's partition of a per-prompt file (what a reader opens whole)."""
-    return partition(item, "_", root).parent.parent
+    if item not in PER_PROMPT:
+        raise ValueError(f"{item[1]} is one file per run: paths.artifact(item)")
+    return stage_dir(item[0], root) / Path(item[1]).stem
 
 
 def prompt_ids(item: tuple[str, str], root: Path | str = ".") -> list[str]:

@@ -78,9 +78,9 @@ PART = "/prompt_id=temperature_question/"       # the chain workspace's prompt
 
 def _foreign_tokens(ws, mp, tmp):
     """Another prompt's tokens.parquet put in this prompt's partition."""
-    other = part(paths.TOKENS, _other_prompt(ws, mp, tmp))
-    part(paths.TOKENS, ws).unlink()
-    part(paths.TOKENS, ws).write_bytes(other.read_bytes())
+    mine, other = part(paths.TOKENS, ws), part(paths.TOKENS, _other_prompt(ws, mp, tmp))
+    mine.unlink()
+    mine.write_bytes(other.read_bytes())
 
 
 def _foreign_tokenize_folder(ws, mp, tmp, params_too: bool = True):

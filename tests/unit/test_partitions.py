@@ -28,6 +28,9 @@ def test_the_path_rule_puts_a_per_prompt_file_in_its_prompts_partition(tmp_path)
         paths.artifact(paths.LOGITS)
     with pytest.raises(ValueError, match="one file per run"):
         paths.partition(paths.VOCAB, "q1")
+    for bad in ("", "..", "a/b"):
+        with pytest.raises(ValueError, match="cannot name a partition folder"):
+            paths.partition(paths.LOGITS, bad)
     # every per-prompt item has its own dataset folder: two never share one
     folders = [paths.dataset(i) for i in paths.PER_PROMPT]
     assert len(set(folders)) == len(folders)
