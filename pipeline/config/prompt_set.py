@@ -14,7 +14,8 @@ first error for a field's value); nothing is written. An id names the prompt's p
 The tokenize stage records that set's prompt id in tokenize.json (`prompt_id`), the key the per-prompt
 tables join on. TODO(issue 17): `prompt.set` is not a params key yet; when it becomes one (validated
 by `nexttoken compose` and the validate stage through `schema.load_section`), `for_config` reads it
-with `read_set` and the stages iterate over what it returns. See docs/prompt_sets.md.
+with `read_set`. The stages already loop over the set (tokenize over what `for_config` returns, each
+later stage over its input's per-prompt partitions), so nothing else changes. See docs/prompt_sets.md.
 """
 
 from __future__ import annotations
