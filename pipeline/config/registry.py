@@ -7,8 +7,9 @@ compares that record with params.yaml.
 
 The validate stage reads every section (DVC tracks the whole params.yaml for it) and writes,
 for each stage that reads params, `resolved(params, stage, prompt)`: those keys with the prompt
-resolved (a prompt file's text, or a prompt set's records) in place. Each such stage depends on that file, so DVC re-runs it when what it reads
-changes (a prompt file's text included) and skips it otherwise.
+resolved (a prompt file's text, or a prompt set's records) in place. Each such stage depends on
+that file, so DVC re-runs it when what it reads changes (a prompt file's text or a set's records
+included) and skips it otherwise.
 """
 
 from __future__ import annotations
