@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import registry, schema
+from pipeline.config import prompt_set, registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
@@ -24,12 +24,14 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))          # an unknown section is refused here
     sections = {name: schema.load_section(params, name) for name in schema.SECTIONS}
     prompt = sections["prompt"]
+    resolved_prompt = prompt_set.resolved(prompt)            # a bad prompt set is refused here, one line
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         run.with_torch = False
-        if prompt.file is not None:
-            run.use(Path(prompt.file))          # its sha256 goes into the manifest
+        for given in (prompt.file, prompt.set):
+            if given is not None:
+                run.use(Path(given))            # its sha256 goes into the manifest
         for stage in registry.validated_stages():
-            run.write_json(paths.validated(stage).name, registry.resolved(params, stage, prompt.text))
+            run.write_json(paths.validated(stage).name, registry.resolved(params, stage, resolved_prompt))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.atomic import write_atomic
-from pipeline.config import schema
+from pipeline.config import prompt_set, schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError, bad_value
 
@@ -43,8 +43,8 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
     except (HydraException, OmegaConfBaseException, ValueError) as e:   # ValueError: Hydra on `=3`
         raise _explain(e, overrides, conf) from None
     params = schema.read_params(out_file)      # an unknown section is refused there
-    for section in schema.SECTIONS:
-        schema.load_section(params, section, root)
+    sections = {name: schema.load_section(params, name, root) for name in schema.SECTIONS}
+    prompt_set.for_config(sections["prompt"], root)       # a prompt set, read and checked line by line
     return params
 
 

@@ -11,11 +11,10 @@ first error for a field's value); nothing is written. An id names the prompt's p
 
 `for_config` is the one code path later stages take: today it gives the configured single prompt
 (`prompt.text` / `prompt.file`) as a set of one whose id is the run's prompt name.
-The tokenize stage records that set's prompt id in tokenize.json (`prompt_id`), the key the per-prompt
-tables join on. TODO(issue 17): `prompt.set` is not a params key yet; when it becomes one (validated
-by `nexttoken compose` and the validate stage through `schema.load_section`), `for_config` reads it
-with `read_set`. The stages already loop over the set (tokenize over what `for_config` returns, each
-later stage over its input's per-prompt partitions), so nothing else changes. See docs/prompt_sets.md.
+With `prompt.set` it reads that file (`read_set`); `nexttoken compose` and the validate stage call it,
+so a bad set stops a run before anything is written. The tokenize stage records the prompt id in
+tokenize.json (`prompt_id`), the key the per-prompt tables join on; tokenize loops over what
+`for_config` returns, each later stage over its input's per-prompt partitions. See docs/prompt_sets.md.
 """
 
 from __future__ import annotations
@@ -137,20 +136,28 @@ def _json_kind(obj: object) -> str:
 
 
 # ---------------------------------------------------------------- any prompt config
-def for_config(prompt: PromptConfig) -> PromptSet:
+def for_config(prompt: PromptConfig, root: Path | str = ".") -> PromptSet:
     """The prompts a run covers, for a prompt section from `schema.load_section` (text read, name resolved):
-    the one code path later stages take. Today that is the single prompt (`prompt.text` or `prompt.file`) as a
-    set of one whose id is the run's prompt name (`single_id`), with the ids `prompt.known` gives for its text.
-
-    TODO(issue 17): once `prompt.set` is a schema key (validated by `nexttoken compose` and the validate
-    stage), return read_set("prompt.set", prompt.set, root, prompt.max_set_size) when it is set.
+    the one code path every stage takes. `prompt.set`: the set file's prompts (`read_set`, checked line by
+    line). Otherwise the single prompt (`prompt.text` or `prompt.file`) as a set of one whose id is the run's
+    prompt name (`single_id`), with the ids `prompt.known` gives for its text.
     """
+    if prompt.set is not None:
+        return read_set("prompt.set", prompt.set, root, prompt.max_set_size)
     if prompt.text is None or prompt.name is None:
         raise ValueError("for_config takes the prompt section from schema.load_section (text and name resolved)")
     known = prompt.known_here
     record = PromptRecord(id=single_id(prompt.name, prompt.text), text=prompt.text,
                           expected_token_ids=known.expected_token_ids if known else {})
     return PromptSet(file=None, prompts=(record,))
+
+
+def resolved(prompt: PromptConfig, root: Path | str = ".") -> dict:
+    """What the stages that read the prompt depend on, resolved: the prompt's text, or a set's records
+    (so editing the set file re-runs exactly those stages)."""
+    if prompt.set is None:
+        return {"text": prompt.text}
+    return {"text": None, "prompts": [p.model_dump() for p in for_config(prompt, root).prompts]}
 
 
 def single_id(name: str, text: str) -> str:

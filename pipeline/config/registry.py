@@ -6,9 +6,10 @@ records `schema.subset(params, PARAMS[stage])` as its config, and `nexttoken aud
 compares that record with params.yaml.
 
 The validate stage reads every section (DVC tracks the whole params.yaml for it) and writes,
-for each stage that reads params, `resolved(params, stage)`: those keys with the prompt file's
-text in place. Each such stage depends on that file, so DVC re-runs it when what it reads
-changes (a prompt file's text included) and skips it otherwise.
+for each stage that reads params, `resolved(params, stage, prompt)`: those keys with the prompt
+resolved (a prompt file's text, or a prompt set's records) in place. Each such stage depends on
+that file, so DVC re-runs it when what it reads changes (a prompt file's text or a set's records
+included) and skips it otherwise.
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ def validated_stages() -> list[str]:
     return [s for s, keys in PARAMS.items() if keys and s != "validate"]
 
 
-def resolved(params: dict, stage: str, prompt_text: str | None) -> dict:
-    """What `stage` reads from params.yaml, with `prompt.text` the prompt's actual text
-    (`prompt_text`: read from `prompt.file` when that is set)."""
+def resolved(params: dict, stage: str, prompt: dict) -> dict:
+    """What `stage` reads from params.yaml, with the prompt resolved (`prompt_set.resolved`: the text read
+    from `prompt.file`, or a set's records) for the stages that read it."""
     out = schema.subset(params, PARAMS[stage])
     if reads_prompt(stage):
-        out["prompt"] = {**out["prompt"], "text": prompt_text}
+        out["prompt"] = {**out["prompt"], **prompt}
     return out
 
 

@@ -23,6 +23,7 @@ from pipeline.kernels import MODES as KERNEL_MODES
 PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
 PROMPT_FILE = f"a file under {PROMPT_DIR}/ inside the repository, relative to its root"
+SET_FILE = f"a JSON Lines file under {PROMPT_DIR}/ named *.jsonl (a prompt set), relative to the repository's root"
 HUB_ID = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
 NO_ESCAPE = " (no absolute paths, no ~, no ..)"
 # C0 controls other than tab, newline and carriage return, DEL, C1 controls, lone surrogates:
@@ -94,6 +95,10 @@ def _prompt_file_problem(path: str) -> str | None:
         return (f"{PROMPT_FILE} (e.g. {PROMPT_DIR}/mine.txt): DVC re-runs the stages that read the prompt when a "
                 "file there changes")
     return None
+
+
+def _set_file_problem(path: str) -> str | None:
+    return _prompt_file_problem(path) or (None if path.endswith(".jsonl") else SET_FILE)
 
 
 def inside_repo(key: str, value: str, root: Path | str) -> Path:
@@ -220,18 +225,20 @@ class PromptConfig(Section):
     text: Annotated[str | None, rule(prompt_problem)] = Field(
         None, description="a non-empty string (or null with prompt.file set)")
     file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
+    # A prompt set, prompts/<name>.jsonl (pipeline/config/prompt_set.py reads and checks it); then text is null.
+    set: Annotated[str | None, rule(_set_file_problem)] = Field(None, description=f"null or {SET_FILE}")
     known: KnownPrompt | None = None     # applies only to the text whose sha256 it names
-    # The most prompts a prompt set may hold (pipeline/config/prompt_set.py); not in conf/ until
-    # `prompt.set` is wired into the stages (issue 17), so params.yaml and the stages' records are unchanged.
-    max_set_size: Count = MAX_SET_SIZE
+    max_set_size: Count = MAX_SET_SIZE   # the most prompts a set may hold
 
     @model_validator(mode="after")
-    def _text_or_file(self):
-        if self.text is None and self.file is None:
-            raise RuleError("text", None, "a non-empty string (or null with prompt.file set)")
-        if self.text is not None and self.file is not None:
-            raise RuleError("file", self.file, "null when prompt.text is set: give the prompt as text or as a "
-                            "file, not both (set prompt.text=null to use the file)")
+    def _text_file_or_set(self):
+        given = [k for k in ("text", "file", "set") if getattr(self, k) is not None]
+        if not given:
+            raise RuleError("text", None, "a non-empty string (or null with prompt.file or prompt.set set)")
+        if len(given) > 1:
+            raise RuleError(given[1], getattr(self, given[1]), f"null when prompt.{given[0]} is set: give the "
+                            f"prompt as text, as a file or as a set, one of them (set prompt.{given[0]}=null to "
+                            f"use prompt.{given[1]})")
         return self
 
     @property
@@ -253,6 +260,8 @@ def prompt_name(prompt: PromptConfig) -> str:
     the file's name or the text's first words, plus the first 8 hex digits of the text's sha256."""
     if prompt.name is not None:
         return prompt.name
+    if prompt.set is not None:
+        return PurePosixPath(prompt.set.replace("\\", "/")).stem
     if prompt.known_here is not None:
         return prompt.known_here.name
     if prompt.file is not None:

@@ -33,7 +33,7 @@ def test_validate_writes_each_stage_s_resolved_config_without_importing_torch(tm
     params = schema.read_params(ws / paths.PARAMS)
     for stage in registry.validated_stages():
         written = json.loads(paths.validated(stage, ws).read_text(encoding="utf-8"))
-        assert written == registry.resolved(params, stage, "Once upon a time\n"), stage
+        assert written == registry.resolved(params, stage, {"text": "Once upon a time\n"}), stage
     tokenize = json.loads(paths.validated("tokenize", ws).read_text(encoding="utf-8"))
     assert tokenize["prompt"]["text"] == "Once upon a time\n" and tokenize["prompt"]["file"] == "prompts/story.txt"
     manifest = json.loads(paths.manifest_path("validate", ws).read_text())

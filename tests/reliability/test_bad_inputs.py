@@ -167,6 +167,10 @@ def range_cases() -> list[Case]:
           ("a\x00b", "\x1b[31mred\x1b[0m", "bell\x07", "del\x7f", "next line\x85", "lone \ud800 surrogate",
            "form\x0cfeed", "ok line\nthen \x08 backspace")],
         _r("prompt.file", "prompts/p.txt", "prompt"),                      # text is set too
+        _r("prompt.set", "prompts/s.jsonl", "prompt"),                     # text is set too
+        _r("prompt.set", "prompts/s.jsonl", "prompt", prompt__text=None, prompt__file="prompts/p.txt"),
+        *[_r("prompt.set", p, "path", prompt__text=None) for p in ("../s.jsonl", "/etc/s.jsonl", "s.jsonl")],
+        _r("prompt.set", "prompts/s.txt", "name", prompt__text=None),
         *[_r("prompt.file", p, "path", prompt__text=None) for p in
           ("../p.txt", "/etc/hostname", "~/p.txt", "prompts/../../p.txt", "C:\\p.txt", "conf/prompt/p.txt",
            "p.txt", "prompts")],
@@ -505,6 +509,12 @@ def _latin1_prompt(ws: Path):
     return lambda: shutil.rmtree(ws / "prompts")
 
 
+def _duplicate_id_set(ws: Path):
+    (ws / "prompts").mkdir(exist_ok=True)
+    (ws / "prompts/dup.jsonl").write_bytes(b'{"id": "a", "text": "x"}\n{"id": "A", "text": "y"}\n')
+    return lambda: (ws / "prompts/dup.jsonl").unlink()
+
+
 def _small_context(ws: Path):
     """A prepared model whose context is 8 positions (the prompt has 25 tokens).
 
@@ -578,6 +588,13 @@ SUBPROCESS = [
     Run("stage tokenize: prompt.text with an escape sequence", ("stage", "tokenize"),
         ("nexttoken tokenize: error: prompt.text='\\x1b[31mred' is not allowed: U+001B at character 0",),
         params={"prompt.text": "\x1b[31mred"}),
+    Run("compose prompt.set with a duplicate id",
+        ("nexttoken", "compose", "model=tiny_qwen2", "prompt.set=prompts/dup.jsonl", "prompt.text=null"),
+        ("prompt.set='prompts/dup.jsonl' line 2: id='A' is not allowed: an id no other line has, ignoring case",),
+        setup=_duplicate_id_set),
+    Run("stage validate: a prompt set with a duplicate id", ("stage", "validate"),
+        ("nexttoken validate: error: prompt.set='prompts/dup.jsonl' line 2: id='A' is not allowed",),
+        params={"prompt.text": None, "prompt.set": "prompts/dup.jsonl"}, setup=_duplicate_id_set),
     Run("stage tokenize: prompt.file not UTF-8", ("stage", "tokenize"),
         ("prompt.file='prompts/latin1.txt' is not allowed: not UTF-8 (byte 0xe9 at offset 3)",),
         params={"prompt.text": None, "prompt.file": "prompts/latin1.txt"}, setup=_latin1_prompt),

@@ -244,3 +244,37 @@ def test_a_name_that_is_not_an_id_becomes_one(name, text, expected):
     got = prompt_set.for_config(prompt).ids[0]
     assert got == expected.format(sha=schema.text_sha256(text)[:8])
     assert re.fullmatch(prompt_set.ID_PATTERN, got)
+
+
+# ---------------------------------------------------------------- the key prompt.set
+def test_prompt_set_key_reads_the_set_and_names_the_run_after_the_file(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/two.jsonl").write_bytes(GOOD + b'{"id": "b", "text": "two"}\n')
+    config = {**REFERENCE, "text": None, "set": "prompts/two.jsonl"}
+    prompt = schema.load_section({"prompt": config}, "prompt", tmp_path)
+    assert prompt.name == "two" and prompt.text is None
+    got = prompt_set.for_config(prompt, tmp_path)
+    assert got.file == "prompts/two.jsonl" and got.ids == ("a", "b")
+    assert prompt_set.resolved(prompt, tmp_path) == {
+        "text": None, "prompts": [{"id": "a", "text": "one", "expected_token_ids": {}},
+                                  {"id": "b", "text": "two", "expected_token_ids": {}}]}
+
+
+def test_a_single_prompt_resolves_to_its_text_alone():
+    prompt = schema.load_section({"prompt": REFERENCE}, "prompt")
+    assert prompt_set.resolved(prompt) == {"text": REFERENCE["text"]}     # what validate wrote before sets
+
+
+def test_the_set_limit_is_the_configured_one(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/two.jsonl").write_bytes(GOOD + b'{"id": "b", "text": "two"}\n')
+    config = {**REFERENCE, "text": None, "set": "prompts/two.jsonl", "max_set_size": 1}
+    with pytest.raises(UserError, match=r"line 2: prompt 2 is not allowed: at most prompt.max_set_size=1"):
+        prompt_set.for_config(schema.load_section({"prompt": config}, "prompt", tmp_path), tmp_path)
+
+
+def test_prompt_concepts_composes_to_the_demo_set():
+    option = yaml.safe_load((REPO / "conf/prompt/concepts.yaml").read_text(encoding="utf-8"))
+    prompt = schema.load_section({"prompt": option}, "prompt", REPO)
+    assert prompt.name == "concepts"
+    assert prompt_set.for_config(prompt, REPO) == prompt_set.read_set(KEY, "prompts/concepts.jsonl", REPO, 64)
