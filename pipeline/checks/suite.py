@@ -87,10 +87,10 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = Non
 
     tokens = read_parquet(use(paths.TOKENS, prompt_id), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
     own_id = read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)).get("prompt_id")
-    metrics, item = None, paths.PROBS_PROMPT_METRICS
+    facts, step_logits = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEP_LOGITS)
+    metrics, item = None, paths.PROBS_PROMPT_METRICS     # after this prompt's own inputs: a missing one is named first
     if paths.artifact(item).as_posix() in _recorded_outputs("probs", root):
         metrics = (use(item), own_id, use(paths.VOCAB))
-    facts, step_logits = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEP_LOGITS)
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}

@@ -17,9 +17,10 @@ import pyarrow as pa
 import torch
 
 from pipeline.config.schema import CaptureConfig, ModelConfig, SamplingConfig
-from pipeline.errors import UserError, bad_value
+from pipeline.errors import bad_value
 from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
+from pipeline.numerics import probs
 from pipeline.numerics.repetition import distinct_ratio, find_loop
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, ranks
 from pipeline.store import logits_io, paths, provenance
@@ -203,7 +204,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     stage.seeds["sample"] = sampling.seed
     per_prompt = []
     for pid, ids in prompts.items():
-        prompt_id = prompt_id_of(read_json(stage.use(paths.TOKENIZE_SUMMARY, pid)))
+        prompt_id = probs.prompt_id(stage.use(paths.TOKENIZE_SUMMARY, pid))
         runs = run_all(model, ids, sampling, loader.eos_ids(model))
         stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
         stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
@@ -218,10 +219,3 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))
     stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], pa.concat_tables(per_prompt))
 
-
-def prompt_id_of(tokenize_summary: dict) -> str:
-    """The run's prompt id, as tokenize recorded it (a tokenize.json made before ids has none)."""
-    if not tokenize_summary.get("prompt_id"):
-        raise UserError(f"{paths.TOKENIZE_SUMMARY[1]} records no prompt_id (made by "
-                        "older code): re-run the tokenize stage (`dvc repro tokenize`)")
-    return tokenize_summary["prompt_id"]

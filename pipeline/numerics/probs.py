@@ -216,7 +216,7 @@ def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures:
 def prompt_id(tokenize_summary: Path) -> str:
     """The prompt's id as the tokenize stage recorded it (a set of one today)."""
     recorded = read_json(tokenize_summary).get("prompt_id")
-    if not isinstance(recorded, str):
+    if not isinstance(recorded, str) or not recorded:
         raise UserError(f"{tokenize_summary} records no prompt_id (written by older code): re-run `dvc repro tokenize`")
     return recorded
 

@@ -291,8 +291,8 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same
             per_prompt.append(derived.pop(paths.PROBS_PROMPT_METRICS))
         items = list(derived)
         for item, want in derived.items():
-            path = paths.recorded(item, pid, root) if item in paths.PER_PROMPT else paths.artifact(item, root)
-            _compare_derived(path, want, root, recorded, result, item == paths.PROBS_METRICS and not same_code)
+            _compare_derived(paths.lookup(root)(item, pid), want, root, recorded, result,
+                             item == paths.PROBS_METRICS and not same_code)
     if per_prompt:
         from pipeline.numerics import probs  # torch, as probs_outputs: only when re-deriving
         items.append(paths.PROBS_PROMPT_METRICS)

@@ -225,8 +225,7 @@ def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...], pid:
     """Per table that differs, its first differing value (then vs now)."""
     out = []
     for item in items:
-        diff = table_difference(*(read_parquet(paths.partition(item, pid, r) if item in paths.PER_PROMPT
-                                               else paths.artifact(item, r)) for r in (root, here)))
+        diff = table_difference(*(read_parquet(paths.lookup(r)(item, pid)) for r in (root, here)))
         if diff:
             out.append(f"{item[0]} {item[1]}: " + diff.replace("stored", "then").replace("re-derived", "now"))
     return out

@@ -149,9 +149,14 @@ def test_prompt_metrics_rows_loop_divergence_and_nulls():
     assert alone["diverge"] is None                                       # no greedy run to leave
 
 
-def test_a_tokenize_json_without_prompt_id_is_one_line_naming_the_stage_to_rerun():
+def test_a_tokenize_json_without_prompt_id_is_one_line_naming_the_stage_to_rerun(tmp_path):
+    """trajectories takes the prompt id the way probs does (`probs.prompt_id`): an old or empty one is refused."""
     from pipeline.errors import UserError
-    from pipeline.model import trajectories as tr
-    assert tr.prompt_id_of({"prompt_id": "capital_france"}) == "capital_france"
-    with pytest.raises(UserError, match=r"tokenize.json records no prompt_id .*re-run the tokenize stage"):
-        tr.prompt_id_of({"prompt_name": "old"})
+    from pipeline.numerics import probs
+    path = tmp_path / "tokenize.json"
+    path.write_text('{"prompt_id": "capital_france"}')
+    assert probs.prompt_id(path) == "capital_france"
+    for old in ('{"prompt_name": "old"}', '{"prompt_id": ""}'):
+        path.write_text(old)
+        with pytest.raises(UserError, match=r"tokenize.json records no prompt_id .*re-run `dvc repro tokenize`"):
+            probs.prompt_id(path)
