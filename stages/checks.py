@@ -30,8 +30,8 @@ def main() -> None:
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         results = stage.record(run, params)
     print(stage.summary_text(results))
-    if failed := verdicts.failed_errors(results):   # after the commit: the results stay, the run fails
-        print(f"nexttoken {STAGE}: error checks failed: {', '.join(failed)} "
+    if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails
+        print(f"nexttoken {STAGE}: error checks failed: {failed} "
               f"(see {paths.artifact(paths.CHECKS).as_posix()})", file=sys.stderr)
         sys.exit(1)
 

@@ -9,10 +9,11 @@ compares them with the stored verdicts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.checks import reference, suite, verdicts
-from pipeline.config import schema
+from pipeline.config import prompt_set, schema
 from pipeline.model import loader
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import StageRun, read_json
@@ -20,12 +21,25 @@ from pipeline.store.artifacts import StageRun, read_json
 SECTIONS = ("model", "prompt", "capture", "probs", "sampling", "checks")
 
 
-def sections(params: dict, root: Path | str = ".") -> tuple[dict, list]:
-    """The typed config sections and the applicable reference figures: a bad value fails here,
-    before any work."""
+def sections(params: dict, root: Path | str = ".") -> tuple[dict, prompt_set.PromptSet, dict[str, list]]:
+    """The typed config sections, the run's prompts and the reference figures per prompt: a bad value
+    fails here, before any work."""
     cfg = {name: schema.load_section(params, name, root) for name in SECTIONS}
+    prompts = prompt_set.for_config(cfg["prompt"], root)
+    return cfg, prompts, references(cfg, prompts)
+
+
+def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
+    """prompt id -> the reference figures to compare there. A reference's prompt-dependent figures
+    apply to a prompt with its exact text; the others would be the same comparison once per prompt,
+    so they run once: with the reference's own prompt when the set holds it, else the first prompt."""
     m = cfg["model"]
-    return cfg, reference.applicable(m.reference_figures, m.tokenizer.family, cfg["prompt"].text)
+    which = {p.id: reference.applicable(m.reference_figures, m.tokenizer.family, p.text) for p in prompts.prompts}
+    if len(prompts.prompts) == 1 or not m.reference_figures:
+        return which
+    own = [p.id for p in prompts.prompts
+           if p.text == reference.load_reference(m.reference_figures)["prompt"]] or [prompts.ids[0]]
+    return {pid: figures if pid == own[0] else [] for pid, figures in which.items()}
 
 
 def compute(params: dict, use: Callable[..., Path], root: Path | str = ".") \
@@ -36,7 +50,7 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".") \
     passes `paths.lookup` to re-run a past run's checks with these same calls). Every prompt of the
     run (its tokenize partitions) is checked in turn; one model load.
     """
-    cfg, references = sections(params, root)
+    cfg, prompts, figures = sections(params, root)
     cap, model_cfg = cfg["capture"], cfg["model"]
     device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
     if cfg["prompt"].file is not None:
@@ -51,10 +65,18 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".") \
         use(paths.dataset(paths.TOKENS))               # missing: one line naming it
     for pid in prompt_ids:                             # the model loads once for the set
         stored = suite.load(use, root, pid)
-        mine = suite.run_all(stored, model, tokenizer, cfg, device, loader.eos_ids(model), snapshot / "tokenizer.json")
-        results += mine + reference.run(stored, model, tokenizer, cfg, mine, references)
+        here = {**cfg, "prompt": _record(prompts, pid)}
+        mine = suite.run_all(stored, model, tokenizer, here, device, loader.eos_ids(model), snapshot / "tokenizer.json")
+        mine += reference.run(stored, model, tokenizer, here, mine, figures[here["prompt"].id])
+        results += [replace(c, prompt_id=pid or "") for c in mine]
         missing += [s for s in stored.missing if s not in missing]
     return results, source, {**loader.device_record(model, device), "missing_stages": missing}
+
+
+def _record(prompts: prompt_set.PromptSet, prompt_id: str | None) -> prompt_set.PromptRecord:
+    """The configured prompt a partition holds: a run of one prompt holds that one (also one recorded before
+    partitions, prompt_id None); in a set, the record with that id."""
+    return prompts.prompts[0] if len(prompts.prompts) == 1 else prompts.get(prompt_id)
 
 
 def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
@@ -69,8 +91,8 @@ def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
 
 def summary_text(results: list[verdicts.Check]) -> str:
     """The counts, then one line per failing check (what the stage prints)."""
-    s = verdicts.summary(results)
-    return (f"{s['checks']} checks: {s['passed']} pass, {s['failed_error']} error and "
-            f"{s['failed_report']} report checks fail"
-            + "".join(f"\n  {c.verdict} ({c.severity}) {c.name}: {c.measured:g} > {c.tolerance:g}  {c.detail}"
-                      for c in results if not c.passed))
+    s, n = verdicts.summary(results), len({c.prompt_id for c in results})
+    return (f"{s['checks']} checks" + (f" over {n} prompts" if n > 1 else "") + f": {s['passed']} pass, "
+            f"{s['failed_error']} error and {s['failed_report']} report checks fail"
+            + "".join(f"\n  {c.verdict} ({c.severity}) {c.name}" + (f" [{c.prompt_id}]" if n > 1 else "")
+                      + f": {c.measured:g} > {c.tolerance:g}  {c.detail}" for c in results if not c.passed))

@@ -1,6 +1,7 @@
 """One check's result and the checks table: what was compared, the measured number, its tolerance.
 
-A check passes when measured <= tolerance (NaN, i.e. not measurable, fails). `error` = the
+A check passes when measured <= tolerance (NaN, i.e. not measurable, fails). Each result
+belongs to one prompt of the run (`prompt_id`; "" for a run recorded before prompt sets). `error` = the
 pipeline is broken (the checks stage fails after writing its results); `report` = a
 numerical finding (bf16 KV-cache drift, FP32 sums), shown and never failing the run.
 """
@@ -18,9 +19,9 @@ import pyarrow as pa
 SEVERITIES = ("error", "report")
 FAILING_SHOWN = 3   # failing check names in metrics.json (a `dvc exp show` column)
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")   # DVC metric keys: no spaces, no dots (dots nest)
-SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
-                    ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
-                    ("detail", pa.string())])
+SCHEMA = pa.schema([("prompt_id", pa.string()), ("name", pa.string()), ("what", pa.string()),
+                    ("measured", pa.float64()), ("tolerance", pa.float64()), ("verdict", pa.string()),
+                    ("severity", pa.string()), ("detail", pa.string())])
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Check:
     # Set (and said in detail) when severity is report only because the two computations compared
     # ran on different devices or GPU models (`suite.kernel_bound`); not a column of checks.parquet.
     device_note: str = ""
+    prompt_id: str = ""   # the prompt whose artifacts were checked (the stage sets it)
 
     def __post_init__(self):
         if not _NAME.match(self.name):
@@ -104,9 +106,9 @@ def _float64(chunk) -> np.ndarray:
 
 
 def to_table(checks: list[Check]) -> pa.Table:
-    names = [c.name for c in checks]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate check names: {sorted({n for n in names if names.count(n) > 1})}")
+    keys = [(c.prompt_id, c.name) for c in checks]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate checks (prompt_id, name): {sorted({k for k in keys if keys.count(k) > 1})}")
     return pa.table({f: [getattr(c, f) for c in checks] for f in SCHEMA.names}, schema=SCHEMA)
 
 
@@ -119,15 +121,47 @@ def summary(checks: list[Check]) -> dict:
 
 
 def metrics(checks: list[Check]) -> dict:
-    """metrics.json (DVC metrics, `dvc exp show` columns): the counts and the names of the failing
-    checks, worst first (error before report), at most FAILING_SHOWN then `+N more`, or `none`.
+    """metrics.json (DVC metrics, `dvc exp show` columns): the counts, the names of the failing
+    checks (each once over the set), worst first (error before report), and the prompts with a
+    failing error check, each at most FAILING_SHOWN then `+N more`, or `none`.
     Each check's measured value and tolerance stay in checks.parquet and the report: as metrics
     they made hundreds of columns and DVC rounds small tolerances (2e-06) to 0."""
     failing = [c.name for c in sorted(checks, key=lambda c: c.severity != "error") if not c.passed]
-    shown = ", ".join(failing[:FAILING_SHOWN]) + (f" +{len(failing) - FAILING_SHOWN} more"
-                                                  if len(failing) > FAILING_SHOWN else "")
-    return {**summary(checks), "failing": shown or "none"}
+    return {**summary(checks), "failing": _shown(list(dict.fromkeys(failing))),
+            "failing_prompts": _shown([pid for pid in failed_errors_by_prompt(checks) if pid])}
+
+
+def _shown(names: list[str]) -> str:
+    """At most FAILING_SHOWN names, then `+N more`; `none` for none."""
+    more = f" +{len(names) - FAILING_SHOWN} more" if len(names) > FAILING_SHOWN else ""
+    return ", ".join(names[:FAILING_SHOWN]) + more or "none"
 
 
 def failed_errors(checks: list[Check]) -> list[str]:
     return [c.name for c in checks if c.severity == "error" and not c.passed]
+
+
+def failed_errors_by_prompt(checks: list[Check]) -> dict[str, list[str]]:
+    """prompt_id -> the names of its failing error checks, prompts in run order (only those with one)."""
+    out: dict[str, list[str]] = {}
+    for c in checks:
+        if c.severity == "error" and not c.passed:
+            out.setdefault(c.prompt_id, []).append(c.name)
+    return out
+
+
+def failed_line(checks: list[Check]) -> str:
+    """The failing error checks, each prompt's after its names: `a, b (prompt p1); c (prompt p2)`
+    ("" when none fails)."""
+    return "; ".join(", ".join(names) + (f" (prompt {pid})" if pid else "")
+                     for pid, names in failed_errors_by_prompt(checks).items())
+
+
+def stored_rows(table: pa.Table, prompt_ids: Sequence[str | None]) -> dict[tuple[str, str], dict]:
+    """checks.parquet's rows by (prompt_id, name). A table written before the prompt_id column holds one
+    prompt's checks: the run's one prompt (`prompt_ids`, e.g. `paths.run_prompt_ids`; None = "")."""
+    rows = table.to_pylist()
+    if "prompt_id" not in table.column_names:
+        own = (prompt_ids[0] or "") if len(prompt_ids) == 1 else ""
+        rows = [{"prompt_id": own, **r} for r in rows]
+    return {(r["prompt_id"], r["name"]): r for r in rows}

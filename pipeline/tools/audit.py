@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import kernels, progress
+from pipeline.checks import verdicts
 from pipeline.config import registry, schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError
@@ -355,31 +356,36 @@ def rederive_checks(root: Path, params: dict, result: Audit) -> None:
         result.find("re-derive", f"checks could not be recomputed: {type(e).__name__}: {e}")
         return
     try:
-        stored_t = read_parquet(paths.artifact(paths.CHECKS, root), columns=["name", "verdict"])
+        stored_t = read_parquet(paths.artifact(paths.CHECKS, root))
     except UserError as e:
         result.find("re-derive", str(e))
         return
-    stored = dict(zip(stored_t["name"].to_pylist(), stored_t["verdict"].to_pylist()))
-    for name in sorted(set(stored) | set(derived)):
-        got, want = derived.get(name, ("<absent>", None, "")), stored.get(name, "<absent>")
+    stored = {k: r["verdict"] for k, r in verdicts.stored_rows(stored_t, paths.run_prompt_ids(root)).items()}
+    for key in sorted(set(stored) | set(derived)):
+        got, want = derived.get(key, ("<absent>", None, "")), stored.get(key, "<absent>")
         if got[0] == want:
             continue
-        what = f"{paths.CHECKS[1]}: check {name} stored {want}, re-derived {got[0]} (measured {got[1]})"
+        what = f"{paths.CHECKS[1]}: check {_check_name(key)} stored {want}, re-derived {got[0]} (measured {got[1]})"
         if got[2]:    # kernel-bound, and this machine computes on another device: a finding would be noise
             result.warn(f"{what}: {got[2]}")
         else:
             result.find("re-derive", what)
     result.notes.append(f"re-ran {len(derived)} checks from the stored artifacts")
-    if bound := sorted(name for name, (_, _, note) in derived.items() if note):
+    if bound := sorted(key for key, (_, _, note) in derived.items() if note):
         result.notes.append(f"{len(bound)} kernel-bound checks are reports here ({derived[bound[0]][2]}): "
-                            + ", ".join(bound))
+                            + ", ".join(dict.fromkeys(name for _, name in bound)))
 
 
-def checks_verdicts(root: Path, params: dict) -> dict[str, tuple[str, float, str]]:
-    """name -> (verdict, measured, device note), computed by the checks stage's own function."""
+def _check_name(key: tuple[str, str]) -> str:
+    """`name`, or `name (prompt id)` for a check of a run's prompt."""
+    return f"{key[1]} (prompt {key[0]})" if key[0] else key[1]
+
+
+def checks_verdicts(root: Path, params: dict) -> dict[tuple[str, str], tuple[str, float, str]]:
+    """(prompt_id, name) -> (verdict, measured, device note), computed by the checks stage's own function."""
     from pipeline.checks import stage  # torch and the model load only when re-deriving the checks
     results, _, _ = stage.compute(params, paths.lookup(root), root)
-    return {c.name: (c.verdict, c.measured, c.device_note) for c in results}
+    return {(c.prompt_id, c.name): (c.verdict, c.measured, c.device_note) for c in results}
 
 
 # ---------------------------------------------------------------- environment

@@ -20,11 +20,13 @@ changed. Exit 0 when every artifact is bit-identical, 1 when anything differs, 2
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import kernels, progress
+from pipeline.checks import verdicts
 from pipeline.config import schema
 from pipeline.errors import UserError, bad_value
 from pipeline.store import paths, provenance
@@ -240,13 +242,19 @@ def probs_lines(root: Path, here: Path, pid: str) -> list[str]:
     return table_lines(root, here, tables, pid) + kept_lines_from(*summaries, LABELS)
 
 
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
 def checks_lines(root: Path, here: Path) -> list[str]:
-    """Each check whose verdict or measured value changed."""
-    then, now = ({r["name"]: r for r in read_parquet(paths.artifact(paths.CHECKS, r)).to_pylist()}
+    """Each check whose verdict or measured value changed (per prompt, by name)."""
+    then, now = (verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, r)), paths.run_prompt_ids(r))
                  for r in (root, here))
-    changed = [n for n in sorted(set(then) | set(now)) if then.get(n) != now.get(n)]
+    fields = ("verdict", "measured", "tolerance", "severity", "what", "detail")
+    changed = [k for k in sorted(set(then) | set(now))
+               if k not in then or k not in now or any(not _same(then[k][f], now[k][f]) for f in fields)]
 
     def show(r: dict | None) -> str:
         return "absent" if r is None else f"{r['verdict']} (measured {r['measured']:.6g})"
-    return [f"check {n}: then {show(then.get(n))} | now {show(now.get(n))}" for n in changed] or \
-        ["checks: same verdicts and measured values"]
+    return [f"check {k[1]}" + (f" (prompt {k[0]})" if k[0] else "") + f": then {show(then.get(k))} | now "
+            f"{show(now.get(k))}" for k in changed] or ["checks: same verdicts and measured values"]

@@ -189,7 +189,8 @@ def test_check_verdicts_names_and_metrics():
     with pytest.raises(ValueError):
         verdicts.Check("x", "w", 0, 0, "warning")
     m = verdicts.metrics([ok, nan])
-    assert m == {"checks": 2, "passed": 1, "failed_error": 0, "failed_report": 1, "failing": "b"}
+    assert m == {"checks": 2, "passed": 1, "failed_error": 0, "failed_report": 1, "failing": "b",
+                 "failing_prompts": "none"}
     assert json.dumps(m, allow_nan=False)
     worst = [verdicts.Check(f"r{i}", "w", 1, 0, "report") for i in range(4)] + [verdicts.Check("e", "w", 1, 0, "error")]
     assert verdicts.metrics(worst)["failing"] == "e, r0, r1 +2 more"       # errors first, at most 3 names

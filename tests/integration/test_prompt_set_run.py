@@ -1,0 +1,104 @@
+"""A real two-prompt set (`prompt.set`) through tokenize -> checks on tiny_qwen2 (issue 17 items 3 and 5).
+
+The set holds the reference prompt (the text of the single-prompt session run) and a short English
+one. Each stage runs once over both; the reference prompt's files in the set hold exactly the
+numbers of the same prompt run alone; checks.parquet holds every check once per prompt, and a
+wrong number in one prompt's files fails the stage naming that prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.compute as pc
+import pytest
+
+from pipeline.checks import verdicts
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import read_parquet
+from tests.conftest import CHAIN, REPO, copy_ws, run_module
+from tests.integration.test_checks import rewrite
+
+REFERENCE, OTHER = "temperature_question", "capital_france"
+
+
+def _content(path) -> str:
+    """What identical means: the tensors / table content (metadata aside), else the bytes."""
+    return provenance.logical_hash(path) or provenance.sha256_file(path)
+
+
+@pytest.fixture(scope="module")
+def set_run(tiny_workspace, tmp_path_factory):
+    """tiny_workspace recomposed with a two-prompt set from prompts/concepts.jsonl, run tokenize -> checks."""
+    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("set_run") / "ws")
+    records = [json.loads(line) for line in (REPO / "prompts/concepts.jsonl").read_text(encoding="utf-8").splitlines()]
+    pair = [r for r in records if r["id"] in (REFERENCE, OTHER)]
+    (ws / "prompts").mkdir(exist_ok=True)
+    (ws / "prompts/pair.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pair),
+                                           encoding="utf-8")
+    run_module("pipeline.tools.cli", ws, "compose", "capture.device=cpu", "model=tiny_qwen2", "prompt=concepts",
+               "prompt.set=prompts/pair.jsonl", check=True)
+    for stage in ("tokenize", *CHAIN):
+        run_module(f"stages.{stage}", ws, check=True)
+    checks = run_module("stages.checks", ws)
+    return ws, checks
+
+
+def test_a_prompt_alone_and_inside_a_set_hold_identical_numbers(set_run, tiny_chain):
+    ws, _ = set_run
+    (alone_id,) = paths.prompt_ids(paths.TOKENS, tiny_chain)
+    for item in [i for i in paths.PER_PROMPT if i[0] in ("tokenize", *CHAIN)]:
+        assert paths.prompt_ids(item, ws) == sorted([REFERENCE, OTHER]), item
+        mine, alone = paths.partition(item, REFERENCE, ws), paths.partition(item, alone_id, tiny_chain)
+        if item == paths.TOKENIZE_SUMMARY:      # the run's name (a set's is its file's stem) aside
+            assert {**json.loads(mine.read_text()), "prompt_name": None, "prompt_id": None} == \
+                {**json.loads(alone.read_text()), "prompt_name": None, "prompt_id": None}
+        else:
+            assert _content(mine) == _content(alone), item
+    for item in (paths.PROBS_PROMPT_METRICS, paths.TRAJECTORY_PROMPT_METRICS):
+        alone = read_parquet(paths.artifact(item, tiny_chain)).drop_columns(["prompt_id"]).to_pylist()
+        mine = read_parquet(paths.artifact(item, ws)).filter(pc.field("prompt_id") == REFERENCE)
+        assert mine.drop_columns(["prompt_id"]).to_pylist() == alone, item
+
+
+def test_the_checks_stage_checks_every_prompt_and_says_which(set_run):
+    ws, proc = set_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "checks over 2 prompts" in proc.stdout
+    table = read_parquet(paths.artifact(paths.CHECKS, ws))
+    assert table.column_names[0] == "prompt_id"
+    rows = verdicts.stored_rows(table, [REFERENCE, OTHER])
+    names = {pid: {n for p, n in rows if p == pid} for pid in (REFERENCE, OTHER)}
+    # the same suite per prompt; the reference figures only where the prompt is the reference's, and the
+    # expected ids where the record gives them
+    only = names[REFERENCE] - names[OTHER]
+    assert "ref_token_ids" in only and all(n.startswith("ref_") or n == "tokenizer_expected_ids" for n in only)
+    assert names[OTHER] <= names[REFERENCE] and "logits_file_exact" in names[OTHER]
+    assert not [k for k, r in rows.items() if r["severity"] == "error" and r["verdict"] == "fail"]
+    metrics = json.loads(paths.artifact(paths.METRICS, ws).read_text())
+    assert metrics["checks"] == len(rows) and metrics["failing_prompts"] == "none"
+
+
+def test_a_wrong_number_in_one_prompt_fails_the_stage_naming_that_prompt(set_run, tmp_path):
+    ws = copy_ws(set_run[0], tmp_path / "ws")
+    logits = paths.partition(paths.LOGITS, OTHER, ws)
+
+    def flip(v):        # position 0: no table or trajectory reads it, so only the file check sees it
+        v[42] += 0.25
+    rewrite(logits, tmp_path / "l.parquet", "logit", flip).replace(logits)
+    for manifest_path in (ws / "artifacts").glob("*/manifest.json"):   # recorded faithfully: only a check sees it
+        manifest = json.loads(manifest_path.read_text())
+        for rec in manifest["outputs"] + manifest["inputs"]:
+            if rec["path"] == paths.partition(paths.LOGITS, OTHER).as_posix():
+                rec["sha256"] = provenance.sha256_file(logits)
+        manifest_path.write_text(json.dumps(manifest))
+    shutil.rmtree(paths.stage_dir("checks", ws))
+    proc = run_module("stages.checks", ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"error checks failed: logits_file_exact (prompt {OTHER}) " in proc.stderr, proc.stderr
+    rows = verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, ws)), [REFERENCE, OTHER])
+    failed = sorted(k for k, r in rows.items() if r["verdict"] == "fail" and r["severity"] == "error")
+    assert failed == [(OTHER, "logits_file_exact")] and rows[(OTHER, "logits_file_exact")]["measured"] == 0.25
+    assert rows[(REFERENCE, "logits_file_exact")]["verdict"] == "pass"
+    assert json.loads(paths.artifact(paths.METRICS, ws).read_text())["failing_prompts"] == OTHER

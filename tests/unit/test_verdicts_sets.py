@@ -1,0 +1,63 @@
+"""Check results of a prompt set (issue 17 item 5): one row per (prompt, check), failures named by prompt."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from pipeline.checks import verdicts
+
+
+def check(name: str, prompt_id: str, measured: float = 0, severity: str = "error") -> verdicts.Check:
+    return verdicts.Check(name, "w", measured, 0, severity, prompt_id=prompt_id)
+
+
+def test_a_check_name_repeats_once_per_prompt_never_twice_in_one():
+    table = verdicts.to_table([check("a", "p1"), check("a", "p2"), check("b", "p1")])
+    assert table.column_names[0] == "prompt_id"
+    assert list(zip(table["prompt_id"].to_pylist(), table["name"].to_pylist())) == [("p1", "a"), ("p2", "a"),
+                                                                                     ("p1", "b")]
+    with pytest.raises(ValueError, match=r"\('p2', 'a'\)"):
+        verdicts.to_table([check("a", "p1"), check("a", "p2"), check("a", "p2")])
+
+
+def test_failures_are_named_per_prompt_in_run_order():
+    results = [check("a", "p1"), check("x", "p2", 1), check("y", "p2", 1), check("r", "p1", 1, "report"),
+               check("x", "p3", 1), check("b", "p3")]
+    assert verdicts.failed_errors_by_prompt(results) == {"p2": ["x", "y"], "p3": ["x"]}
+    assert verdicts.failed_line(results) == "x, y (prompt p2); x (prompt p3)"
+    assert verdicts.failed_line([check("x", "", 1)]) == "x"                  # a run made before prompt sets
+    assert verdicts.failed_line(results[:1]) == ""
+    m = verdicts.metrics(results)
+    assert (m["failed_error"], m["failed_report"]) == (3, 1)
+    assert m["failing"] == "x, y, r" and m["failing_prompts"] == "p2, p3"   # each name once, errors first
+    many = [check("x", f"p{i}", 1) for i in range(5)]
+    assert verdicts.metrics(many)["failing_prompts"] == "p0, p1, p2 +2 more"
+
+
+def test_stored_rows_key_by_prompt_and_give_an_older_table_the_runs_one_prompt():
+    new = verdicts.to_table([check("a", "p1"), check("a", "p2", 1)])
+    rows = verdicts.stored_rows(new, ["p1", "p2"])
+    assert set(rows) == {("p1", "a"), ("p2", "a")} and rows[("p2", "a")]["verdict"] == "fail"
+    old = new.drop_columns(["prompt_id"]).slice(0, 1)          # checks.parquet before the column
+    assert set(verdicts.stored_rows(old, ["only"])) == {("only", "a")}
+    assert set(verdicts.stored_rows(old, [None])) == {("", "a")}            # before partitions too
+    assert verdicts.stored_rows(pa.table({"name": ["a"], "verdict": ["pass"]}), ["p"])[("p", "a")]["verdict"] == "pass"
+
+
+def test_reference_figures_apply_once_in_a_set_where_the_prompt_is_the_references():
+    from types import SimpleNamespace
+
+    from pipeline.checks import reference, stage
+    from pipeline.config.prompt_set import PromptRecord, PromptSet
+    ref_text = reference.load_reference("seed_article")["prompt"]
+    cfg = {"model": SimpleNamespace(reference_figures="seed_article", tokenizer=SimpleNamespace(family="qwen2"))}
+    with_ref = PromptSet(file="s", prompts=(PromptRecord(id="a", text="Hi"), PromptRecord(id="ref", text=ref_text)))
+    assert stage.references(cfg, with_ref) == {"a": [], "ref": [("seed_article", "all")]}
+    without = PromptSet(file="s", prompts=(PromptRecord(id="a", text="Hi"), PromptRecord(id="b", text="Yo")))
+    assert stage.references(cfg, without) == {"a": [("seed_article", "all")], "b": []}   # once, on the first
+    # no figures configured: the tokenizer figures of a reference whose prompt this is (per prompt)
+    cfg["model"].reference_figures = None
+    assert stage.references(cfg, with_ref) == {"a": [], "ref": [("seed_article", "tokenizer")]}
+    one = PromptSet(file=None, prompts=(PromptRecord(id="a", text="Hi"),))
+    assert stage.references(cfg, one) == {"a": []}
