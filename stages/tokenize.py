@@ -28,15 +28,16 @@ def main() -> None:
         tokenizer = loader.load_tokenizer(snapshot)                 # once for every prompt of the set
         run.model = provenance.model_record(source)
         for record in prompt_set.for_config(prompt).prompts:        # a single prompt is a set of one
-            tok = tokenization.tokenize_prompt(tokenizer, record.text, model_cfg.tokenizer.add_special_tokens,
-                                               max_positions=loader.max_positions(snapshot))
-            expected = record.expected_ids_for(model_cfg.tokenizer.family)
-            summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
-                       "tokenizer_family": model_cfg.tokenizer.family, "expected_token_ids": expected,
-                       "expected_token_ids_match": None if expected is None else expected == tok.ids}
-            run.facts = {"n_tokens": len(tok.ids), "round_trip_ok": tok.summary["round_trip_ok"]}
-            run.write_parquet(paths.TOKENS[1], tok.table, prompt_id=record.id)
-            run.write_json(paths.TOKENIZE_SUMMARY[1], summary, prompt_id=record.id)
+            with run.timed(record.id):
+                tok = tokenization.tokenize_prompt(tokenizer, record.text, model_cfg.tokenizer.add_special_tokens,
+                                                   max_positions=loader.max_positions(snapshot))
+                expected = record.expected_ids_for(model_cfg.tokenizer.family)
+                summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
+                           "tokenizer_family": model_cfg.tokenizer.family, "expected_token_ids": expected,
+                           "expected_token_ids_match": None if expected is None else expected == tok.ids}
+                run.facts = {"n_tokens": len(tok.ids), "round_trip_ok": tok.summary["round_trip_ok"]}
+                run.write_parquet(paths.TOKENS[1], tok.table, prompt_id=record.id)
+                run.write_json(paths.TOKENIZE_SUMMARY[1], summary, prompt_id=record.id)
         # every id of the model's output, built here once: later stages read it instead of a tokenizer
         run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(loader.output_size(snapshot))))
 

@@ -9,6 +9,7 @@ compares them with the stored verdicts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,13 +43,15 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
     return {pid: figures if pid == own[0] else [] for pid, figures in which.items()}
 
 
-def compute(params: dict, use: Callable[..., Path], root: Path | str = ".") \
+def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
+            timed: Callable[[str | None], AbstractContextManager] = lambda prompt_id: nullcontext()) \
         -> tuple[list[verdicts.Check], dict, dict]:
     """Every check on the run in `root` -> (results, source.json, facts), written nowhere.
 
     `use(item, prompt_id=None)` resolves an input item (StageRun.use records it; `nexttoken audit`
     passes `paths.lookup` to re-run a past run's checks with these same calls). Every prompt of the
-    run (its tokenize partitions) is checked in turn; one model load.
+    run (its tokenize partitions) is checked in turn, inside `timed(prompt_id)` (StageRun.timed); one
+    model load.
     """
     cfg, prompts, figures = sections(params, root)
     cap, model_cfg = cfg["capture"], cfg["model"]
@@ -64,10 +67,11 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".") \
     if not prompt_ids:
         use(paths.dataset(paths.TOKENS))               # missing: one line naming it
     for pid in prompt_ids:                             # the model loads once for the set
-        stored = suite.load(use, root, pid)
-        here = {**cfg, "prompt": _record(prompts, pid)}
-        mine = suite.run_all(stored, model, tokenizer, here, device, loader.eos_ids(model), snapshot / "tokenizer.json")
-        mine += reference.run(stored, model, tokenizer, here, mine, figures[here["prompt"].id])
+        with timed(pid):
+            stored, here = suite.load(use, root, pid), {**cfg, "prompt": _record(prompts, pid)}
+            mine = suite.run_all(stored, model, tokenizer, here, device, loader.eos_ids(model),
+                                 snapshot / "tokenizer.json")
+            mine += reference.run(stored, model, tokenizer, here, mine, figures[here["prompt"].id])
         results += [replace(c, prompt_id=pid or "") for c in mine]
         missing += [s for s in stored.missing if s not in missing]
     return results, source, {**loader.device_record(model, device), "missing_stages": missing}
@@ -81,7 +85,7 @@ def _record(prompts: prompt_set.PromptSet, prompt_id: str | None) -> prompt_set.
 
 def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
     """Run every check on the run in stage.root and write checks.parquet + metrics.json into `stage`."""
-    results, source, facts = compute(params, stage.use, stage.root)
+    results, source, facts = compute(params, stage.use, stage.root, stage.timed)
     stage.model = provenance.model_record(source)
     stage.facts = {**facts, **verdicts.summary(results)}
     stage.write_parquet(paths.CHECKS[1], verdicts.to_table(results))

@@ -111,10 +111,11 @@ def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool) -> None:
     model = load(p, max(len(ids) for ids, _ in prompts.values()), trust_remote_code)
     stage.model = {**p.model_record, "trust_remote_code": trust_remote_code}
     for pid, (ids, tokenizer_len) in prompts.items():
-        result = run(p, ids, tokenizer_len, trust_remote_code=trust_remote_code, model=model)
-        stage.facts = result.facts
-        save_capture(result, stage.out(paths.CAPTURE[1], pid))
-        stage.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
+        with stage.timed(pid):
+            result = run(p, ids, tokenizer_len, trust_remote_code=trust_remote_code, model=model)
+            stage.facts = result.facts
+            save_capture(result, stage.out(paths.CAPTURE[1], pid))
+            stage.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
 
 
 def logit_positions(positions: str, n: int) -> list[int]:

@@ -19,8 +19,9 @@ def record(stage: StageRun) -> None:
     source = read_json(stage.use(paths.SOURCE))
     stage.model = provenance.model_record(source)
     for pid in stage.prompt_ids(paths.CAPTURE):
-        facts = read_json(stage.use(paths.FORWARD_FACTS, pid))
-        logits = CapturedLogits.open(stage.use(paths.CAPTURE, pid), facts)     # [1, T or 1, V], checked against facts
-        stage.facts = logits.parquet_facts()
-        logits_io.write_logits(stage.out(paths.LOGITS[1], pid), logits.rows(), stage.parquet_metadata(),
-                               total=logits.n_rows)
+        with stage.timed(pid):
+            facts = read_json(stage.use(paths.FORWARD_FACTS, pid))
+            logits = CapturedLogits.open(stage.use(paths.CAPTURE, pid), facts)   # [1, T or 1, V], checked vs facts
+            stage.facts = logits.parquet_facts()
+            logits_io.write_logits(stage.out(paths.LOGITS[1], pid), logits.rows(), stage.parquet_metadata(),
+                                   total=logits.n_rows)

@@ -204,17 +204,18 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     stage.seeds["sample"] = sampling.seed
     per_prompt = []
     for pid, ids in prompts.items():
-        prompt_id = probs.prompt_id(stage.use(paths.TOKENIZE_SUMMARY, pid))
-        runs = run_all(model, ids, sampling, loader.eos_ids(model))
-        stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
-        stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
-                            compression="zstd")
-        rows, keys = step_logit_rows(runs)
-        logits_io.write_logits(stage.out(paths.STEP_LOGITS[1], pid), rows, stage.parquet_metadata(),
-                               extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
-        summary_by_run = summary(runs, tokenizer)
-        stage.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
-        per_prompt.append(prompt_metrics(prompt_id, summary_by_run))
+        with stage.timed(pid):
+            prompt_id = probs.prompt_id(stage.use(paths.TOKENIZE_SUMMARY, pid))
+            runs = run_all(model, ids, sampling, loader.eos_ids(model))
+            stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
+            stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
+                                compression="zstd")
+            rows, keys = step_logit_rows(runs)
+            logits_io.write_logits(stage.out(paths.STEP_LOGITS[1], pid), rows, stage.parquet_metadata(),
+                                   extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
+            summary_by_run = summary(runs, tokenizer)
+            stage.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
+            per_prompt.append(prompt_metrics(prompt_id, summary_by_run))
     # set-level: one prompt's metrics for a set of one (aggregates over a set: issue 17 item 4)
     stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))
     stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], pa.concat_tables(per_prompt))

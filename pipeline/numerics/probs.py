@@ -277,15 +277,16 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
     """The probs stage's whole body (python -m stages.probs; `nexttoken verify` in one process), per prompt."""
     vocab, per_prompt = stage.use(paths.VOCAB), []
     for pid in stage.prompt_ids(paths.LOGITS):
-        outputs, facts = build(stage.use(paths.LOGITS, pid), vocab, probs_cfg, sampling_cfg,
-                               stage.use(paths.TOKENIZE_SUMMARY, pid))
-        stage.model = facts["model"]
-        stage.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
-        stage.write_parquet(paths.TABLE[1], outputs[paths.TABLE], prompt_id=pid, compression="zstd",
-                            row_group_size=facts["rows_per_position"])      # one row group per position
-        stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
-        stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
-        per_prompt.append(outputs[paths.PROBS_PROMPT_METRICS])
+        with stage.timed(pid):
+            outputs, facts = build(stage.use(paths.LOGITS, pid), vocab, probs_cfg, sampling_cfg,
+                                   stage.use(paths.TOKENIZE_SUMMARY, pid))
+            stage.model = facts["model"]
+            stage.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
+            stage.write_parquet(paths.TABLE[1], outputs[paths.TABLE], prompt_id=pid, compression="zstd",
+                                row_group_size=facts["rows_per_position"])      # one row group per position
+            stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
+            stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
+            per_prompt.append(outputs[paths.PROBS_PROMPT_METRICS])
     # set-level: one prompt's metrics for a set of one (aggregates over a set: issue 17 item 4)
     stage.write_json(paths.PROBS_METRICS[1], outputs[paths.PROBS_METRICS])
     stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], set_table(per_prompt), compression="zstd")   # one row group

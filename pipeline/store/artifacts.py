@@ -56,6 +56,7 @@ class StageRun:
         self._inputs: list[dict[str, Any]] = []
         self._recorded: dict[str, tuple[str, str | None]] = {}   # path -> (sha256, stage recording it)
         self._manifests: dict[str, dict | None] = {}
+        self._prompt_seconds: dict[str, float] = {}
         self._started = time.time()
         self.staging = self.root / paths.STAGING / f"{stage}-{os.getpid()}"
         _remove_stale_staging(self.staging.parent, stage)
@@ -203,6 +204,17 @@ class StageRun:
                             f"runs; re-run `dvc repro`")
 
     # ------------------------------------------------------------ outputs
+    @contextmanager
+    def timed(self, prompt_id: str | None) -> Iterator[None]:
+        """Time one prompt's work: the manifest's `prompt_seconds` (what each prompt of a set cost, the
+        shared set-up such as a model load not counted)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = prompt_id or ""
+            self._prompt_seconds[key] = self._prompt_seconds.get(key, 0.0) + time.perf_counter() - start
+
     def out(self, name: str, prompt_id: str | None = None) -> Path:
         """A path in the staging folder, for writers that need a file name; with a prompt id,
         inside that prompt's partition (`paths.partition_rel`)."""
@@ -255,6 +267,7 @@ class StageRun:
             "command": sys.argv,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "duration_s": round(time.time() - self._started, 3),
+            "prompt_seconds": {pid: round(s, 3) for pid, s in self._prompt_seconds.items()},
         }
         self.write_json(paths.MANIFEST, manifest)
         _swap_into_place(self.staging, final)

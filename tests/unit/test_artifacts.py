@@ -13,7 +13,7 @@ from pipeline.store import artifacts, paths, provenance
 
 MANIFEST_FIELDS = {"schema_version", "stage", "config", "config_sha256", "seeds", "model", "facts", "inputs",
                    "outputs", "libraries", "hardware", "determinism", "git", "python_executable", "command",
-                   "created_at", "duration_s"}
+                   "created_at", "duration_s", "prompt_seconds"}
 
 
 def _table():
@@ -21,6 +21,7 @@ def _table():
 
 
 def test_manifest_records_every_field_and_true_hashes(tmp_path):
+    import torch  # noqa: F401  the manifest describes torch once a stage has loaded it (not before: issue 16)
     src = tmp_path / "artifacts" / "prepare_model"
     src.mkdir(parents=True)
     (src / "source.json").write_text("{}")
@@ -219,3 +220,16 @@ def test_logical_hash_schemes_stream_and_old_records_still_verify(tmp_path, monk
     assert provenance.logical_matches(path, {}) is None
     pq.write_table(_table().set_column(1, "b", pa.array([0.5, 1.5, 2.25])), path, row_group_size=1)
     assert not provenance.logical_matches(path, new) and not provenance.logical_matches(path, old)
+
+
+def test_timed_records_each_prompts_seconds_in_the_manifest(tmp_path):
+    import time
+    with artifacts.stage_run("logits", {}, root=tmp_path) as run:
+        for pid, pause in (("a", 0.02), ("b", 0.0), ("a", 0.03)):       # a prompt timed twice adds up
+            with run.timed(pid):
+                time.sleep(pause)
+        with pytest.raises(RuntimeError), run.timed("c"):                # a prompt that fails is timed too
+            raise RuntimeError("boom")
+        run.write_json("s.json", {})
+    seconds = json.loads((tmp_path / "artifacts/logits/manifest.json").read_text())["prompt_seconds"]
+    assert list(seconds) == ["a", "b", "c"] and seconds["a"] >= 0.05 and seconds["a"] >= seconds["b"] >= 0
