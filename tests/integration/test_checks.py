@@ -115,7 +115,8 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
     metrics = json.loads((ws / "artifacts/checks/metrics.json").read_text())
     failing = [r["name"] for r in rows if r["verdict"] == "fail"]
     assert metrics == {"checks": len(rows), "passed": len(rows) - len(failing), "failed_error": 0,
-                       "failed_report": len(failing), "failing": metrics["failing"]}
+                       "failed_report": len(failing), "failing": metrics["failing"], "failing_prompts": "none"}
+    assert {r["prompt_id"] for r in rows} == set(paths.prompt_ids(paths.TOKENS, ws))      # the run's one prompt
     more = f" +{len(failing) - 3} more" if len(failing) > 3 else ""
     assert metrics["failing"] == (", ".join(failing[:3]) + more or "none")       # no errors: report ones in order
     manifest = json.loads((ws / "artifacts/checks/manifest.json").read_text())

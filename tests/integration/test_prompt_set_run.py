@@ -102,3 +102,18 @@ def test_a_wrong_number_in_one_prompt_fails_the_stage_naming_that_prompt(set_run
     assert failed == [(OTHER, "logits_file_exact")] and rows[(OTHER, "logits_file_exact")]["measured"] == 0.25
     assert rows[(REFERENCE, "logits_file_exact")]["verdict"] == "pass"
     assert json.loads(paths.artifact(paths.METRICS, ws).read_text())["failing_prompts"] == OTHER
+
+
+def test_duckdb_reads_the_set_as_one_table_and_a_prompt_filter_opens_one_file(set_run):
+    duckdb = pytest.importorskip("duckdb")
+    ws, _ = set_run
+    source = f"read_parquet('{paths.dataset(paths.LOGITS, ws).as_posix()}/*/*.parquet', hive_partitioning = true)"
+    counts = dict(duckdb.sql(f"select prompt_id, count(*) from {source} group by 1").fetchall())
+    assert set(counts) == {REFERENCE, OTHER}
+    assert counts[OTHER] == len(read_parquet(paths.partition(paths.LOGITS, OTHER, ws), columns=["logit"]))
+
+    def profile(where: str) -> str:
+        return duckdb.sql(f"explain analyze select max(logit) from {source} where {where}").fetchall()[0][1]
+    one = profile(f"prompt_id = '{OTHER}' and position = 2")
+    assert "Total Files Read: 1" in one and "Row Groups Scanned: 1 /" in one, one   # file, then row group
+    assert "Total Files Read: 2" in profile("position = 2")
