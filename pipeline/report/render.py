@@ -11,11 +11,9 @@ the figures): running the stage twice writes the same bytes.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -23,6 +21,7 @@ from pipeline import kernels
 from pipeline.errors import UserError
 from pipeline.model.names import act_name
 from pipeline.report import plots
+from pipeline.report.markdown import code, exact, figure, name, prob, src, table, yes
 from pipeline.report.plots import Figure, Fonts
 from pipeline.store import logits_io, paths, safetensors_io
 from pipeline.store.artifacts import read_json, read_parquet
@@ -78,14 +77,6 @@ def top_ids(logits: np.ndarray, n: int) -> list[int]:
     return np.argsort(-logits.astype(np.float64), kind="stable")[:n].tolist()
 
 
-def src(item, prompt_id: str | None = None) -> str:
-    """The repository-relative path of an artifact (a per-prompt one: the prompt's partition), as the
-    report cites it."""
-    if not isinstance(item, tuple):
-        return Path(item).as_posix()
-    return (paths.partition(item, prompt_id) if item in paths.PER_PROMPT else paths.artifact(item)).as_posix()
-
-
 def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], str]]:
     """The first N_COORDS coordinates of embed and final_norm_out at every position (float32
     holds every bf16/fp16 value exactly), and the captured input ids' shape and dtype; read
@@ -136,50 +127,6 @@ def load(use: Use, prompt_id: str, root: Path | str = ".") -> Inputs:
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
     inp.vocab.update({r["token_id"]: r for r in rows})
     return inp
-
-
-# ---------------------------------------------------------------- Markdown helpers
-def code(s: Any) -> str:
-    """A table cell showing text `s` exactly: JSON-quoted (spaces, newlines visible) in a code span.
-    For token text and pieces, where white space is the point; names and versions use `name()`."""
-    return name(json.dumps(s, ensure_ascii=False) if isinstance(s, str) else s)
-
-
-def name(s: Any) -> str:
-    """A name, version or id in a code span, as it is (no quotes)."""
-    text = str(s)
-    fence = "``" if "`" in text else "`"
-    text = text.replace("|", "\\|")     # a bare pipe would end the table cell
-    return f"{fence}{text}{fence}"
-
-
-def prob(p: float) -> str:
-    """Probabilities as in the article (4 decimals); tiny ones in scientific form, not 0.0000."""
-    return f"{p:.4f}" if p >= 1e-3 else f"{p:.3e}"
-
-
-def exact(x: float) -> str:
-    return repr(float(x))   # shortest string that reads back as the same double
-
-
-def yes(b: bool | None) -> str:
-    return "n/a" if b is None else ("yes" if b else "**no**")
-
-
-def table(headers: list[str], rows: list[list], source: str | list[str]) -> list[str]:
-    sources = [source] if isinstance(source, str) else source
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return out + ["", "source: " + ", ".join(f"`{s}`" for s in sources), ""]
-
-
-def _cell(c: Any) -> str:
-    # A bare pipe ends a table cell and a newline ends the row; code() already escaped its pipes.
-    return re.sub(r"(?<!\\)\|", r"\\|", str(c)).replace("\n", " ")
-
-
-def figure(fig: Figure) -> list[str]:
-    return [f"![{fig.caption}]({fig.png})", "", f"*{fig.caption}* Data: `{fig.data}`.", ""]
 
 
 def shown_positions(n: int) -> list[int | None]:

@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline.numerics.repetition import has_no_loop, is_loop
-from pipeline.report import plots, render
+from pipeline.report import markdown, plots, render
 from pipeline.store import logits_io, paths
 from tests.conftest import CHAIN, copy_ws, run_module
 from tests.helpers.partitions import part
@@ -314,7 +314,7 @@ def test_code_cells_survive_markdown():
     assert render.code("a|b") == '`"a\\|b"`'
     assert render.code(" x\n") == '`" x\\n"`'
     assert render.code("x`y") == '``"x`y"``'
-    assert render._cell("1 | 2\n3") == "1 \\| 2 3" and render._cell(render.code("|")) == '`"\\|"`'
+    assert markdown.cell("1 | 2\n3") == "1 \\| 2 3" and markdown.cell(render.code("|")) == '`"\\|"`'
     assert render.prob(0.61794) == "0.6179" and render.prob(2.5e-6) == "2.500e-06"
     assert render.shown_positions(3) == [0, 1, 2]
     assert render.shown_positions(100)[render.MAX_ROWS // 2] is None and len(render.shown_positions(100)) == 41
