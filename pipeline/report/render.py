@@ -20,17 +20,16 @@ import numpy as np
 from pipeline import kernels
 from pipeline.errors import UserError
 from pipeline.model.names import act_name
-from pipeline.report import plots
+from pipeline.report import overview, plots
 from pipeline.report.markdown import code, exact, figure, name, prob, src, table, yes
 from pipeline.report.plots import Figure, Fonts
 from pipeline.store import logits_io, paths, safetensors_io
 from pipeline.store.artifacts import read_json, read_parquet
 
-Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records an input, returns its path
+Use = overview.Use
 N_COORDS = 4                    # the article prints the first 4 coordinates
 MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
 SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
-UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
 
 
 @dataclass(frozen=True)
@@ -91,36 +90,34 @@ def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], s
     return coords, (list(ids.shape), ids.dtype)
 
 
-def load(use: Use, prompt_id: str, root: Path | str = ".") -> Inputs:
-    """Read every artifact the report needs, the per-prompt ones from `prompt_id`'s partitions;
-    `checks` is optional (its stage may not have run)."""
-    manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM
-                 if paths.manifest_path(s, root).exists()}
+def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.SetInputs | None = None) -> Inputs:
+    """Read every artifact the report needs, the per-prompt ones from `prompt_id`'s partitions, the run-level
+    ones from `prompts` (`overview.load`; read here for this prompt alone when not given); `checks` is
+    optional (its stage may not have run): this prompt's rows and the run-wide ones."""
+    prompts = prompts or overview.load(use, [prompt_id], root)
+    manifests = prompts.manifests
     facts = read_json(use(paths.FORWARD_FACTS, prompt_id))
     coords, input_ids = _first_coords(use(paths.CAPTURE, prompt_id))
     summary = read_json(use(paths.PROBS_SUMMARY, prompt_id))
     position = summary["positions"][-1]      # probs.positions, resolved; -1 (the last) by default
     top_n = len(summary["temperatures"][0]["top"])
-    checks = None
-    if paths.artifact(paths.CHECKS, root).exists():
-        checks = read_parquet(use(paths.CHECKS)).to_pylist()
+    checks = None if prompts.checks is None else [
+        c for c in prompts.checks if not prompts.by_prompt_checks or c[paths.PARTITION_KEY] in (None, prompt_id)]
 
-    def own(item: tuple[str, str]) -> list[dict] | None:
+    def own(rows: list[dict] | None) -> list[dict] | None:
         """This prompt's rows of a set-level prompt_metrics table; None for a run made before it."""
-        if not paths.artifact(item, root).exists():
-            return None
-        return read_parquet(use(item), filters=[("prompt_id", "=", prompt_id)]).to_pylist()
-    metrics = own(paths.PROBS_PROMPT_METRICS)
+        return None if rows is None else [r for r in rows if r["prompt_id"] == prompt_id]
+    metrics = own(prompts.probs)
     inp = Inputs(
         source=read_json(use(paths.SOURCE)), manifests=manifests,
-        tokenize=read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)),
+        tokenize=prompts.tokenize[prompt_id],
         tokens=read_parquet(use(paths.TOKENS, prompt_id)).to_pylist(),
         facts=facts, input_ids=input_ids, coords=coords, position=position,
         logits=logits_io.read_position(use(paths.LOGITS, prompt_id), position), summary=summary,
         kept_top=read_parquet(use(paths.FILTERED, prompt_id), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
         steps=read_parquet(use(paths.STEPS, prompt_id)).to_pylist(),
         trajectories=read_json(use(paths.TRAJECTORIES, prompt_id)),
-        prompt_metrics=own(paths.TRAJECTORY_PROMPT_METRICS), checks=checks, probs_prompt_metrics=metrics, vocab={},
+        prompt_metrics=own(prompts.runs), checks=checks, probs_prompt_metrics=metrics, vocab={},
         prompt_id=prompt_id)
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
@@ -392,15 +389,22 @@ def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figu
     return {f.name: f for f in figs}
 
 
-def render(inp: Inputs, figures: dict[str, Figure], font: Fonts) -> str:
+def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overview.SetInputs | None = None,
+           set_figures: list[Figure] = ()) -> str:
+    """report.md: the title, the overview of the run's prompts (`prompts`: one line each, with `set_figures`
+    across them), then every section for the detailed prompt `inp`."""
     prompt_name = inp.tokenize.get("prompt_name", "?")    # the run's name (schema.prompt_name), not params' null
     fonts = ", ".join(font.families) + ("" if font.cjk else " (no CJK font: labels the fonts cannot draw are "
                                                             "escaped, \\uXXXX)")
-    shown = json.dumps(inp.tokenize["prompt"][:40] + ("…" if len(inp.tokenize["prompt"]) > 40 else ""),
-                       ensure_ascii=False)
-    lines = [f"# Next-token report: {inp.source.get('name')} on prompt {prompt_name} ({shown})", "",
+    shown = json.dumps(overview.excerpt(inp.tokenize["prompt"]), ensure_ascii=False)
+    n = len(prompts.ids) if prompts else 1
+    what = (f"prompt {prompt_name} ({shown})" if n == 1 else
+            f"prompt set {prompt_name} ({n} prompts; detail: {inp.prompt_id}, {shown})")
+    lines = [f"# Next-token report: {inp.source.get('name')} on {what}", "",
              "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
-             f"from. Figures are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
+             f"from. Figures of one prompt are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
+    if prompts is not None:
+        lines += overview.section(prompts, inp.prompt_id, [figure(f) for f in set_figures])
     for part in (conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
                  temperatures(inp, figures), filters(inp, figures), trajectories(inp), checks(inp)):
         lines += part
