@@ -26,11 +26,11 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pipeline.config.schema import (PROMPT_ID_ALLOWED, PROMPT_ID_PATTERN, PromptConfig, Section, parse, prompt_path,
-                                    prompt_problem, rule, text_sha256)
+from pipeline.config.schema import PROMPT_ID_ALLOWED as ID_ALLOWED  # the id rule is schema's (report.prompt_id too)
+from pipeline.config.schema import PROMPT_ID_PATTERN as ID_PATTERN
+from pipeline.config.schema import PromptConfig, Section, parse, prompt_path, prompt_problem, rule, text_sha256
 from pipeline.errors import UserError, bad_value
 
-ID_PATTERN, ID_ALLOWED = PROMPT_ID_PATTERN, PROMPT_ID_ALLOWED    # the rule lives in schema (report.prompt_id too)
 KEYS = ("id", "text", "expected_token_ids")
 LINE = 'one JSON object per line, {"id": ..., "text": ...} (optional "expected_token_ids"); blank lines are skipped'
 SUFFIX = ".jsonl"

@@ -143,9 +143,9 @@ def rows(s: SetInputs) -> list[dict]:
 
 # ---------------------------------------------------------------- plot data
 def by_temperature(s: SetInputs, column: str) -> list[tuple[float, list[tuple[str, float]]]]:
-    """(T, [(prompt id, value of `column`)]) for each configured temperature, prompts in the run's order."""
+    """(T, [(prompt id, value of `column`)]) for each configured temperature, ascending; prompts in the run's order."""
     at = {(r["prompt_id"], r["temperature"]): r[column] for r in s.probs or []}
-    return [(t, [(p, at[p, t]) for p in s.ids if (p, t) in at]) for t in s.temperatures()]
+    return [(t, [(p, at[p, t]) for p in s.ids if (p, t) in at]) for t in sorted(s.temperatures())]
 
 
 def loop_rates(runs: list[dict]) -> list[dict]:

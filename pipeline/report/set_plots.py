@@ -37,7 +37,11 @@ def _strip(ax, groups: list[tuple[float, list[tuple[str, float]]]], log: bool) -
         ax.plot([a for a, _ in pts], [b for _, b in pts], "o", color="tab:blue", ms=3.5, alpha=0.8)
     ax.set_xticks(x, [f"T = {t:g}" for t, _ in groups])
     if log:
+        from matplotlib.ticker import FuncFormatter
         ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")     # 40, not 4 x 10^1
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
     ax.grid(axis="y", alpha=0.3, which="both")
 
 
