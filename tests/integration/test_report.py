@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from pipeline.numerics.repetition import has_no_loop, is_loop
 from pipeline.report import markdown, plots, render
 from pipeline.store import logits_io, paths
-from tests.conftest import CHAIN, copy_ws, run_module
+from tests.conftest import CHAIN, REPO, copy_ws, run_module
 from tests.helpers.partitions import part
 
 CHECKS_SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
@@ -298,12 +298,14 @@ def test_without_checks_the_report_says_so(ws, tmp_path):
     for stage in ("prepare_model", "tokenize", *CHAIN):
         (tmp_path / paths.ARTIFACTS).mkdir(exist_ok=True)
         (tmp_path / paths.ARTIFACTS / stage).symlink_to(paths.stage_dir(stage, ws).resolve())
+    (tmp_path / paths.PARAMS).write_bytes((ws / paths.PARAMS).read_bytes())     # report.prompt_id
     run_module("stages.report", tmp_path, check=True)
     text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 9)
     assert "`artifacts/checks/checks.parquet` is missing" in text and not tables(text)
 
 
 def test_missing_input_is_a_clear_error(tmp_path):
+    (tmp_path / paths.PARAMS).write_bytes((REPO / paths.PARAMS).read_bytes())
     proc = run_module("stages.report", tmp_path)
     assert proc.returncode == 2 and "input artifacts/tokenize/tokens holds no prompt partition" in proc.stderr
     assert not paths.stage_dir("report", tmp_path).exists()
