@@ -172,7 +172,8 @@ def section(s: SetInputs, chosen: str, figures: list[list[str]]) -> list[str]:
               "-" if r["greedy_text"] is None else code(excerpt(r["greedy_text"])), _loop(r),
               "-" if r["diverge"] is None else ("never" if r["diverge"] == 0 else f"step {r['diverge']}"),
               _checks(r["checks"], s.checks is not None)] for r in rs]
-    sources = [paths.dataset(paths.TOKENIZE_SUMMARY).as_posix(), src(paths.PROBS_PROMPT_METRICS),
+    every = paths.dataset(paths.TOKENIZE_SUMMARY) / f"{paths.PARTITION_KEY}=*" / paths.TOKENIZE_SUMMARY[1]
+    sources = [every.as_posix(), src(paths.PROBS_PROMPT_METRICS),
                src(paths.TRAJECTORY_PROMPT_METRICS)] + ([src(paths.CHECKS)] if s.checks is not None else [])
     intro = "One line per prompt, in the order of their ids."
     if t is not None:
