@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import kernels
 from pipeline.errors import UserError
 from pipeline.model.names import act_name
+from pipeline.report import conditions as run_conditions
 from pipeline.report import overview, plots
 from pipeline.report.markdown import code, exact, figure, name, prob, src, table, yes
 from pipeline.report.plots import Figure, Fonts
@@ -140,64 +140,6 @@ def token_text(inp: Inputs, token_id: int) -> str:
 
 
 # ---------------------------------------------------------------- sections
-def kernel_path(record: dict | None) -> str:
-    """The forward pass's kernel path: mode, ATen capability, pins; CPU flags, MKL / oneDNN, CUDA."""
-    if not record:
-        return "not recorded (a run made before kernel paths were recorded)"
-    cuda = record.get("cuda")
-    return (f"{kernels.summary(record)}; CPU flags {' '.join(record.get('cpu_flags') or []) or 'unknown'}; "
-            f"MKL {record.get('mkl')}, oneDNN {record.get('onednn')}"
-            + (f"; CUDA: {', '.join(f'{k}={v}' for k, v in cuda.items())}" if cuda else ""))
-
-
-def conditions(inp: Inputs) -> list[str]:
-    s, f = inp.source, inp.facts
-    fwd = inp.manifests.get("forward", {})
-    hw, det = fwd.get("hardware", {}), fwd.get("determinism", {})
-    gpus = "; ".join(f"{g['name']} (cc {g['compute_capability']}, {g['total_memory_bytes'] / 2**30:.0f} GiB)"
-                     for g in hw.get("gpus", [])) or "none (CUDA not available)"
-    seeds = "; ".join(f"{k} = {v} ({stage})" for stage, m in inp.manifests.items()
-                      for k, v in (m.get("seeds") or {}).items()) or "none recorded"
-    origin = s.get("hub_id") or (f"pip {s.get('pip')} {s.get('package_version')}" if s.get("pip") else "local")
-    git = fwd.get("git", {})
-    rows = [
-        ["model", name(s.get("name"))], ["kind", s.get("kind")], ["revision", name(s.get("revision"))],
-        ["from", origin],
-        ["architecture", f"{f['model_type']}: {f['num_layers']} layers, hidden {f['hidden_size']}, "
-                         f"{f['num_heads']} heads ({f['num_kv_heads']} KV), head dim {f['head_dim']}, "
-                         f"tied embeddings {yes(f['tied_embeddings'])}"],
-        ["output size / tokenizer length", f"{f['output_size']} / {f['tokenizer_len']}"],
-        ["dtype (compute)", f["compute_dtype"]], ["attention", f["attn_implementation"]],
-        ["device", f["device"] + (f" ({f['gpu_name']})" if f.get("gpu_name") else "")],
-        ["CPU", f"{hw.get('cpu_model')}, {hw.get('cpu_cores')} cores, "
-                f"{(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB RAM"],
-        ["GPU", gpus],
-        ["CUDA / cuDNN / driver", f"{hw.get('cuda_version')} / {hw.get('cudnn_version')} / {hw.get('gpu_driver')}"],
-        ["seeds", seeds],
-        ["determinism", ", ".join(f"{k}={v}" for k, v in det.items())],
-        ["kernel path", kernel_path(fwd.get("kernels"))],
-        ["git", "not recorded (no git checkout)" if not git.get("commit")
-         else f"{git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}"],
-    ]
-    out = ["## 1. Run conditions", ""] + table(["", "value"], rows, [
-        src(paths.SOURCE), inp.cite(paths.FORWARD_FACTS), src(paths.manifest_path("forward")),
-        "artifacts/*/manifest.json"])
-    stage_rows = [[st, m.get("created_at"), m.get("duration_s"), m.get("hardware", {}).get("cpu_model"),
-                   ", ".join(g["name"] for g in m.get("hardware", {}).get("gpus", [])) or "-",
-                   (m.get("config_sha256") or "")[:12], (m.get("git") or {}).get("commit") or "-"]
-                  for st, m in inp.manifests.items()]
-    out += ["Stages:", ""] + table(["stage", "created (UTC)", "duration (s)", "CPU", "GPU", "config sha256",
-                                    "git commit"], stage_rows, "artifacts/*/manifest.json")
-    libs = fwd.get("libraries", {})
-    lib_rows = []
-    for lib, version in libs.items():
-        other = sorted({f"{st}: {m['libraries'].get(lib)}" for st, m in inp.manifests.items()
-                        if m.get("libraries", {}).get(lib) != version})
-        lib_rows.append([lib, name(version), "; ".join(other) or "same in every stage"])
-    return out + ["Library versions:", ""] + table(["library", "version (forward)", "other stages"], lib_rows,
-                                                    "artifacts/*/manifest.json")
-
-
 def tokens(inp: Inputs) -> list[str]:
     t = inp.tokenize
     rows = []
@@ -405,7 +347,7 @@ def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overvi
              f"from. Figures of one prompt are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
     if prompts is not None:
         lines += overview.section(prompts, inp.prompt_id, [figure(f) for f in set_figures])
-    for part in (conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
+    for part in (run_conditions.conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
                  temperatures(inp, figures), filters(inp, figures), trajectories(inp), checks(inp)):
         lines += part
     return "\n".join(lines).rstrip("\n") + "\n"
