@@ -99,8 +99,8 @@ def run_row(runs: list[dict], prompt_id: str, branch: str) -> dict | None:
 
 
 def check_counts(checks: list[dict] | None, by_prompt: bool, ids: list[str]) -> dict[str, tuple[int, int]] | None:
-    """Per prompt (pass, fail) counts of its checks. Rows without a prompt (checks over the whole run) count
-    for none. A checks.parquet without a prompt_id column belongs to the run's one prompt; with several
+    """Per prompt (pass, fail) counts of its checks. Rows of no prompt of the run (null or "": checks over the
+    whole run) count for none. A checks.parquet without a prompt_id column belongs to the run's one prompt; with several
     prompts its rows cannot be attributed (None). No checks: None."""
     if checks is None or (not by_prompt and len(ids) != 1):
         return None
