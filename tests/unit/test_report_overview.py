@@ -89,10 +89,11 @@ def test_checks_per_prompt_and_from_a_run_recorded_before_the_column():
     checks = [{"prompt_id": "code_py", "name": "a", "verdict": "pass"},
               {"prompt_id": "code_py", "name": "b", "verdict": "fail"},
               {"prompt_id": "zh_fact", "name": "a", "verdict": "pass"},
-              {"prompt_id": None, "name": "environment", "verdict": "fail"}]     # run-wide: no prompt's
+              {"prompt_id": None, "name": "environment", "verdict": "fail"},     # run-wide: no prompt's
+              {"prompt_id": "", "name": "kernels", "verdict": "fail"}]
     assert [r["checks"] for r in overview.rows(inputs(checks))] == [(1, 1), (1, 0)]
     old = [{k: v for k, v in c.items() if k != "prompt_id"} for c in checks]
-    assert overview.check_counts(old, False, ["only"]) == {"only": (2, 2)}   # the run's one prompt
+    assert overview.check_counts(old, False, ["only"]) == {"only": (2, 3)}   # the run's one prompt
     assert overview.check_counts(old, False, IDS) is None                    # cannot be attributed
     assert overview.check_counts(None, True, IDS) is None
 
