@@ -1,8 +1,12 @@
-"""Stage report: report.md (the article's tables from this run's numbers) and plots/*.png."""
+"""Stage report: report.md (an overview of the run's prompts, then the article's tables for one of them,
+`report.prompt_id`) and plots/*.png, from the artifacts."""
 
 from __future__ import annotations
 
-from pipeline.report import plots, render
+from pathlib import Path
+
+from pipeline.config import registry, schema
+from pipeline.report import overview, plots, render, set_plots
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
@@ -10,14 +14,21 @@ STAGE = "report"
 
 
 def main() -> None:
-    with stage_run(STAGE, {}) as run:
-        # the run's prompt (a set of one today; a set's overview and chosen prompt: issue 17 item 6)
-        inputs = render.load(run.use, run.prompt_ids(paths.TOKENS)[0])
+    params = schema.read_params(Path(paths.PARAMS))
+    cfg = schema.load_section(params, "report")
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+        ids = run.prompt_ids(paths.TOKENS)
+        chosen = overview.choose(cfg.prompt_id, ids)       # an id the run lacks: one line, before any read
+        prompts = overview.load(run.use, ids)
+        inputs = render.load(run.use, chosen, prompts=prompts)
         run.model = inputs.manifests.get("forward", {}).get("model")
         font = plots.fonts()
-        run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None}
+        run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None,
+                     "prompts": len(ids), "detail": chosen}
         figures = render.draw(inputs, run.out, font)
-        run.out(paths.REPORT[1]).write_text(render.render(inputs, figures, font), encoding="utf-8")
+        across = set_plots.draw(prompts, run.out, font)
+        text = render.render(inputs, figures, font, prompts, across)
+        run.out(paths.REPORT[1]).write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ from typing import Annotated
 
 from pydantic import Field
 
+from pipeline.config.schema import PROMPT_ID_ALLOWED as ID_ALLOWED  # the id rule is schema's (report.prompt_id too)
+from pipeline.config.schema import PROMPT_ID_PATTERN as ID_PATTERN
 from pipeline.config.schema import PromptConfig, Section, parse, prompt_path, prompt_problem, rule, text_sha256
 from pipeline.errors import UserError, bad_value
 
-ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
-ID_ALLOWED = "1 to 64 of A-Z a-z 0-9 _ . -, not starting with . or - (it names the prompt's partition, prompt_id=<id>)"
 KEYS = ("id", "text", "expected_token_ids")
 LINE = 'one JSON object per line, {"id": ..., "text": ...} (optional "expected_token_ids"); blank lines are skipped'
 SUFFIX = ".jsonl"

@@ -31,7 +31,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "checks": ("model.name", "model.trust_remote_code", "model.tokenizer", "model.reference_figures", "prompt",
                "capture.dtype", "capture.device", "capture.attn_implementation", "capture.kernels", "probs",
                "sampling", "checks"),
-    "report": (),           # everything it shows comes from the artifacts (and their manifests)
+    "report": ("report",),  # which prompt to detail; everything it shows comes from the artifacts
 }
 
 

@@ -62,6 +62,10 @@ Int = Annotated[int, Strict()]
 Count = Annotated[int, Field(ge=1)]
 Positive = Annotated[float, Field(gt=0.0)]
 MAX_SET_SIZE = 64    # prompt.max_set_size's default
+# A prompt's id in a set (prompt_set.PromptRecord) and in report.prompt_id: it names a partition folder.
+PROMPT_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+PROMPT_ID_ALLOWED = ("1 to 64 of A-Z a-z 0-9 _ . -, not starting with . or - (it names the prompt's partition, "
+                     "prompt_id=<id>)")
 
 
 # ---------------------------------------------------------------- prompts and paths
@@ -322,8 +326,17 @@ class ChecksConfig(Section):
     kv_cache_atol: float = Field(ge=0.0)
 
 
+class ReportConfig(Section):
+    """`report`: which prompt of the run the report details (the overview lists every prompt). Whether the
+    id is one of the run's is known from the artifacts only: the report stage checks it before writing."""
+
+    prompt_id: str | None = Field(None, pattern=PROMPT_ID_PATTERN,
+                                  description=f"null (the run's first prompt) or a prompt id: {PROMPT_ID_ALLOWED}")
+
+
 SECTIONS: dict[str, type[Section]] = {"model": ModelConfig, "prompt": PromptConfig, "capture": CaptureConfig,
-                                      "probs": ProbsConfig, "sampling": SamplingConfig, "checks": ChecksConfig}
+                                      "probs": ProbsConfig, "sampling": SamplingConfig, "checks": ChecksConfig,
+                                      "report": ReportConfig}
 
 
 # ---------------------------------------------------------------- one line per error

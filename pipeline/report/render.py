@@ -11,27 +11,25 @@ the figures): running the stage twice writes the same bytes.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from pipeline import kernels
 from pipeline.errors import UserError
 from pipeline.model.names import act_name
-from pipeline.report import plots
+from pipeline.report import conditions as run_conditions
+from pipeline.report import overview, plots
+from pipeline.report.markdown import code, exact, figure, name, prob, src, table, yes
 from pipeline.report.plots import Figure, Fonts
 from pipeline.store import logits_io, paths, safetensors_io
 from pipeline.store.artifacts import read_json, read_parquet
 
-Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records an input, returns its path
+Use = overview.Use
 N_COORDS = 4                    # the article prints the first 4 coordinates
 MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
 SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
-UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
 
 
 @dataclass(frozen=True)
@@ -78,14 +76,6 @@ def top_ids(logits: np.ndarray, n: int) -> list[int]:
     return np.argsort(-logits.astype(np.float64), kind="stable")[:n].tolist()
 
 
-def src(item, prompt_id: str | None = None) -> str:
-    """The repository-relative path of an artifact (a per-prompt one: the prompt's partition), as the
-    report cites it."""
-    if not isinstance(item, tuple):
-        return Path(item).as_posix()
-    return (paths.partition(item, prompt_id) if item in paths.PER_PROMPT else paths.artifact(item)).as_posix()
-
-
 def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], str]]:
     """The first N_COORDS coordinates of embed and final_norm_out at every position (float32
     holds every bf16/fp16 value exactly), and the captured input ids' shape and dtype; read
@@ -100,86 +90,40 @@ def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], s
     return coords, (list(ids.shape), ids.dtype)
 
 
-def load(use: Use, prompt_id: str, root: Path | str = ".") -> Inputs:
-    """Read every artifact the report needs, the per-prompt ones from `prompt_id`'s partitions;
-    `checks` is optional (its stage may not have run)."""
-    manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM
-                 if paths.manifest_path(s, root).exists()}
+def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.SetInputs | None = None) -> Inputs:
+    """Read every artifact the report needs, the per-prompt ones from `prompt_id`'s partitions, the run-level
+    ones from `prompts` (`overview.load`; read here for this prompt alone when not given); `checks` is
+    optional (its stage may not have run): this prompt's rows and the run-wide ones."""
+    prompts = prompts or overview.load(use, [prompt_id], root)
+    manifests = prompts.manifests
     facts = read_json(use(paths.FORWARD_FACTS, prompt_id))
     coords, input_ids = _first_coords(use(paths.CAPTURE, prompt_id))
     summary = read_json(use(paths.PROBS_SUMMARY, prompt_id))
     position = summary["positions"][-1]      # probs.positions, resolved; -1 (the last) by default
     top_n = len(summary["temperatures"][0]["top"])
-    checks = None
-    if paths.artifact(paths.CHECKS, root).exists():
-        checks = read_parquet(use(paths.CHECKS)).to_pylist()
+    checks = None if prompts.checks is None else [
+        c for c in prompts.checks if not prompts.by_prompt_checks or c[paths.PARTITION_KEY] in (None, "", prompt_id)]
 
-    def own(item: tuple[str, str]) -> list[dict] | None:
+    def own(rows: list[dict] | None) -> list[dict] | None:
         """This prompt's rows of a set-level prompt_metrics table; None for a run made before it."""
-        if not paths.artifact(item, root).exists():
-            return None
-        return read_parquet(use(item), filters=[("prompt_id", "=", prompt_id)]).to_pylist()
-    metrics = own(paths.PROBS_PROMPT_METRICS)
+        return None if rows is None else [r for r in rows if r["prompt_id"] == prompt_id]
+    metrics = own(prompts.probs)
     inp = Inputs(
         source=read_json(use(paths.SOURCE)), manifests=manifests,
-        tokenize=read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)),
+        tokenize=prompts.tokenize[prompt_id],
         tokens=read_parquet(use(paths.TOKENS, prompt_id)).to_pylist(),
         facts=facts, input_ids=input_ids, coords=coords, position=position,
         logits=logits_io.read_position(use(paths.LOGITS, prompt_id), position), summary=summary,
         kept_top=read_parquet(use(paths.FILTERED, prompt_id), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
         steps=read_parquet(use(paths.STEPS, prompt_id)).to_pylist(),
         trajectories=read_json(use(paths.TRAJECTORIES, prompt_id)),
-        prompt_metrics=own(paths.TRAJECTORY_PROMPT_METRICS), checks=checks, probs_prompt_metrics=metrics, vocab={},
+        prompt_metrics=own(prompts.runs), checks=checks, probs_prompt_metrics=metrics, vocab={},
         prompt_id=prompt_id)
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
     inp.vocab.update({r["token_id"]: r for r in rows})
     return inp
-
-
-# ---------------------------------------------------------------- Markdown helpers
-def code(s: Any) -> str:
-    """A table cell showing text `s` exactly: JSON-quoted (spaces, newlines visible) in a code span.
-    For token text and pieces, where white space is the point; names and versions use `name()`."""
-    return name(json.dumps(s, ensure_ascii=False) if isinstance(s, str) else s)
-
-
-def name(s: Any) -> str:
-    """A name, version or id in a code span, as it is (no quotes)."""
-    text = str(s)
-    fence = "``" if "`" in text else "`"
-    text = text.replace("|", "\\|")     # a bare pipe would end the table cell
-    return f"{fence}{text}{fence}"
-
-
-def prob(p: float) -> str:
-    """Probabilities as in the article (4 decimals); tiny ones in scientific form, not 0.0000."""
-    return f"{p:.4f}" if p >= 1e-3 else f"{p:.3e}"
-
-
-def exact(x: float) -> str:
-    return repr(float(x))   # shortest string that reads back as the same double
-
-
-def yes(b: bool | None) -> str:
-    return "n/a" if b is None else ("yes" if b else "**no**")
-
-
-def table(headers: list[str], rows: list[list], source: str | list[str]) -> list[str]:
-    sources = [source] if isinstance(source, str) else source
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return out + ["", "source: " + ", ".join(f"`{s}`" for s in sources), ""]
-
-
-def _cell(c: Any) -> str:
-    # A bare pipe ends a table cell and a newline ends the row; code() already escaped its pipes.
-    return re.sub(r"(?<!\\)\|", r"\\|", str(c)).replace("\n", " ")
-
-
-def figure(fig: Figure) -> list[str]:
-    return [f"![{fig.caption}]({fig.png})", "", f"*{fig.caption}* Data: `{fig.data}`.", ""]
 
 
 def shown_positions(n: int) -> list[int | None]:
@@ -196,64 +140,6 @@ def token_text(inp: Inputs, token_id: int) -> str:
 
 
 # ---------------------------------------------------------------- sections
-def kernel_path(record: dict | None) -> str:
-    """The forward pass's kernel path: mode, ATen capability, pins; CPU flags, MKL / oneDNN, CUDA."""
-    if not record:
-        return "not recorded (a run made before kernel paths were recorded)"
-    cuda = record.get("cuda")
-    return (f"{kernels.summary(record)}; CPU flags {' '.join(record.get('cpu_flags') or []) or 'unknown'}; "
-            f"MKL {record.get('mkl')}, oneDNN {record.get('onednn')}"
-            + (f"; CUDA: {', '.join(f'{k}={v}' for k, v in cuda.items())}" if cuda else ""))
-
-
-def conditions(inp: Inputs) -> list[str]:
-    s, f = inp.source, inp.facts
-    fwd = inp.manifests.get("forward", {})
-    hw, det = fwd.get("hardware", {}), fwd.get("determinism", {})
-    gpus = "; ".join(f"{g['name']} (cc {g['compute_capability']}, {g['total_memory_bytes'] / 2**30:.0f} GiB)"
-                     for g in hw.get("gpus", [])) or "none (CUDA not available)"
-    seeds = "; ".join(f"{k} = {v} ({stage})" for stage, m in inp.manifests.items()
-                      for k, v in (m.get("seeds") or {}).items()) or "none recorded"
-    origin = s.get("hub_id") or (f"pip {s.get('pip')} {s.get('package_version')}" if s.get("pip") else "local")
-    git = fwd.get("git", {})
-    rows = [
-        ["model", name(s.get("name"))], ["kind", s.get("kind")], ["revision", name(s.get("revision"))],
-        ["from", origin],
-        ["architecture", f"{f['model_type']}: {f['num_layers']} layers, hidden {f['hidden_size']}, "
-                         f"{f['num_heads']} heads ({f['num_kv_heads']} KV), head dim {f['head_dim']}, "
-                         f"tied embeddings {yes(f['tied_embeddings'])}"],
-        ["output size / tokenizer length", f"{f['output_size']} / {f['tokenizer_len']}"],
-        ["dtype (compute)", f["compute_dtype"]], ["attention", f["attn_implementation"]],
-        ["device", f["device"] + (f" ({f['gpu_name']})" if f.get("gpu_name") else "")],
-        ["CPU", f"{hw.get('cpu_model')}, {hw.get('cpu_cores')} cores, "
-                f"{(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB RAM"],
-        ["GPU", gpus],
-        ["CUDA / cuDNN / driver", f"{hw.get('cuda_version')} / {hw.get('cudnn_version')} / {hw.get('gpu_driver')}"],
-        ["seeds", seeds],
-        ["determinism", ", ".join(f"{k}={v}" for k, v in det.items())],
-        ["kernel path", kernel_path(fwd.get("kernels"))],
-        ["git", "not recorded (no git checkout)" if not git.get("commit")
-         else f"{git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}"],
-    ]
-    out = ["## 1. Run conditions", ""] + table(["", "value"], rows, [
-        src(paths.SOURCE), inp.cite(paths.FORWARD_FACTS), src(paths.manifest_path("forward")),
-        "artifacts/*/manifest.json"])
-    stage_rows = [[st, m.get("created_at"), m.get("duration_s"), m.get("hardware", {}).get("cpu_model"),
-                   ", ".join(g["name"] for g in m.get("hardware", {}).get("gpus", [])) or "-",
-                   (m.get("config_sha256") or "")[:12], (m.get("git") or {}).get("commit") or "-"]
-                  for st, m in inp.manifests.items()]
-    out += ["Stages:", ""] + table(["stage", "created (UTC)", "duration (s)", "CPU", "GPU", "config sha256",
-                                    "git commit"], stage_rows, "artifacts/*/manifest.json")
-    libs = fwd.get("libraries", {})
-    lib_rows = []
-    for lib, version in libs.items():
-        other = sorted({f"{st}: {m['libraries'].get(lib)}" for st, m in inp.manifests.items()
-                        if m.get("libraries", {}).get(lib) != version})
-        lib_rows.append([lib, name(version), "; ".join(other) or "same in every stage"])
-    return out + ["Library versions:", ""] + table(["library", "version (forward)", "other stages"], lib_rows,
-                                                    "artifacts/*/manifest.json")
-
-
 def tokens(inp: Inputs) -> list[str]:
     t = inp.tokenize
     rows = []
@@ -445,16 +331,23 @@ def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figu
     return {f.name: f for f in figs}
 
 
-def render(inp: Inputs, figures: dict[str, Figure], font: Fonts) -> str:
+def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overview.SetInputs | None = None,
+           set_figures: list[Figure] = ()) -> str:
+    """report.md: the title, the overview of the run's prompts (`prompts`: one line each, with `set_figures`
+    across them), then every section for the detailed prompt `inp`."""
     prompt_name = inp.tokenize.get("prompt_name", "?")    # the run's name (schema.prompt_name), not params' null
     fonts = ", ".join(font.families) + ("" if font.cjk else " (no CJK font: labels the fonts cannot draw are "
                                                             "escaped, \\uXXXX)")
-    shown = json.dumps(inp.tokenize["prompt"][:40] + ("…" if len(inp.tokenize["prompt"]) > 40 else ""),
-                       ensure_ascii=False)
-    lines = [f"# Next-token report: {inp.source.get('name')} on prompt {prompt_name} ({shown})", "",
+    shown = json.dumps(overview.excerpt(inp.tokenize["prompt"]), ensure_ascii=False)
+    n = len(prompts.ids) if prompts else 1
+    what = (f"prompt {prompt_name} ({shown})" if n == 1 else
+            f"prompt set {prompt_name} ({n} prompts; detail: {inp.prompt_id}, {shown})")
+    lines = [f"# Next-token report: {inp.source.get('name')} on {what}", "",
              "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
-             f"from. Figures are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
-    for part in (conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
+             f"from. Figures of one prompt are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
+    if prompts is not None:
+        lines += overview.section(prompts, inp.prompt_id, [figure(f) for f in set_figures])
+    for part in (run_conditions.conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
                  temperatures(inp, figures), filters(inp, figures), trajectories(inp), checks(inp)):
         lines += part
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -10,9 +10,15 @@ numbers the single-prompt run holds: a prompt alone and inside a set give the sa
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import yaml
 
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import read_dataset, read_parquet
@@ -27,8 +33,11 @@ def _content(path) -> str:
     return provenance.logical_hash(path) or provenance.sha256_file(path)
 
 
-def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(tiny_workspace, tiny_chain, tmp_path):
-    ws = copy_ws(tiny_workspace, tmp_path / "ws")
+@pytest.fixture(scope="module")
+def two_prompts(tiny_workspace, tmp_path_factory) -> Path:
+    """tiny_workspace with a second prompt (a copy of the first under the id TWIN), forward -> trajectories run
+    over both (read-only: the report test works on a copy)."""
+    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("two_prompts") / "ws")
     (pid,) = paths.prompt_ids(paths.TOKENS, ws)
     manifest = json.loads(paths.manifest_path("tokenize", ws).read_text())
     for item in (paths.TOKENS, paths.TOKENIZE_SUMMARY):
@@ -42,7 +51,12 @@ def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(tiny_workspa
     paths.manifest_path("tokenize", ws).write_text(json.dumps(manifest, indent=2))
     for stage in CHAIN:
         run_module(f"stages.{stage}", ws, check=True)
+    return ws
 
+
+def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(two_prompts, tiny_chain):
+    ws = two_prompts                                 # read only (the audit writes nothing)
+    (pid,) = paths.prompt_ids(paths.TOKENS, tiny_chain)
     per_prompt = [i for i in paths.PER_PROMPT if i[0] in CHAIN]
     for item in per_prompt:
         assert paths.prompt_ids(item, ws) == sorted([pid, TWIN]), item
@@ -69,3 +83,62 @@ def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(tiny_workspa
     result = audit.audit_folder(ws, "two prompts")
     assert any("re-derived" in n and "(2 prompt(s))" in n for n in result.notes), result.lines()
     assert result.clean, result.lines()
+
+
+# ---------------------------------------------------------------- the report of a set (item 6)
+def _checks_by_prompt(ws: Path, pid: str) -> None:
+    """A checks.parquet in the checks stage's schema with prompt_id (first column): pid 2 pass, TWIN 1 pass and
+    1 fail, one run-wide row; as the checks stage over a set writes it."""
+    rows = [(pid, "lm_head_recompute", "pass"), (pid, "fp64_sum", "pass"), (TWIN, "lm_head_recompute", "pass"),
+            (TWIN, "fp64_sum", "fail"), (None, "environment", "pass")]
+    table = pa.Table.from_pylist([{"prompt_id": p, "name": n, "what": "x vs y", "measured": 0.0, "tolerance": 0.0,
+                                   "verdict": v, "severity": "error", "detail": p or "run-wide"} for p, n, v in rows])
+    paths.stage_dir("checks", ws).mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, paths.artifact(paths.CHECKS, ws))
+
+
+def _set_key(ws: Path, value: str | None) -> None:
+    params = yaml.safe_load((ws / paths.PARAMS).read_text(encoding="utf-8"))
+    params["report"]["prompt_id"] = value
+    (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False), encoding="utf-8")
+
+
+def test_report_of_a_set_lists_every_prompt_and_details_the_chosen_one(two_prompts, tmp_path):
+    ws = copy_ws(two_prompts, tmp_path / "ws")
+    pid = next(p for p in paths.prompt_ids(paths.TOKENS, ws) if p != TWIN)
+    _checks_by_prompt(ws, pid)
+
+    _set_key(ws, "nope")              # an id the run lacks: one line naming the allowed ids, nothing written
+    proc = run_module("stages.report", ws)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of this run's prompt ids: "
+        f"{', '.join(sorted([pid, TWIN]))}"]
+    assert not paths.stage_dir("report", ws).exists()
+
+    _set_key(ws, TWIN)
+    run_module("stages.report", ws, check=True)
+    md = paths.artifact(paths.REPORT, ws).read_text(encoding="utf-8")
+    assert md.startswith(f"# Next-token report: tiny_qwen2 on prompt set {pid} (2 prompts; detail: {TWIN}, ")
+    overview = re.search(r"^## Prompts of this run \(2\)\n(.*?)(?=^## )", md, flags=re.M | re.S).group(1)
+    lines = {ln.split(" | ")[0][2:]: ln for ln in overview.splitlines() if ln.startswith("| `")}
+    assert set(lines) == {f"`{pid}`", f"`{TWIN}` (detail below)"}
+    # the numbers of prompt_metrics.parquet at T = 1 and the nucleus of top_p_0.9, the same for both copies
+    t1 = read_parquet(paths.artifact(paths.PROBS_PROMPT_METRICS, ws)).filter(pc.field("temperature") == 1.0)
+    for row in t1.to_pylist():
+        cells = lines[f"`{row['prompt_id']}`" + (" (detail below)" if row["prompt_id"] == TWIN else "")].split(" | ")
+        assert cells[3].startswith(f"{row['top1_id']} ") and cells[5] == f"{row['entropy']:.4f}"
+        assert cells[6] == str(row["top_p_0.9_kept"])
+    assert lines[f"`{pid}`"].endswith("| 2 / 0 |") and lines[f"`{TWIN}` (detail below)"].endswith("| 1 / **1** |")
+    # the detail is the chosen prompt's: its partitions cited, its checks and the run-wide one, not the other's
+    detail = md[md.index("## 1. "):]
+    assert f"prompt_id={TWIN}/" in detail and f"prompt_id={pid}/" not in detail
+    checks = detail[detail.index("## 9. "):]
+    assert "3 checks: 2 pass, 1 fail" in checks and "run-wide" in checks and f"| {pid} |" not in checks
+    # the figures across prompts, with both prompts' numbers
+    for name in ("set_nucleus", "set_next_token", "set_loops"):
+        assert f"plots/{name}.png" in md
+        assert (paths.stage_dir("report", ws) / "plots" / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+    nucleus = (paths.stage_dir("report", ws) / "plots" / "set_nucleus.csv").read_text(encoding="utf-8")
+    assert {ln.split(",")[1] for ln in nucleus.splitlines()[1:]} == {pid, TWIN}
+    loops = (paths.stage_dir("report", ws) / "plots" / "set_loops.csv").read_text(encoding="utf-8").splitlines()
+    assert [ln.split(",")[2] for ln in loops[1:]] == ["2"] * (len(loops) - 1)      # each branch: 2 prompts

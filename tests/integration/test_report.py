@@ -19,9 +19,9 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline.numerics.repetition import has_no_loop, is_loop
-from pipeline.report import plots, render
+from pipeline.report import markdown, plots, render
 from pipeline.store import logits_io, paths
-from tests.conftest import CHAIN, copy_ws, run_module
+from tests.conftest import CHAIN, REPO, copy_ws, run_module
 from tests.helpers.partitions import part
 
 CHECKS_SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
@@ -298,12 +298,14 @@ def test_without_checks_the_report_says_so(ws, tmp_path):
     for stage in ("prepare_model", "tokenize", *CHAIN):
         (tmp_path / paths.ARTIFACTS).mkdir(exist_ok=True)
         (tmp_path / paths.ARTIFACTS / stage).symlink_to(paths.stage_dir(stage, ws).resolve())
+    (tmp_path / paths.PARAMS).write_bytes((ws / paths.PARAMS).read_bytes())     # report.prompt_id
     run_module("stages.report", tmp_path, check=True)
     text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 9)
     assert "`artifacts/checks/checks.parquet` is missing" in text and not tables(text)
 
 
 def test_missing_input_is_a_clear_error(tmp_path):
+    (tmp_path / paths.PARAMS).write_bytes((REPO / paths.PARAMS).read_bytes())
     proc = run_module("stages.report", tmp_path)
     assert proc.returncode == 2 and "input artifacts/tokenize/tokens holds no prompt partition" in proc.stderr
     assert not paths.stage_dir("report", tmp_path).exists()
@@ -314,7 +316,7 @@ def test_code_cells_survive_markdown():
     assert render.code("a|b") == '`"a\\|b"`'
     assert render.code(" x\n") == '`" x\\n"`'
     assert render.code("x`y") == '``"x`y"``'
-    assert render._cell("1 | 2\n3") == "1 \\| 2 3" and render._cell(render.code("|")) == '`"\\|"`'
+    assert markdown.cell("1 | 2\n3") == "1 \\| 2 3" and markdown.cell(render.code("|")) == '`"\\|"`'
     assert render.prob(0.61794) == "0.6179" and render.prob(2.5e-6) == "2.500e-06"
     assert render.shown_positions(3) == [0, 1, 2]
     assert render.shown_positions(100)[render.MAX_ROWS // 2] is None and len(render.shown_positions(100)) == 41

@@ -237,6 +237,10 @@ def range_cases() -> list[Case]:
         _r("checks.kv_cache_atol", math.nan),
         _r("checks.nope", 1, "key"),
         _missing("checks.kv_cache_atol"),
+        # report (whether an id is one of the run's is known from the artifacts: the report stage, below)
+        _r("report.prompt_id", "a b", "name"),
+        _r("report.prompt_id", "../x", "name"),
+        _r("report.nope", 1, "key"),
     ]
 
 
@@ -463,7 +467,7 @@ def test_matrix_covers_every_key_of_every_section():
     keys = {k for s in schema.SECTIONS for k, _ in _leaves(BASE[s], s)}
     covered = {k for c in MATRIX if c.change for k in c.change}
     assert keys - covered == set()
-    assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks"}
+    assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks", "report"}
 
 
 def test_base_is_the_composition_of_conf(tmp_path):
@@ -629,6 +633,9 @@ SUBPROCESS = [
         params={"sampling.top_p": 2}),
     Run("stage validate: an unknown section foo: 1", ("stage", "validate"),
         ("foo=1 is not allowed: a known section: model, prompt",), params={"foo": 1}),
+    Run("stage report: report.prompt_id=nope (not a prompt of the run)", ("stage", "report"),
+        ("nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of this run's prompt ids: "
+         "temperature_question",), params={"report.prompt_id": "nope"}),
     Run("stage prepare_model: model.source.architecture.vocab_size=1000", ("stage", "prepare_model"),
         ("model.source.architecture.vocab_size=1000 is not allowed: an integer >= 151669",),
         params={"model.source.architecture.vocab_size": 1000}),

@@ -18,7 +18,7 @@ GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
 
 
 def test_groups_are_the_designed_ones():
-    assert GROUPS == ["capture", "checks", "model", "probs", "prompt", "sampling"]
+    assert GROUPS == ["capture", "checks", "model", "probs", "prompt", "report", "sampling"]
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS

@@ -1,0 +1,160 @@
+"""The set report's overview rows and plot data (pipeline/report/overview.py) on hand-built tables.
+
+Two prompts, three temperatures configured out of order, both branches with and without the KV
+cache, each number distinct, so a wrong temperature, cache mode, filter, prompt or count shows.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.report import overview, plots, set_plots
+
+IDS = ["code_py", "zh_fact"]
+TEMPS = [2.0, 1.0, 0.5]              # as configured (the overview shows T = 1, else the first of these)
+
+
+def probs_rows() -> list[dict]:
+    """probs/prompt_metrics.parquet's columns, sorted by (prompt_id, temperature) as the stage writes them."""
+    rows = []
+    for k, p in enumerate(IDS):
+        for t in sorted(TEMPS):
+            rows.append({"prompt_id": p, "position": 7 + k, "temperature": t, "entropy": 1.0 + k + t / 10,
+                         "top1_id": 100 * (k + 1) + int(t * 10), "top1_text": f"tok{k}@{t:g}",
+                         "top1_prob": 0.9 - k / 10 - t / 10, "sampling_kept": 151_000 + k, "sampling_mass": 1.0,
+                         "top_k_2_kept": 2, "top_k_2_mass": 0.5,
+                         "top_p_0.9_kept": int(10 * (k + 1) * t), "top_p_0.9_mass": 0.9})
+    return pa.Table.from_pylist(rows).to_pylist()     # through Arrow, as load reads them
+
+
+def run_rows() -> list[dict]:
+    """trajectories/prompt_metrics.parquet rows: the KV-cache runs differ from the full-prefix ones."""
+    def r(p, branch, kv, text, loop, period, diverge):
+        return {"prompt_id": p, "branch": branch, "kv_cache": kv, "n_new": 8, "stop_reason": "max_new_tokens",
+                "text": text, "diverge": diverge, "loop": loop, "loop_start": 3 if loop else None,
+                "loop_period": period, "distinct_1": 0.5, "distinct_2": 0.5, "distinct_3": 0.5}
+    return pa.Table.from_pylist([
+        r("code_py", "greedy", True, "kv text", False, None, None),
+        r("code_py", "greedy", False, "\n1. 1. 1. 1.", True, 2, None),
+        r("code_py", "sample", False, "x", False, None, 3),
+        r("code_py", "sample", True, "y", True, 1, 5),
+        r("zh_fact", "greedy", False, "北京。", False, None, None),
+        r("zh_fact", "greedy", True, "北京。", False, None, None),
+        r("zh_fact", "sample", False, "上海", False, None, 0),
+        r("zh_fact", "sample", True, "上海", False, None, 0),
+    ]).to_pylist()
+
+
+def manifests(temps=TEMPS, sampling_top_p=1.0) -> dict:
+    return {"probs": {"config": {
+        "probs": {"temperatures": list(temps), "extra_filters": [
+            {"name": "top_k_2", "temperature": 1.0, "top_k": 2, "top_p": 1.0},
+            {"name": "top_p_0.9", "temperature": 1.0, "top_k": 0, "top_p": 0.9}]},
+        "sampling": {"temperature": 1.0, "top_k": 0, "top_p": sampling_top_p}}}}
+
+
+def inputs(checks: list[dict] | None = None, by_prompt: bool = True, **kw) -> overview.SetInputs:
+    tokenize = {"code_py": {"prompt": "def fib(n):\n    return", "n_tokens": 9},
+                "zh_fact": {"prompt": "中国的首都是", "n_tokens": 4}}
+    return overview.SetInputs(ids=IDS, manifests=manifests(**kw), tokenize=tokenize, probs=probs_rows(),
+                              runs=run_rows(), checks=checks, by_prompt_checks=by_prompt)
+
+
+def test_rows_show_t1_the_top_p_filter_and_the_full_prefix_runs():
+    code, zh = overview.rows(inputs())
+    assert code["temperature"] == 1.0 and zh["temperature"] == 1.0
+    assert (code["top1_id"], code["top1_text"], code["top1_prob"], code["entropy"]) == (110, "tok0@1", 0.8, 1.1)
+    assert (zh["top1_id"], zh["top1_prob"], zh["entropy"]) == (210, pytest.approx(0.7), 2.1)
+    assert code["nucleus_filter"] == "top_p_0.9" and (code["nucleus"], zh["nucleus"]) == (10, 20)
+    assert (code["greedy_text"], code["greedy_loop"], code["greedy_period"]) == ("\n1. 1. 1. 1.", True, 2)
+    assert (zh["greedy_loop"], zh["greedy_period"]) == (False, None)
+    assert (code["diverge"], zh["diverge"]) == (3, 0)
+    assert (code["n_tokens"], zh["text"]) == (9, "中国的首都是")
+
+
+def test_without_t1_the_first_configured_temperature_is_shown():
+    code, _ = overview.rows(inputs(temps=[2.0, 0.5]))
+    assert code["temperature"] == 2.0                    # the first configured, not the smallest
+    assert (code["top1_id"], code["nucleus"]) == (120, 20)
+
+
+def test_the_sampling_filter_is_the_nucleus_when_it_is_a_top_p_filter():
+    code, _ = overview.rows(inputs(sampling_top_p=0.95))
+    assert code["nucleus_filter"] == "sampling" and code["nucleus"] == 151_000
+
+
+def test_checks_per_prompt_and_from_a_run_recorded_before_the_column():
+    checks = [{"prompt_id": "code_py", "name": "a", "verdict": "pass"},
+              {"prompt_id": "code_py", "name": "b", "verdict": "fail"},
+              {"prompt_id": "zh_fact", "name": "a", "verdict": "pass"},
+              {"prompt_id": None, "name": "environment", "verdict": "fail"},     # run-wide: no prompt's
+              {"prompt_id": "", "name": "kernels", "verdict": "fail"}]
+    assert [r["checks"] for r in overview.rows(inputs(checks))] == [(1, 1), (1, 0)]
+    old = [{k: v for k, v in c.items() if k != "prompt_id"} for c in checks]
+    assert overview.check_counts(old, False, ["only"]) == {"only": (2, 3)}   # the run's one prompt
+    assert overview.check_counts(old, False, IDS) is None                    # cannot be attributed
+    assert overview.check_counts(None, True, IDS) is None
+
+
+def test_choose_defaults_to_the_first_prompt_and_refuses_an_unknown_id():
+    assert overview.choose(None, IDS) == "code_py" and overview.choose("zh_fact", IDS) == "zh_fact"
+    with pytest.raises(UserError) as err:
+        overview.choose("nope", IDS)
+    assert str(err.value) == "report.prompt_id='nope' is not allowed: null or one of this run's prompt ids: " \
+                             "code_py, zh_fact"
+
+
+def test_plot_data_per_temperature_ascending():
+    kept = overview.by_temperature(inputs(), "top_p_0.9_kept")
+    assert kept == [(0.5, [("code_py", 5), ("zh_fact", 10)]), (1.0, [("code_py", 10), ("zh_fact", 20)]),
+                    (2.0, [("code_py", 20), ("zh_fact", 40)])]
+    entropy = dict(overview.by_temperature(inputs(), "entropy"))
+    assert entropy[0.5] == [("code_py", 1.05), ("zh_fact", 2.05)]
+
+
+def test_loop_rate_per_branch_and_cache_mode():
+    rates = {(r["branch"], r["kv_cache"]): (r["loops"], r["runs"], r["rate"]) for r in overview.loop_rates(run_rows())}
+    assert rates == {("greedy", False): (1, 2, 0.5), ("greedy", True): (0, 2, 0.0),
+                     ("sample", False): (0, 2, 0.0), ("sample", True): (1, 2, 0.5)}
+
+
+def test_overview_table_has_a_line_per_prompt_and_marks_the_detail():
+    md = "\n".join(overview.section(inputs(), "zh_fact", []))
+    lines = [ln for ln in md.splitlines() if ln.startswith("| `")]
+    assert len(lines) == 2
+    assert lines[0].startswith("| `code_py` | ") and "`zh_fact` (detail below)" in lines[1]
+    assert "yes, period 2" in lines[0] and "step 3" in lines[0] and "never" in lines[1]
+    assert "| top-1 at T = 1 |" in md and "| top_p_0.9 kept |" in md
+
+
+def test_prompt_labels_keep_chinese_and_japanese_as_text():
+    font = plots.fonts()
+    assert font.cjk, "the pinned CJK font package is missing"
+    for text in ("中国的首都是", "日本の首都は"):
+        label = set_plots.prompt_label("p", text, font)
+        assert label == f"p: {text}" and "\\u" not in label
+
+
+def test_set_figures_write_the_numbers_they_draw(tmp_path):
+    import csv
+
+    def out(name: str):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        return tmp_path / name
+    figs = set_plots.draw(inputs(), out, plots.fonts())
+    assert [f.name for f in figs] == ["set_nucleus", "set_next_token", "set_loops"]
+    for f in figs:
+        assert (tmp_path / f.png).read_bytes().startswith(b"\x89PNG")
+
+    def read(name: str) -> list[dict]:
+        with open(tmp_path / "plots" / name, encoding="utf-8") as fh:
+            return list(csv.DictReader(fh))
+    assert [(r["temperature"], r["prompt_id"], r["kept"]) for r in read("set_nucleus.csv")][:2] == \
+        [("0.5", "code_py", "5"), ("0.5", "zh_fact", "10")]
+    top1 = {(r["temperature"], r["prompt_id"]): float(r["top1_prob"]) for r in read("set_next_token.csv")}
+    assert top1["1.0", "zh_fact"] == pytest.approx(0.7) and len(top1) == 6
+    assert [(r["branch"], r["kv_cache"], r["rate"]) for r in read("set_loops.csv")] == \
+        [("greedy", "False", "0.5"), ("greedy", "True", "0.0"), ("sample", "False", "0.0"), ("sample", "True", "0.5")]
+    assert set_plots.draw(overview.SetInputs(["a"], {}, {}, None, None, None), out, plots.fonts()) == []
