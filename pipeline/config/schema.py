@@ -76,7 +76,8 @@ def prompt_problem(text: str) -> str | None:
     """What a prompt's text must be, when it is not; None when it is fine."""
     if not text.strip():
         return "a non-empty string"
-    return (where := _control_char(text)) and f"{where}; allowed: {PROMPT_ALLOWED}"
+    where = _control_char(text)
+    return f"{where}; allowed: {PROMPT_ALLOWED}" if where else None
 
 
 def _leaves_repo(path: str) -> bool:
