@@ -115,7 +115,7 @@ def prompt_path(key: str, value: str, root: Path | str) -> Path:
         raise bad_value(key, value, problem)
     path = inside_repo(key, value, root, PROMPT_DIR)
     if not path.is_file():
-        raise bad_value(key, value, f"an existing {PROMPT_FILE.removeprefix('a ')}")
+        raise bad_value(key, value, f"an existing file under {PROMPT_DIR}/ inside the repository, relative to its root")
     return path
 
 
