@@ -23,6 +23,7 @@ from pipeline.kernels import MODES as KERNEL_MODES
 PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
 PROMPT_FILE = f"a file under {PROMPT_DIR}/ inside the repository, relative to its root"
+TEXT_ALLOWED = "a non-empty string (or null with prompt.file or prompt.set set)"
 SET_FILE = f"a JSON Lines file under {PROMPT_DIR}/ named *.jsonl (a prompt set), relative to the repository's root"
 HUB_ID = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
 NO_ESCAPE = " (no absolute paths, no ~, no ..)"
@@ -213,8 +214,7 @@ class PromptConfig(Section):
     # null: `known.name` while the text is the known one, else derived from the text or the file (prompt_name).
     name: Text | None = None
     # The prompt; read from `file` when that is set (then text is null in params.yaml).
-    text: Annotated[str | None, rule(prompt_problem)] = Field(
-        None, description="a non-empty string (or null with prompt.file set)")
+    text: Annotated[str | None, rule(prompt_problem)] = Field(None, description=TEXT_ALLOWED)
     file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
     # A prompt set, prompts/<name>.jsonl (pipeline/config/prompt_set.py reads and checks it); then text is null.
     set: Annotated[str | None, rule(_set_file_problem)] = Field(None, description=f"null or {SET_FILE}")
@@ -225,7 +225,7 @@ class PromptConfig(Section):
     def _text_file_or_set(self):
         given = [k for k in ("text", "file", "set") if getattr(self, k) is not None]
         if not given:
-            raise RuleError("text", None, "a non-empty string (or null with prompt.file or prompt.set set)")
+            raise RuleError("text", None, TEXT_ALLOWED)
         if len(given) > 1:
             first, second = given[:2]
             raise RuleError(second, getattr(self, second), f"null when prompt.{first} is set: give the prompt as text, "
