@@ -23,6 +23,7 @@ from pipeline.kernels import MODES as KERNEL_MODES
 PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
 PROMPT_FILE = f"a file under {PROMPT_DIR}/ inside the repository, relative to its root"
+TEXT_ALLOWED = "a non-empty string (or null with prompt.file or prompt.set set)"
 SET_FILE = f"a JSON Lines file under {PROMPT_DIR}/ named *.jsonl (a prompt set), relative to the repository's root"
 HUB_ID = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
 NO_ESCAPE = " (no absolute paths, no ~, no ..)"
@@ -71,10 +72,9 @@ PROMPT_ID_ALLOWED = ("1 to 64 of A-Z a-z 0-9 _ . -, not starting with . or - (it
 # ---------------------------------------------------------------- prompts and paths
 def _control_char(text: str) -> str | None:
     """Where the first forbidden control character is, or None."""
-    bad = _CONTROL.search(text)
-    if bad is None:
-        return None
-    return f"U+{ord(bad.group()):04X} at character {bad.start()} (line {text.count(chr(10), 0, bad.start()) + 1})"
+    if bad := _CONTROL.search(text):
+        return f"U+{ord(bad.group()):04X} at character {bad.start()} (line {text.count(chr(10), 0, bad.start()) + 1})"
+    return None
 
 
 def prompt_problem(text: str) -> str | None:
@@ -86,9 +86,9 @@ def prompt_problem(text: str) -> str | None:
 
 
 def _leaves_repo(path: str) -> bool:
-    posix, win = PurePosixPath(path), PureWindowsPath(path)
-    return (posix.is_absolute() or win.is_absolute() or bool(win.drive) or path.startswith("~")
-            or ".." in posix.parts or ".." in win.parts)
+    """Absolute (POSIX or Windows, with a drive or a root), under ~, or with a .. part (/ and \\ both split)."""
+    win = PureWindowsPath(path)
+    return bool(win.anchor) or path.startswith("~") or ".." in win.parts
 
 
 def _prompt_file_problem(path: str) -> str | None:
@@ -105,12 +105,12 @@ def _set_file_problem(path: str) -> str | None:
     return _prompt_file_problem(path) or (None if path.endswith(".jsonl") else SET_FILE)
 
 
-def inside_repo(key: str, value: str, root: Path | str) -> Path:
-    """root/value resolved (symlinks followed); refused when it lands outside the repository."""
-    base = Path(root).resolve()
-    path = (base / value).resolve()
+def inside_repo(key: str, value: str, root: Path | str, folder: str = ".") -> Path:
+    """root/value resolved (symlinks followed); refused when it lands outside root/folder."""
+    base, path = (Path(root) / folder).resolve(), (Path(root) / value).resolve()
     if not path.is_relative_to(base):
-        raise bad_value(key, value, f"a path inside the repository (it resolves to {path}, outside {base})")
+        where = "a path" if folder == "." else f"a file under {folder}/"
+        raise bad_value(key, value, f"{where} inside the repository (it resolves to {path}, outside {base})")
     return path
 
 
@@ -118,10 +118,7 @@ def prompt_path(key: str, value: str, root: Path | str) -> Path:
     """The file a prompt path names (a prompt file or a prompt set): under prompts/, existing, resolved."""
     if problem := _prompt_file_problem(value):
         raise bad_value(key, value, problem)
-    path, folder = inside_repo(key, value, root), (Path(root) / PROMPT_DIR).resolve()
-    if not path.is_relative_to(folder):
-        raise bad_value(key, value, f"a file under {PROMPT_DIR}/ inside the repository (it resolves to {path}, "
-                        f"outside {folder})")
+    path = inside_repo(key, value, root, PROMPT_DIR)
     if not path.is_file():
         raise bad_value(key, value, f"an existing file under {PROMPT_DIR}/ inside the repository, relative to its root")
     return path
@@ -133,13 +130,12 @@ def read_prompt_file(key: str, value: str, root: Path | str) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{key}={value!r} is not allowed: not UTF-8 (byte 0x{data[e.start]:02x} at offset "
-                        f"{e.start}); allowed: a UTF-8 text file") from None
+        raise bad_value(key, value, f"not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        "allowed: a UTF-8 text file") from None
     if not text.strip():
         raise bad_value(key, value, "a file with text in it (this one is empty or white space only)")
-    where = _control_char(text)
-    if where:
-        raise UserError(f"{key}={value!r} is not allowed: its text has {where}; allowed: {PROMPT_ALLOWED}")
+    if where := _control_char(text):
+        raise bad_value(key, value, f"its text has {where}; allowed: {PROMPT_ALLOWED}")
     return text
 
 
@@ -160,12 +156,9 @@ class TinyArchitecture(Section):
 
     @model_validator(mode="after")
     def _heads_divide(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise RuleError("num_attention_heads", self.num_attention_heads,
-                            f"a divisor of hidden_size={self.hidden_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise RuleError("num_key_value_heads", self.num_key_value_heads,
-                            f"a divisor of num_attention_heads={self.num_attention_heads}")
+        for part, whole in (("num_attention_heads", "hidden_size"), ("num_key_value_heads", "num_attention_heads")):
+            if getattr(self, whole) % getattr(self, part):
+                raise RuleError(part, getattr(self, part), f"a divisor of {whole}={getattr(self, whole)}")
         return self
 
 
@@ -189,9 +182,8 @@ class SourceConfig(Section):
     @model_validator(mode="after")
     def _kind_needs(self):
         needs = SOURCE_NEEDS[self.kind]
-        for name in needs:
-            if getattr(self, name) is None:
-                raise RuleError(name, None, f"a value (kind={self.kind} needs {', '.join(needs)})")
+        if unset := [name for name in needs if getattr(self, name) is None]:
+            raise RuleError(unset[0], None, f"a value (kind={self.kind} needs {', '.join(needs)})")
         return self
 
 
@@ -226,8 +218,7 @@ class PromptConfig(Section):
     # null: `known.name` while the text is the known one, else derived from the text or the file (prompt_name).
     name: Text | None = None
     # The prompt; read from `file` when that is set (then text is null in params.yaml).
-    text: Annotated[str | None, rule(prompt_problem)] = Field(
-        None, description="a non-empty string (or null with prompt.file set)")
+    text: Annotated[str | None, rule(prompt_problem)] = Field(None, description=TEXT_ALLOWED)
     file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
     # A prompt set, prompts/<name>.jsonl (pipeline/config/prompt_set.py reads and checks it); then text is null.
     set: Annotated[str | None, rule(_set_file_problem)] = Field(None, description=f"null or {SET_FILE}")
@@ -238,11 +229,11 @@ class PromptConfig(Section):
     def _text_file_or_set(self):
         given = [k for k in ("text", "file", "set") if getattr(self, k) is not None]
         if not given:
-            raise RuleError("text", None, "a non-empty string (or null with prompt.file or prompt.set set)")
+            raise RuleError("text", None, TEXT_ALLOWED)
         if len(given) > 1:
-            raise RuleError(given[1], getattr(self, given[1]), f"null when prompt.{given[0]} is set: give the "
-                            f"prompt as text, as a file or as a set, one of them (set prompt.{given[0]}=null to "
-                            f"use prompt.{given[1]})")
+            first, second = given[:2]
+            raise RuleError(second, getattr(self, second), f"null when prompt.{first} is set: give the prompt as text, "
+                            f"as a file or as a set, one of them (set prompt.{first}=null to use prompt.{second})")
         return self
 
     @property
@@ -349,20 +340,20 @@ def parse(cls: type[Section], data: Any, key: str) -> Any:
 
 
 def _one_line(cls: type[Section], err: dict, section: str) -> UserError:
-    loc, broken = err["loc"], err.get("ctx", {}).get("error")
+    loc, kind, broken = err["loc"], err["type"], err.get("ctx", {}).get("error")
     # A list item is named by its list (the value shows which), an item with keys by its index.
     # section "" (a record that is not a params.yaml section): the field's own name
     key = re.sub(r"\[\d+\]$", "", (section + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc))
                  .removeprefix("."))
-    if err["type"] == "missing":
+    if kind == "missing":
         return UserError(f"{key} is missing: params.yaml must set it (see conf/)")
-    if err["type"] == "extra_forbidden":
-        return bad_value(key, err["input"], "a known key: " + ", ".join(_keys_at(cls, loc[:-1])))
     if isinstance(broken, RuleError):
         return bad_value(f"{key}.{broken.field}", broken.value, str(broken))
-    value = err["input"][:60] + "..." if isinstance(err["input"], str) and len(err["input"]) > 60 else err["input"]
     schema = cls.model_json_schema()
-    return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, loc), schema, err["type"]))
+    if kind == "extra_forbidden":
+        return bad_value(key, err["input"], "a known key: " + ", ".join(_keys(schema, loc[:-1])))
+    value = err["input"][:60] + "..." if isinstance(err["input"], str) and len(err["input"]) > 60 else err["input"]
+    return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, loc), schema, kind))
 
 
 def _open(node: dict, schema: dict) -> dict:
@@ -379,16 +370,16 @@ def _at(schema: dict, loc: tuple) -> dict:
     for part in loc:
         node = _open(node, schema)
         if isinstance(part, int):
-            node = node.get("items", {})
+            node = node["items"]
         else:
-            node = node["properties"].get(part, {}) if "properties" in node else node.get("additionalProperties", {})
+            node = node["properties"][part] if "properties" in node else node["additionalProperties"]
     return node
 
 
-def _keys_at(cls: type[Section], loc: tuple) -> list[str]:
-    schema = cls.model_json_schema()
+def _keys(schema: dict, loc: tuple) -> list[str]:
+    """The keys the mapping at loc takes (for a list of mappings: its items')."""
     node = _open(_at(schema, loc), schema)
-    return sorted(_open(node.get("items", node), schema).get("properties", {}))
+    return sorted(_open(node.get("items", node), schema)["properties"])
 
 
 def _allowed(node: dict, schema: dict, error: str) -> str:
@@ -397,8 +388,8 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
         return node["description"]
     node = _open(node, schema)
     kind = node.get("type")
-    if "enum" in node or "const" in node:
-        return "one of " + ", ".join(map(str, node.get("enum", [node.get("const")])))
+    if "enum" in node:
+        return "one of " + ", ".join(node["enum"])
     if kind in ("integer", "number"):
         noun = "an integer" if kind == "integer" else "a number" if "than" in error else "a finite number"
         lo = node.get("minimum", node.get("exclusiveMinimum"))
@@ -407,7 +398,7 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
             return f"{noun} in {bracket}{lo}, {node['maximum']}]"
         return noun if lo is None else f"{noun} {op} {lo}"
     if kind == "array":
-        return f"a list (each item {_allowed(node.get('items', {}), schema, error)})"
+        return f"a list (each item {_allowed(node['items'], schema, error)})"
     if kind == "object":
         return "a mapping of " + ", ".join(node.get("properties", ["keys to values"]))
     return {"boolean": "true or false", "string": "a non-empty string" if node.get("minLength") else "a string"}[kind]
@@ -417,7 +408,9 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
 def known_keys(section: str) -> list[str]:
     """The keys a (dotted) config section takes, e.g. known_keys("model.source"); [] if none."""
     name, _, rest = section.partition(".")
-    return _keys_at(SECTIONS[name], tuple(rest.split(".")) if rest else ()) if name in SECTIONS else []
+    if name not in SECTIONS:
+        return []
+    return _keys(SECTIONS[name].model_json_schema(), tuple(rest.split(".")) if rest else ())
 
 
 def read_params(path: Path) -> dict:
