@@ -21,6 +21,7 @@ from pipeline.errors import bad_value
 from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
 from pipeline.numerics import probs
+from pipeline.numerics.aggregates import trajectory_set_metrics
 from pipeline.numerics.repetition import distinct_ratio, find_loop
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, ranks
 from pipeline.store import logits_io, paths, provenance
@@ -216,7 +217,8 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
             summary_by_run = summary(runs, tokenizer)
             stage.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
             per_prompt.append(prompt_metrics(prompt_id, summary_by_run))
-    # set-level: one prompt's metrics for a set of one (aggregates over a set: issue 17 item 4)
-    stage.write_json(paths.TRAJECTORIES_METRICS[1], sweep_metrics(summary_by_run))
-    stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], pa.concat_tables(per_prompt))
+    # set-level: the last prompt's sweep figures (a set of one's, unchanged), then the set's aggregates
+    table = pa.concat_tables(per_prompt)
+    stage.write_json(paths.TRAJECTORIES_METRICS[1], {**sweep_metrics(summary_by_run), **trajectory_set_metrics(table)})
+    stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], table)
 

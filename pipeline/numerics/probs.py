@@ -18,6 +18,7 @@ import torch
 
 from pipeline.config.schema import ProbsConfig, SamplingConfig
 from pipeline.errors import UserError, bad_value
+from pipeline.numerics.aggregates import PROBS_KEYS, probs_set_metrics
 from pipeline.numerics.sampling import (
     SamplingSettings,
     check_temperature,
@@ -264,10 +265,11 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
                paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
-    if tokenize_summary is not None:
+    if tokenize_summary is not None:   # this prompt as a set of one: its set keys (a set's: `record`)
         outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
             prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
             probs_cfg.temperatures, named, vocab)
+        outputs[paths.PROBS_METRICS] = run_metrics(outputs[paths.PROBS_METRICS], outputs[paths.PROBS_PROMPT_METRICS])
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}
@@ -287,11 +289,18 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
             stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
             stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
             per_prompt.append(outputs[paths.PROBS_PROMPT_METRICS])
-    # set-level: one prompt's metrics for a set of one (aggregates over a set: issue 17 item 4)
-    stage.write_json(paths.PROBS_METRICS[1], outputs[paths.PROBS_METRICS])
-    stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], set_table(per_prompt), compression="zstd")   # one row group
+    # set-level: the last prompt's sweep figures, then the set's aggregates over every prompt's rows
+    table = set_table(per_prompt)
+    stage.write_json(paths.PROBS_METRICS[1], run_metrics(outputs[paths.PROBS_METRICS], table))
+    stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], table, compression="zstd")   # one row group
 
 
 def set_table(per_prompt: list[pa.Table]) -> pa.Table:
     """prompt_metrics.parquet of a set: every prompt's rows, sorted by (prompt_id, temperature)."""
     return pa.concat_tables(per_prompt).sort_by([("prompt_id", "ascending"), ("temperature", "ascending")])
+
+
+def run_metrics(last: dict, table: pa.Table) -> dict:
+    """probs/metrics.json: `sweep_metrics` of the run's last prompt (kept, mass, top_bits, entropy: a set of
+    one's figures, unchanged) and the set keys over `table`, prompt_metrics.parquet's rows of the set."""
+    return {**{k: v for k, v in last.items() if k not in PROBS_KEYS}, **probs_set_metrics(table)}
