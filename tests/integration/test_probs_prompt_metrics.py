@@ -77,7 +77,12 @@ def test_recorded_with_its_hash_and_its_input_and_metrics_json_unchanged(ws):
     assert out["sha256"] == provenance.sha256_file(ws / table_rel)
     assert rel(paths.TOKENIZE_SUMMARY, ws) in {i["path"] for i in m["inputs"]}
     metrics = json.loads(paths.artifact(paths.PROBS_METRICS, ws).read_text())
-    assert sorted(metrics) == ["entropy", "kept", "mass", "top_bits"]         # the `dvc exp show` columns
+    # the `dvc exp show` columns: the prompt's sweep figures, then the set's aggregates (a set of one here:
+    # the prompt's own figures at T=1, from the table)
+    assert list(metrics) == ["kept", "mass", "top_bits", "entropy", "entropy_median", "entropy_mean", "kept_median"]
+    at_1 = next(r for r in pq.read_table(ws / table_rel).to_pylist() if r["temperature"] == 1.0)
+    assert metrics["entropy_median"] == metrics["entropy_mean"] == at_1["entropy"] / math.log(2)
+    assert metrics["kept_median"] == at_1["sampling_kept"]
 
 
 def test_its_check_passes_on_the_stored_table(ws, summary):
