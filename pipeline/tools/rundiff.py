@@ -1,13 +1,15 @@
 """`nexttoken diff A B`: explain how two runs differ, from their recorded files.
 
 Sections: config (dotted params.yaml keys that differ), environment (library versions,
-Sections: config (dotted params.yaml keys that differ), environment (library versions,
-hardware, dtype, device), the kernel path (one line: which fields differ), the capture (the
-first diverging tensor in forward order, its max |Δ| and where), numbers (max |Δlogit| per
-prompt position, the largest probability change per temperature, kept counts per filter) and
-trajectories (per branch, the first step whose chosen id differs, with both candidates'
-probabilities). Runs of different prompts are compared at their last prompt positions,
-aligned from the end (the next-token distributions), and the diff says the prompts differ.
+hardware, dtype, device), the kernel path (one line: which fields differ), then per prompt
+(a run is a set of prompts; prompts pair by id, those only one run holds are named at the end):
+the capture (the first diverging tensor in forward order, its max |Δ| and where), numbers (max
+|Δlogit| per prompt position, the largest probability change per temperature, kept counts per
+filter), trajectories (per branch, the first step whose chosen id differs, with both
+candidates' probabilities), the prompt_metrics rows that differ (by temperature, by branch) and
+the check verdicts that differ (`pipeline.tools.prompt_tables`). Two runs of one prompt each are
+compared whatever their ids; on different prompts at their last prompt positions, aligned from
+the end (the next-token distributions), and the diff says the prompts differ.
 A and B are each a git revision, an experiment name or `workspace`, read as
 `pipeline.tools.revisions` reads them. The comparisons are functions over tensors, tables and
 summaries (`pipeline.tools.divergence`, `kept_lines_from`, `trajectory_lines_from`), shared
@@ -31,7 +33,7 @@ from pipeline.config import schema
 from pipeline.config.compose import diff_keys
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import read_json, read_safetensors
-from pipeline.tools import revisions
+from pipeline.tools import prompt_tables, revisions
 from pipeline.tools.divergence import (
     capture_order,
     divergence_line,
@@ -52,11 +54,19 @@ def diff(repo: Path, rev_a: str, rev_b: str) -> list[str]:
         a, b = (stack.enter_context(revisions.open_run(repo, r)) for r in (ra, rb))
         revisions.load_manifests(a), revisions.load_manifests(b)   # both must hold a run (a clear error if not)
         pairs, only = prompt_pairs(a, b)
+        tables_a, tables_b = ({item: prompt_tables.prompt_metrics(r, item) for item in prompt_tables.ROW_KEYS}
+                              for r in (a, b))
+        checks_a, checks_b = prompt_tables.checks(a), prompt_tables.checks(b)
         out = [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b, *(pairs or [(None, None)])[0]),
                kernel_line(a, b)]
         for ia, ib in pairs:
-            out += [f"prompt {ia} | {ib}:"] if len(pairs) > 1 or ia != ib else []
+            out += [f"prompt {ia}:" if ia == ib else f"prompt {ia} | {ib}:"] if len(pairs) > 1 or ia != ib else []
             out += [capture_line(a, b, ia, ib), *number_lines(a, b, ia, ib), *trajectory_lines(a, b, ia, ib)]
+            for item in prompt_tables.ROW_KEYS:
+                out += prompt_tables.metric_lines(item, prompt_tables.of_prompt(tables_a[item], ia),
+                                                  prompt_tables.of_prompt(tables_b[item], ib))
+            out += prompt_tables.check_lines(prompt_tables.of_prompt(checks_a, ia),
+                                             prompt_tables.of_prompt(checks_b, ib))
         return out + only
 
 

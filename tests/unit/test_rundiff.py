@@ -82,3 +82,50 @@ def test_shared_keys_cuts_both_to_the_keys_both_have_and_names_the_rest():
     a, b, _ = rundiff.shared_keys(old, changed)
     assert rundiff.json_difference(a, b) == "top_p.kept: stored 3, re-derived 4"
     assert rundiff.shared_keys([1], [1, 2]) == ([1], [1, 2], [])     # not mappings: left whole
+
+
+# ---------------------------------------------------------------- sets: prompt_metrics and checks per prompt
+def _checks(root: Path, rows: list[tuple], with_prompt_id: bool = True) -> None:
+    """checks.parquet rows (prompt_id, name, verdict); without_prompt_id: as recorded before issue 17 item 5."""
+    path = paths.artifact(paths.CHECKS, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = {"name": [r[1] for r in rows], "verdict": [r[2] for r in rows]}
+    pq.write_table(pa.table({"prompt_id": [r[0] for r in rows], **cols} if with_prompt_id else cols), path)
+
+
+def test_checks_key_by_prompt_and_name_and_an_older_run_is_its_one_prompt(tmp_path):
+    from pipeline.tools import prompt_tables
+    a, b = _run(tmp_path / "a", [1, 2], [0.0, 1.0, 2.0, 3.0], kept=1, pid="x"), tmp_path / "b"
+    for pid in ("x", "y"):
+        _run(b, [1, 2], [0.0, 1.0, 2.0, 3.0], kept=1, pid=pid)
+    _checks(a, [(None, "sum", "pass"), (None, "top1", "pass")], with_prompt_id=False)
+    _checks(b, [("x", "sum", "pass"), ("x", "top1", "fail"), ("y", "sum", "fail"), ("y", "top1", "pass")])
+    ca, cb = prompt_tables.checks(a), prompt_tables.checks(b)
+    assert set(ca) == {"x"} and set(cb) == {"x", "y"}               # the older run's rows are its prompt x's
+    assert prompt_tables.check_lines(ca["x"], cb["x"]) == ["checks: 1 of 2 verdict(s) differ (A | B)",
+                                                           "  top1: pass | fail"]
+    assert prompt_tables.check_lines(cb["y"], cb["y"]) == ["checks: same verdicts (2 checks)"]
+    assert prompt_tables.check_lines(ca["x"], None) == ["checks: no verdicts for this prompt in B"]
+
+
+def _metrics(root: Path, rows: list[dict]) -> None:
+    path = paths.artifact(paths.PROBS_PROMPT_METRICS, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_prompt_metrics_rows_are_matched_by_prompt_and_temperature(tmp_path):
+    from pipeline.tools import prompt_tables
+    item = paths.PROBS_PROMPT_METRICS
+    row = lambda pid, t, e, k: {"prompt_id": pid, "temperature": t, "entropy": e, "sampling_kept": k}
+    # B lists its rows in another order: rows are matched on (prompt_id, temperature), not on row number
+    _metrics(tmp_path / "a", [row("x", 0.5, 1.0, 1), row("x", 1.0, 2.0, 3), row("y", 1.0, 4.0, 9)])
+    _metrics(tmp_path / "b", [row("y", 1.0, 4.0, 9), row("x", 1.0, 2.5, 3), row("x", 2.0, 7.0, 40),
+                              row("x", 0.5, 1.0, 1)])
+    ta, tb = (prompt_tables.prompt_metrics(tmp_path / r, item) for r in ("a", "b"))
+    assert prompt_tables.metric_lines(item, ta["x"], tb["x"]) == [
+        "  prompt metrics (probs/prompt_metrics.parquet): 2 of 3 row(s) differ",
+        "    T=1: entropy 2 | 2.5", "    T=2: only in B"]
+    assert prompt_tables.metric_lines(item, ta["y"], tb["y"]) == \
+        ["  prompt metrics (probs/prompt_metrics.parquet): identical (1 row(s))"]
+    assert prompt_tables.prompt_metrics(tmp_path / "c", item) is None
