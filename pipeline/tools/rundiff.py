@@ -52,22 +52,27 @@ def diff(repo: Path, rev_a: str, rev_b: str) -> list[str]:
     ra, rb = revisions.resolve(repo, rev_a), revisions.resolve(repo, rev_b)
     with ExitStack() as stack:
         a, b = (stack.enter_context(revisions.open_run(repo, r)) for r in (ra, rb))
-        revisions.load_manifests(a), revisions.load_manifests(b)   # both must hold a run (a clear error if not)
-        pairs, only = prompt_pairs(a, b)
-        tables_a, tables_b = ({item: prompt_tables.prompt_metrics(r, item) for item in prompt_tables.ROW_KEYS}
-                              for r in (a, b))
-        checks_a, checks_b = prompt_tables.checks(a), prompt_tables.checks(b)
-        out = [f"diff A={ra}  B={rb}", *config_lines(a, b), *environment_lines(a, b, *(pairs or [(None, None)])[0]),
-               kernel_line(a, b)]
-        for ia, ib in pairs:
-            out += [f"prompt {ia}:" if ia == ib else f"prompt {ia} | {ib}:"] if len(pairs) > 1 or ia != ib else []
-            out += [capture_line(a, b, ia, ib), *number_lines(a, b, ia, ib), *trajectory_lines(a, b, ia, ib)]
-            for item in prompt_tables.ROW_KEYS:
-                out += prompt_tables.metric_lines(item, prompt_tables.of_prompt(tables_a[item], ia),
-                                                  prompt_tables.of_prompt(tables_b[item], ib))
-            out += prompt_tables.check_lines(prompt_tables.of_prompt(checks_a, ia),
-                                             prompt_tables.of_prompt(checks_b, ib))
-        return out + only
+        return compare(a, b, f"diff A={ra}  B={rb}")
+
+
+def compare(a: Path, b: Path, head: str) -> list[str]:
+    """The diff's lines for the runs in folders a and b (laid out as the workspace)."""
+    revisions.load_manifests(a), revisions.load_manifests(b)   # both must hold a run (a clear error if not)
+    pairs, only = prompt_pairs(a, b)
+    tables_a, tables_b = ({item: prompt_tables.prompt_metrics(r, item) for item in prompt_tables.ROW_KEYS}
+                          for r in (a, b))
+    checks_a, checks_b = prompt_tables.checks(a), prompt_tables.checks(b)
+    out = [head, *config_lines(a, b), *environment_lines(a, b, *(pairs or [(None, None)])[0]),
+           kernel_line(a, b)]
+    for ia, ib in pairs:
+        out += [f"prompt {ia}:" if ia == ib else f"prompt {ia} | {ib}:"] if len(pairs) > 1 or ia != ib else []
+        out += [capture_line(a, b, ia, ib), *number_lines(a, b, ia, ib), *trajectory_lines(a, b, ia, ib)]
+        for item in prompt_tables.ROW_KEYS:
+            out += prompt_tables.metric_lines(item, prompt_tables.of_prompt(tables_a[item], ia),
+                                              prompt_tables.of_prompt(tables_b[item], ib))
+        out += prompt_tables.check_lines(prompt_tables.of_prompt(checks_a, ia),
+                                         prompt_tables.of_prompt(checks_b, ib))
+    return out + only
 
 
 def prompt_pairs(a: Path, b: Path) -> tuple[list[tuple[str | None, str | None]], list[str]]:

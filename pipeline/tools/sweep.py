@@ -4,8 +4,11 @@ Reads `dvc exp show --json` (DVC 3.67: a list of baselines, each with `experimen
 with `revs[0].data.params/metrics`), writes one row per experiment (its name, commit, the
 swept params and every metric, flattened to dotted columns) as Parquet and CSV, and draws:
 kept count against top_p per temperature, and the top candidate's probability and the
-entropy against temperature. `sweep` is not a DVC stage (it reads DVC's record of many
-runs), so its folder is git-ignored rather than a DVC output.
+entropy against temperature. Over a prompt set the metrics are the set's (the
+`pipeline.numerics.aggregates` keys beside the last prompt's figures), and sweep_prompts.parquet /
+.csv hold one row per experiment and prompt (from each experiment's prompt_metrics tables) plus
+the experiment's set line. `sweep` is not a DVC stage (it reads DVC's record of many runs), so
+its folder is git-ignored rather than a DVC output.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Any
 from pipeline.atomic import write_atomic
 from pipeline.config import schema
 from pipeline.errors import UserError
+from pipeline.numerics import aggregates
 from pipeline.report import plots
 from pipeline.store import paths
-from pipeline.tools import revisions
+from pipeline.tools import prompt_tables, revisions
 
 OUT = Path(paths.ARTIFACTS) / "sweep"
 TABLE, CSV = "sweep.parquet", "sweep.csv"
@@ -40,9 +44,22 @@ KEPT, MASS, ENTROPY, TOP_BITS = "probs:kept", "probs:mass", "probs:entropy", "pr
 TOP, TOP_AFTER = "probs:top_prob", "probs:top_prob_after"
 
 
+# Per prompt (sweep_prompts.*): one row per experiment and prompt from the run's prompt_metrics tables, and
+# the experiment's set line (prompt_id SET_ROW) from its set-level metrics: each per-prompt column beside
+# the metric that summarises it over the set.
+PROMPTS_TABLE, PROMPTS_CSV = "sweep_prompts.parquet", "sweep_prompts.csv"
+SET_ROW = "(set)"
+SET_OF = {"entropy": "probs:entropy_median", "kept": "probs:kept_median",
+          "greedy_loop": "trajectories:greedy_loop_rate", "sample_loop": "trajectories:sample_loop_rate",
+          "diverge": "trajectories:diverge_mean"}
+
+
 def cli(args) -> int:
     out = collect(Path.cwd(), args.out or OUT)
-    print(f"wrote {len(out['rows'])} experiments to {out['dir']}: {', '.join(out['files'])}")
+    print(f"wrote {len(out['rows'])} experiments ({out['prompt_rows']} prompt rows) to {out['dir']}: "
+          f"{', '.join(out['files'])}")
+    for line in out["skipped"]:
+        print(line)
     return 0
 
 
@@ -134,13 +151,69 @@ def collect(repo: Path, out_dir: Path) -> dict:
     write_atomic(out_dir / CSV, lambda p: df.to_csv(p, index=False))
     files = [TABLE, CSV]
     done = df[df["state"] == "success"]
+    skipped: list[str] = []
+    per_prompt = prompt_table(done, lambda row: experiment_figures(repo, row, skipped))
+    write_atomic(out_dir / PROMPTS_TABLE, lambda p: per_prompt.to_parquet(p, index=False))
+    write_atomic(out_dir / PROMPTS_CSV, lambda p: per_prompt.to_csv(p, index=False))
+    files += [PROMPTS_TABLE, PROMPTS_CSV]
     if KEPT in done.columns and TOP_P in done.columns:
         write_atomic(out_dir / KEPT_PLOT, lambda p: kept_plot(done, p))
         files.append(KEPT_PLOT)
     if T in done.columns and TOP in done.columns:
         write_atomic(out_dir / TEMPERATURE_PLOT, lambda p: temperature_plot(done, p))
         files.append(TEMPERATURE_PLOT)
-    return {"dir": out_dir, "rows": rows, "files": files}
+    return {"dir": out_dir, "rows": rows, "files": files, "skipped": skipped,
+            "prompt_rows": int((per_prompt["prompt_id"] != SET_ROW).sum())}
+
+
+# ---------------------------------------------------------------- per prompt
+def prompt_figures(root: Path) -> dict[str, dict]:
+    """Per prompt of the run at root, from its prompt_metrics tables: at T = 1 (else the lowest
+    temperature, as the set aggregates) the entropy in bits, the sampling filter's kept count, the
+    top-1 probability and text; without the KV cache, whether greedy / sampling end in a loop (1.0 or
+    0.0: the set line holds their rate) and the step where sampling left the greedy path (0: never)."""
+    probs_rows = prompt_tables.prompt_metrics(root, paths.PROBS_PROMPT_METRICS) or {}
+    runs = prompt_tables.prompt_metrics(root, paths.TRAJECTORY_PROMPT_METRICS) or {}
+    out: dict[str, dict] = {}
+    for pid in sorted(set(probs_rows) | set(runs)):
+        fig: dict[str, Any] = {}
+        if probs_rows.get(pid):
+            t = aggregates.aggregate_temperature([key[0] for key in probs_rows[pid]])
+            r = probs_rows[pid][(t,)]
+            fig |= {"T": t, "entropy": r["entropy"] / math.log(2), "kept": r["sampling_kept"],
+                    "top1_prob": r["top1_prob"], "top1_text": r["top1_text"]}
+        for branch in ("greedy", "sample"):
+            if (r := (runs.get(pid) or {}).get((branch, False))) is not None:
+                fig[f"{branch}_loop"] = float(r["loop"])
+                if branch == "sample" and r["diverge"] is not None:
+                    fig["diverge"] = r["diverge"]
+        out[pid] = fig
+    return out
+
+
+def experiment_figures(repo: Path, row: dict, skipped: list[str]) -> dict[str, dict]:
+    """`prompt_figures` of one experiment, its outputs linked from the DVC cache (none when not there)."""
+    try:
+        with revisions.open_run(repo, revisions.Revision(row["exp"], row["rev"], exp=row["exp"])) as root:
+            return prompt_figures(root)
+    except UserError as e:
+        skipped.append(f"experiment {row['exp']}: no per-prompt rows ({e})")
+        return {}
+
+
+def prompt_table(df, figures_of):
+    """sweep_prompts: per experiment of `table`'s frame, a row per prompt (`figures_of(row)`) and its set line."""
+    import pandas as pd
+    head = [c for c in df.columns if ":" not in c and c not in ("state", "baseline")]
+    rows = []
+    for exp in df.to_dict("records"):
+        figures = figures_of(exp)
+        rows += [{**{c: exp[c] for c in head}, "prompt_id": pid, **fig} for pid, fig in figures.items()]
+        t = next((f["T"] for f in figures.values() if "T" in f), None)
+        rows.append({**{c: exp[c] for c in head}, "prompt_id": SET_ROW, "T": t,
+                     **{c: exp.get(m) for c, m in SET_OF.items() if m in exp}})
+    columns = [*head, "prompt_id", "T", *SET_OF, "top1_prob", "top1_text"]
+    return pd.DataFrame(rows, columns=columns)
 
 
 # ---------------------------------------------------------------- plots
