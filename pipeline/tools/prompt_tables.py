@@ -4,8 +4,8 @@
 experiment's prompts from them. The prompt_metrics tables (probs: one row per prompt and
 temperature; trajectories: per prompt, branch and kv_cache) carry a `prompt_id` column.
 checks.parquet does from issue 17 item 5 on (rows unique on (prompt_id, name)); a run recorded
-before that has none, and its rows are its one prompt's (`paths.run_prompt_ids`: None for a run
-recorded before partitions, as the diff pairs it).
+before that has none, and its rows are its one prompt's (`verdicts.stored_rows`, as the audit
+reads them; a run recorded before partitions, whose one prompt the diff pairs as None: `of_prompt`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipeline.checks import verdicts
 from pipeline.store import paths
 
 # The columns that, with prompt_id, key a prompt_metrics row (what two runs' rows are matched on).
@@ -39,19 +40,16 @@ def prompt_metrics(root: Path, item: tuple[str, str]) -> dict[str, dict[tuple, d
     return out
 
 
-def checks(root: Path) -> dict[str | None, dict[str, dict]] | None:
+def checks(root: Path) -> dict[str, dict[str, dict]] | None:
     """prompt id -> check name -> its checks.parquet row; None when the run has no checks.parquet.
-    Without a prompt_id column (a run recorded before checks were per prompt) every row is the
-    run's single prompt's."""
+    Rows by (prompt_id, name) as the audit reads them (`verdicts.stored_rows`: a table without the
+    prompt_id column is the run's single prompt's; "" for a run recorded before partitions)."""
     path = paths.artifact(paths.CHECKS, root)
     if not path.is_file():
         return None
-    rows = pq.read_table(path).to_pylist()
-    ids = paths.run_prompt_ids(root)
-    single = ids[0] if len(ids) == 1 else None
-    out: dict[str | None, dict[str, dict]] = {}
-    for row in rows:
-        out.setdefault(row.get(paths.PARTITION_KEY, single), {})[row["name"]] = row
+    out: dict[str, dict[str, dict]] = {}
+    for (pid, name), row in verdicts.stored_rows(pq.read_table(path), paths.run_prompt_ids(root)).items():
+        out.setdefault(pid, {})[name] = row
     return out
 
 
