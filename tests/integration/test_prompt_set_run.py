@@ -117,3 +117,12 @@ def test_duckdb_reads_the_set_as_one_table_and_a_prompt_filter_opens_one_file(se
     one = profile(f"prompt_id = '{OTHER}' and position = 2")
     assert "Total Files Read: 1" in one and "Row Groups Scanned: 1 /" in one, one   # file, then row group
     assert "Total Files Read: 2" in profile("position = 2")
+
+
+def test_the_audit_of_a_set_re_derives_every_prompt_and_is_clean(set_run):
+    from pipeline.tools import audit
+    ws, _ = set_run
+    result = audit.audit_folder(ws, "two-prompt set")
+    assert result.clean, result.lines()
+    assert any("re-derived" in n and "(2 prompt(s))" in n and "metrics.json" in n for n in result.notes), result.notes
+    assert any(n.startswith("re-ran ") and "checks" in n for n in result.notes), result.notes
