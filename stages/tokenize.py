@@ -27,7 +27,8 @@ def main() -> None:
         snapshot = loader.snapshot_dir(prepared, source)
         tokenizer = loader.load_tokenizer(snapshot)                 # once for every prompt of the set
         run.model = provenance.model_record(source)
-        for record in prompt_set.for_config(prompt).prompts:        # a single prompt is a set of one
+        # a single prompt is a set of one; the run's order is its ids sorted, as its partitions are listed
+        for record in sorted(prompt_set.for_config(prompt).prompts, key=lambda r: r.id):
             with run.timed(record.id):
                 tok = tokenization.tokenize_prompt(tokenizer, record.text, model_cfg.tokenizer.add_special_tokens,
                                                    max_positions=loader.max_positions(snapshot))

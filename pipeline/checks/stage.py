@@ -33,13 +33,14 @@ def sections(params: dict, root: Path | str = ".") -> tuple[dict, prompt_set.Pro
 def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
     """prompt id -> the reference figures to compare there. A reference's prompt-dependent figures
     apply to a prompt with its exact text; the others would be the same comparison once per prompt,
-    so they run once: with the reference's own prompt when the set holds it, else the first prompt."""
+    so they run once: with the reference's own prompt when the set holds it, else the run's first
+    prompt (ids sorted, the run's order)."""
     m = cfg["model"]
     which = {p.id: reference.applicable(m.reference_figures, m.tokenizer.family, p.text) for p in prompts.prompts}
     if len(prompts.prompts) == 1 or not m.reference_figures:
         return which
     own = [p.id for p in prompts.prompts
-           if p.text == reference.load_reference(m.reference_figures)["prompt"]] or [prompts.ids[0]]
+           if p.text == reference.load_reference(m.reference_figures)["prompt"]] or [min(prompts.ids)]
     return {pid: figures if pid == own[0] else [] for pid, figures in which.items()}
 
 

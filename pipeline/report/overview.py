@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import bad_value
+from pipeline.numerics.aggregates import aggregate_temperature
 from pipeline.report.markdown import code, name, prob, src, table
 from pipeline.store import paths
 from pipeline.store.artifacts import read_json, read_parquet
@@ -23,7 +24,6 @@ from pipeline.store.artifacts import read_json, read_parquet
 Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records an input, returns its path
 UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
 EXCERPT = 40                     # characters of a prompt's text or a continuation shown in the overview
-PREFERRED_T = 1.0                # the temperature the overview shows, when it is configured
 GREEDY, SAMPLE = "greedy", "sample"
 
 
@@ -80,8 +80,9 @@ def choose(wanted: str | None, ids: list[str]) -> str:
 
 # ---------------------------------------------------------------- what is shown
 def shown_temperature(temperatures: list[float]) -> float:
-    """T = 1 when configured, else the first configured temperature."""
-    return PREFERRED_T if PREFERRED_T in temperatures else temperatures[0]
+    """The temperature the set aggregates are taken at (`aggregates.aggregate_temperature`: T = 1 when
+    configured, else the lowest), so the overview and metrics.json speak of the same distribution."""
+    return aggregate_temperature(temperatures)
 
 
 def nucleus_filter(filters: list[dict], columns: set[str]) -> str | None:

@@ -13,7 +13,7 @@ from pipeline.errors import UserError
 from pipeline.report import overview, plots, set_plots
 
 IDS = ["code_py", "zh_fact"]
-TEMPS = [2.0, 1.0, 0.5]              # as configured (the overview shows T = 1, else the first of these)
+TEMPS = [2.0, 1.0, 0.5]              # as configured (the overview shows T = 1, else the lowest of these)
 
 
 def probs_rows() -> list[dict]:
@@ -74,10 +74,10 @@ def test_rows_show_t1_the_top_p_filter_and_the_full_prefix_runs():
     assert (code["n_tokens"], zh["text"]) == (9, "中国的首都是")
 
 
-def test_without_t1_the_first_configured_temperature_is_shown():
+def test_without_t1_the_lowest_temperature_is_shown_as_in_the_set_aggregates():
     code, _ = overview.rows(inputs(temps=[2.0, 0.5]))
-    assert code["temperature"] == 2.0                    # the first configured, not the smallest
-    assert (code["top1_id"], code["nucleus"]) == (120, 20)
+    assert code["temperature"] == 0.5                    # the lowest, not the first configured
+    assert (code["top1_id"], code["nucleus"]) == (105, 5)
 
 
 def test_the_sampling_filter_is_the_nucleus_when_it_is_a_top_p_filter():

@@ -54,8 +54,8 @@ def test_reference_figures_apply_once_in_a_set_where_the_prompt_is_the_reference
     cfg = {"model": SimpleNamespace(reference_figures="seed_article", tokenizer=SimpleNamespace(family="qwen2"))}
     with_ref = PromptSet(file="s", prompts=(PromptRecord(id="a", text="Hi"), PromptRecord(id="ref", text=ref_text)))
     assert stage.references(cfg, with_ref) == {"a": [], "ref": [("seed_article", "all")]}
-    without = PromptSet(file="s", prompts=(PromptRecord(id="a", text="Hi"), PromptRecord(id="b", text="Yo")))
-    assert stage.references(cfg, without) == {"a": [("seed_article", "all")], "b": []}   # once, on the first
+    without = PromptSet(file="s", prompts=(PromptRecord(id="b", text="Yo"), PromptRecord(id="a", text="Hi")))
+    assert stage.references(cfg, without) == {"a": [("seed_article", "all")], "b": []}   # once, on the first id
     # no figures configured: the tokenizer figures of a reference whose prompt this is (per prompt)
     cfg["model"].reference_figures = None
     assert stage.references(cfg, with_ref) == {"a": [], "ref": [("seed_article", "tokenizer")]}
