@@ -1,13 +1,13 @@
-"""Set-level DVC metrics: a few figures that summarise a prompt set, from its prompt_metrics tables.
+"""Set-level DVC metrics: a few figures that summarise a prompt set.
 
-Every key is a `dvc exp show` column, so there are few: from probs' table (one row per prompt and
-temperature) the median and mean entropy (bits) and the median kept count of the configured
-sampling filter, at T = 1 when the table has it, else at its lowest temperature
-(`aggregate_temperature`); from trajectories' table (one row per prompt, branch and kv_cache; the
-reference path, no cache, as the per-prompt metrics) the number of prompts, the share of prompts
-whose greedy / sampled continuation ends in a loop, and the mean step where sampling left the
-greedy path over the prompts where it did (0 when none did). Plain Python over Arrow tables (no
-torch), so the stages, `nexttoken audit` and the tests compute them with the same calls.
+Every key is a `dvc exp show` column, so there are few. probs: over the prompts' sweep figures
+(the configured sampling filter at `sampling.temperature`, as `kept` / `entropy` of a single
+prompt) the median and mean entropy (bits) and the median kept count. trajectories, from its
+prompt_metrics table (one row per prompt, branch and kv_cache; the reference path, no cache, as the
+per-prompt metrics): the number of prompts, the share of prompts whose greedy / sampled
+continuation ends in a loop, and the mean step where sampling left the greedy path over the
+prompts where it did (0 when none did). Plain Python (no torch), so the stages, `nexttoken audit`
+and the tests compute them with the same calls.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ def _median(values: list[float]) -> float | int:
     return int(m) if float(m).is_integer() and all(isinstance(v, int) for v in values) else float(m)
 
 
-def probs_set_metrics(table: pa.Table) -> dict:
-    """probs/metrics.json's set keys from prompt_metrics.parquet (`entropy` there is in nats)."""
-    rows = table.to_pylist()
-    t = aggregate_temperature(sorted({r["temperature"] for r in rows}))
-    at_t = [r for r in rows if r["temperature"] == t]
-    bits = [r["entropy"] / math.log(2) for r in at_t]
+def probs_set_metrics(per_prompt: list[dict]) -> dict:
+    """probs/metrics.json's set keys from each prompt's sweep figures (`probs.sweep_metrics`: the
+    configured sampling filter at its own temperature, entropy in bits), so they move with
+    `sampling.temperature` / top_k / top_p as a sweep varies them."""
+    bits = [m["entropy"] for m in per_prompt]
     return {"entropy_median": float(statistics.median(bits)), "entropy_mean": math.fsum(bits) / len(bits),
-            "kept_median": _median([r["sampling_kept"] for r in at_t])}
+            "kept_median": _median([m["kept"] for m in per_prompt])}
 
 
 def trajectory_set_metrics(table: pa.Table) -> dict:

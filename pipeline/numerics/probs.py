@@ -269,7 +269,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
         outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
             prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
             probs_cfg.temperatures, named, vocab)
-        outputs[paths.PROBS_METRICS] = run_metrics(outputs[paths.PROBS_METRICS], outputs[paths.PROBS_PROMPT_METRICS])
+        outputs[paths.PROBS_METRICS] = run_metrics([outputs[paths.PROBS_METRICS]])
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}
@@ -277,7 +277,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
 
 def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) -> None:
     """The probs stage's whole body (python -m stages.probs; `nexttoken verify` in one process), per prompt."""
-    vocab, per_prompt = stage.use(paths.VOCAB), []
+    vocab, per_prompt, figures = stage.use(paths.VOCAB), [], []
     for pid in stage.prompt_ids(paths.LOGITS):
         with stage.timed(pid):
             outputs, facts = build(stage.use(paths.LOGITS, pid), vocab, probs_cfg, sampling_cfg,
@@ -289,10 +289,10 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
             stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
             stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
             per_prompt.append(outputs[paths.PROBS_PROMPT_METRICS])
-    # set-level: the last prompt's sweep figures, then the set's aggregates over every prompt's rows
-    table = set_table(per_prompt)
-    stage.write_json(paths.PROBS_METRICS[1], run_metrics(outputs[paths.PROBS_METRICS], table))
-    stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], table, compression="zstd")   # one row group
+            figures.append(outputs[paths.PROBS_METRICS])
+    # set-level: the last prompt's sweep figures, then the set's aggregates over every prompt's figures
+    stage.write_json(paths.PROBS_METRICS[1], run_metrics(figures))
+    stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], set_table(per_prompt), compression="zstd")   # one row group
 
 
 def set_table(per_prompt: list[pa.Table]) -> pa.Table:
@@ -300,7 +300,7 @@ def set_table(per_prompt: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(per_prompt).sort_by([("prompt_id", "ascending"), ("temperature", "ascending")])
 
 
-def run_metrics(last: dict, table: pa.Table) -> dict:
+def run_metrics(per_prompt: list[dict]) -> dict:
     """probs/metrics.json: `sweep_metrics` of the run's last prompt (kept, mass, top_bits, entropy: a set of
-    one's figures, unchanged) and the set keys over `table`, prompt_metrics.parquet's rows of the set."""
-    return {**{k: v for k, v in last.items() if k not in PROBS_KEYS}, **probs_set_metrics(table)}
+    one's figures, unchanged) and the set keys over every prompt's sweep figures, in run order."""
+    return {**{k: v for k, v in per_prompt[-1].items() if k not in PROBS_KEYS}, **probs_set_metrics(per_prompt)}

@@ -277,7 +277,7 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same
 
     same_code: dvc.lock shows the run's code is this code; else metrics.json (DVC's metrics
     view, whose layout follows the code) is compared on the keys both layouts have."""
-    recorded, items, per_prompt, metrics = {o["path"] for o in manifest["outputs"]}, [], [], None
+    recorded, items, per_prompt, figures, failed = {o["path"] for o in manifest["outputs"]}, [], [], [], False
     prompt_ids = paths.run_prompt_ids(root)
     for pid in prompt_ids:
         try:
@@ -285,23 +285,26 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same
         except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
             result.find("re-derive", f"probs could not be recomputed from "
                                      f"{_rel(paths.recorded(paths.LOGITS, pid, root), root)}: {type(e).__name__}: {e}")
+            failed = True
             continue
-        metrics = derived.pop(paths.PROBS_METRICS)      # set-level: compared once below
+        figures.append(derived.pop(paths.PROBS_METRICS))      # set-level: compared once below
         if paths.PROBS_PROMPT_METRICS in derived:   # set-level: every prompt's rows, compared once below
             per_prompt.append(derived.pop(paths.PROBS_PROMPT_METRICS))
         items = list(derived)
         for item, want in derived.items():
             _compare_derived(paths.lookup(root)(item, pid), want, root, recorded, result,
                              item == paths.PROBS_METRICS and not same_code)
-    if per_prompt:   # the set's table, and metrics.json: the last prompt's figures and the set's aggregates
-        from pipeline.numerics import probs  # torch, as probs_outputs: only when re-deriving
-        table = probs.set_table(per_prompt)
+    if failed:          # the set-level files need every prompt: the finding above says why they are not compared
+        return
+    from pipeline.numerics import probs  # torch, as probs_outputs: only when re-deriving
+    if per_prompt:      # a run made before prompt_metrics.parquet has none
         items.append(paths.PROBS_PROMPT_METRICS)
-        _compare_derived(paths.artifact(paths.PROBS_PROMPT_METRICS, root), table, root, recorded, result, False)
-        metrics = probs.run_metrics(metrics, table)
-    if metrics is not None:     # a run made before prompt_metrics.parquet: its one prompt's metrics
+        _compare_derived(paths.artifact(paths.PROBS_PROMPT_METRICS, root), probs.set_table(per_prompt), root,
+                         recorded, result, False)
+    if figures:         # metrics.json: the last prompt's figures and the set's aggregates
         items.append(paths.PROBS_METRICS)
-        _compare_derived(paths.artifact(paths.PROBS_METRICS, root), metrics, root, recorded, result, not same_code)
+        _compare_derived(paths.artifact(paths.PROBS_METRICS, root), probs.run_metrics(figures), root, recorded,
+                         result, not same_code)
     result.notes.append(f"re-derived {', '.join(i[1] for i in items)} from {paths.LOGITS[1]} "
                         f"({len(prompt_ids)} prompt(s))")
 

@@ -168,17 +168,20 @@ def collect(repo: Path, out_dir: Path) -> dict:
 
 # ---------------------------------------------------------------- per prompt
 def prompt_figures(root: Path) -> dict[str, dict]:
-    """Per prompt of the run at root, from its prompt_metrics tables: at T = 1 (else the lowest
-    temperature, as the set aggregates) the entropy in bits, the sampling filter's kept count, the
-    top-1 probability and text; without the KV cache, whether greedy / sampling end in a loop (1.0 or
-    0.0: the set line holds their rate) and the step where sampling left the greedy path (0: never)."""
+    """Per prompt of the run at root, from its prompt_metrics tables: at the sampling filter's temperature
+    (the one the set aggregates of probs/metrics.json are taken at) when probs.temperatures lists it, else
+    at T = 1 or the lowest, the entropy in bits, the sampling filter's kept count, the top-1 probability
+    and text; without the KV cache, whether greedy / sampling end in a loop (1.0 or 0.0: the set line
+    holds their rate) and the step where sampling left the greedy path (0: never)."""
     probs_rows = prompt_tables.prompt_metrics(root, paths.PROBS_PROMPT_METRICS) or {}
     runs = prompt_tables.prompt_metrics(root, paths.TRAJECTORY_PROMPT_METRICS) or {}
+    sampling_t = _sampling_temperature(root)
     out: dict[str, dict] = {}
     for pid in sorted(set(probs_rows) | set(runs)):
         fig: dict[str, Any] = {}
         if probs_rows.get(pid):
-            t = aggregates.aggregate_temperature([key[0] for key in probs_rows[pid]])
+            listed = [key[0] for key in probs_rows[pid]]
+            t = sampling_t if sampling_t in listed else aggregates.aggregate_temperature(listed)
             r = probs_rows[pid][(t,)]
             fig |= {"T": t, "entropy": r["entropy"] / math.log(2), "kept": r["sampling_kept"],
                     "top1_prob": r["top1_prob"], "top1_text": r["top1_text"]}
@@ -189,6 +192,15 @@ def prompt_figures(root: Path) -> dict[str, dict]:
                     fig["diverge"] = r["diverge"]
         out[pid] = fig
     return out
+
+
+def _sampling_temperature(root: Path) -> float | None:
+    """The temperature the run's sampling filter had (greedy 0 is shown at 1, as `probs.sweep_metrics`),
+    from the probs stage's recorded config; None when it is not recorded."""
+    manifest = paths.manifest_path("probs", root)
+    t = (json.loads(manifest.read_text(encoding="utf-8"))["config"].get("sampling") or {}).get("temperature") \
+        if manifest.is_file() else None
+    return None if t is None else (float(t) if t > 0 else 1.0)
 
 
 def experiment_figures(repo: Path, row: dict, skipped: list[str]) -> dict[str, dict]:

@@ -2,49 +2,40 @@
 
 from __future__ import annotations
 
-import math
-
 import pyarrow as pa
 import pytest
 
 from pipeline.numerics import aggregates
 from pipeline.numerics.probs import run_metrics
 
-LN2 = math.log(2)
+
+def _fig(bits: float, kept: int) -> dict:
+    """One prompt's sweep figures (`probs.sweep_metrics`: the sampling filter at its own temperature)."""
+    return {"kept": kept, "mass": 0.5, "top_bits": 1.0, "entropy": bits}
 
 
-def _probs(rows: list[tuple[str, float, float, int]]) -> pa.Table:
-    """(prompt_id, temperature, entropy in bits, sampling kept) -> prompt_metrics.parquet's columns used."""
-    return pa.Table.from_pylist([{"prompt_id": p, "temperature": t, "entropy": bits * LN2, "sampling_kept": k,
-                                  "top_p_0.9_kept": 10 * k} for p, t, bits, k in rows])
-
-
-def test_probs_aggregates_take_t1_median_and_mean_in_bits():
-    table = _probs([("a", 0.5, 0.25, 1), ("a", 1.0, 1.0, 2), ("a", 2.0, 9.0, 400),
-                    ("b", 0.5, 0.5, 1), ("b", 1.0, 2.0, 7), ("b", 2.0, 9.5, 500),
-                    ("c", 0.5, 1.0, 3), ("c", 1.0, 6.0, 30), ("c", 2.0, 9.9, 600)])
-    m = aggregates.probs_set_metrics(table)
-    # T=1 rows only: entropies 1, 2, 6 bits (median 2, mean 3), kept 2, 7, 30 (median 7): another
-    # temperature, nats instead of bits, mean for median or another filter's column all give other numbers
+def test_probs_aggregates_are_median_and_mean_of_the_prompts_sweep_figures():
+    m = aggregates.probs_set_metrics([_fig(1.0, 2), _fig(2.0, 7), _fig(6.0, 30)])
+    # entropies 1, 2, 6 bits (median 2, mean 3), kept 2, 7, 30 (median 7): mean for median or the
+    # other way round, or another key, give other numbers
     assert m == {"entropy_median": pytest.approx(2.0), "entropy_mean": pytest.approx(3.0), "kept_median": 7}
     assert isinstance(m["kept_median"], int)
+    even = aggregates.probs_set_metrics([_fig(1.0, 2), _fig(4.0, 5)])
+    assert even == {"entropy_median": pytest.approx(2.5), "entropy_mean": pytest.approx(2.5), "kept_median": 3.5}
 
 
-def test_probs_aggregates_without_t1_use_the_lowest_temperature_and_even_medians_average():
-    table = _probs([("a", 0.7, 1.0, 2), ("a", 2.0, 5.0, 90), ("b", 0.7, 4.0, 5), ("b", 2.0, 6.0, 99)])
-    assert aggregates.aggregate_temperature([0.7, 2.0]) == 0.7
-    m = aggregates.probs_set_metrics(table)
-    assert m == {"entropy_median": pytest.approx(2.5), "entropy_mean": pytest.approx(2.5), "kept_median": 3.5}
+def test_the_shown_temperature_is_1_else_the_lowest():
+    assert aggregates.aggregate_temperature([2.0, 1.0, 0.5]) == 1.0
+    assert aggregates.aggregate_temperature([2.0, 0.7]) == 0.7
 
 
-def test_run_metrics_keep_the_last_prompts_figures_and_replace_its_set_keys():
-    last = {"kept": 3, "mass": 0.9, "top_bits": 1.5, "entropy": 2.25, "entropy_median": 99.0,
-            "entropy_mean": 99.0, "kept_median": 99}                    # a set of one's keys, from `build`
-    table = _probs([("a", 1.0, 1.0, 2), ("b", 1.0, 3.0, 4)])
-    m = run_metrics(last, table)
+def test_run_metrics_keep_the_last_prompts_figures_and_add_the_set_keys():
+    first, last = _fig(1.0, 2), {**_fig(3.0, 4), "kept": 3, "mass": 0.9, "top_bits": 1.5, "entropy": 2.25,
+                                 "entropy_median": 99.0, "entropy_mean": 99.0, "kept_median": 99}  # from `build`
+    m = run_metrics([first, last])
     assert list(m) == ["kept", "mass", "top_bits", "entropy", "entropy_median", "entropy_mean", "kept_median"]
-    assert (m["kept"], m["entropy"]) == (3, 2.25)
-    assert (m["entropy_median"], m["kept_median"]) == (pytest.approx(2.0), 3)
+    assert (m["kept"], m["mass"], m["entropy"]) == (3, 0.9, 2.25)          # the last prompt's
+    assert (m["entropy_median"], m["kept_median"]) == (pytest.approx(1.625), 2.5)
 
 
 def _run(pid: str, branch: str, kv: bool, loop: bool, diverge: int | None) -> dict:
