@@ -24,7 +24,8 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))          # an unknown section is refused here
     sections = {name: schema.load_section(params, name) for name in schema.SECTIONS}
     prompt = sections["prompt"]
-    resolved_prompt = prompt_set.resolved(prompt)            # a bad prompt set is refused here, one line
+    prompt_set.for_run(sections)                             # a bad prompt set, report.prompt_id: one line
+    resolved_prompt = prompt_set.resolved(prompt)
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         run.with_torch = False
         for given in (prompt.file, prompt.set):

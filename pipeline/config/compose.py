@@ -44,7 +44,7 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
         raise _explain(e, overrides, conf) from None
     params = schema.read_params(out_file)      # an unknown section is refused there
     sections = {name: schema.load_section(params, name, root) for name in schema.SECTIONS}
-    prompt_set.for_config(sections["prompt"], root)       # a prompt set, read and checked line by line
+    prompt_set.for_run(sections, root)       # a prompt set, read and checked line by line; report.prompt_id
     return params
 
 

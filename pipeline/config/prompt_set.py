@@ -152,6 +152,18 @@ def for_config(prompt: PromptConfig, root: Path | str = ".") -> PromptSet:
     return PromptSet(file=None, prompts=(record,))
 
 
+def for_run(sections: dict, root: Path | str = ".") -> PromptSet:
+    """The run's prompts (`for_config` of the prompt section), with the keys that name one of them checked
+    against them: `report.prompt_id` (compose and the validate stage refuse a typo before any stage runs;
+    the report stage checks it again against the artifacts)."""
+    prompts = for_config(sections["prompt"], root)
+    wanted = sections["report"].prompt_id
+    if wanted is not None and wanted not in prompts.ids:
+        raise bad_value("report.prompt_id", wanted,
+                        "null or one of the run's prompt ids: " + ", ".join(sorted(prompts.ids)))
+    return prompts
+
+
 def resolved(prompt: PromptConfig, root: Path | str = ".") -> dict:
     """What the stages that read the prompt depend on, resolved: the prompt's text, or a set's records
     (so editing the set file re-runs exactly those stages)."""

@@ -319,7 +319,7 @@ class ChecksConfig(Section):
 
 class ReportConfig(Section):
     """`report`: which prompt of the run the report details (the overview lists every prompt). Whether the
-    id is one of the run's is known from the artifacts only: the report stage checks it before writing."""
+    id is one of the run's: `prompt_set.for_run` (compose, validate) and the report stage (its artifacts)."""
 
     prompt_id: str | None = Field(None, pattern=PROMPT_ID_PATTERN,
                                   description=f"null (the run's first prompt) or a prompt id: {PROMPT_ID_ALLOWED}")

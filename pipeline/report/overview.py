@@ -70,7 +70,8 @@ def load(use: Use, ids: list[str], root: Path | str = ".") -> SetInputs:
 
 def choose(wanted: str | None, ids: list[str]) -> str:
     """The prompt the report details: report.prompt_id, or the run's first prompt when it is null. An id
-    the run does not hold is refused in one line naming the allowed ids (known from the artifacts only)."""
+    the run does not hold is refused in one line naming the allowed ids (as `prompt_set.for_run` does
+    before the run: this checks the artifacts the report reads)."""
     if wanted is None:
         return ids[0]
     if wanted not in ids:

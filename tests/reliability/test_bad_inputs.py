@@ -596,6 +596,12 @@ SUBPROCESS = [
         ("nexttoken", "compose", "model=tiny_qwen2", "prompt.set=prompts/dup.jsonl", "prompt.text=null"),
         ("prompt.set='prompts/dup.jsonl' line 2: id='A' is not allowed: an id no other line has, ignoring case",),
         setup=_duplicate_id_set),
+    Run("compose report.prompt_id=nope (not a prompt of the run)",
+        ("nexttoken", "compose", "model=tiny_qwen2", "report.prompt_id=nope"),
+        ("report.prompt_id='nope' is not allowed: null or one of the run's prompt ids: temperature_question",)),
+    Run("stage validate: report.prompt_id=nope (not a prompt of the run)", ("stage", "validate"),
+        ("nexttoken validate: error: report.prompt_id='nope' is not allowed: null or one of the run's prompt ids: "
+         "temperature_question",), params={"report.prompt_id": "nope"}),
     Run("stage validate: a prompt set with a duplicate id", ("stage", "validate"),
         ("nexttoken validate: error: prompt.set='prompts/dup.jsonl' line 2: id='A' is not allowed",),
         params={"prompt.text": None, "prompt.set": "prompts/dup.jsonl"}, setup=_duplicate_id_set),
