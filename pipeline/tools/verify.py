@@ -10,7 +10,8 @@ and its model snapshot, in a temporary folder: each stage's own library function
 changes.
 
 One line per artifact, `identical` or `differs` (`new`, not compared, for a file only this code
-makes: the run's code did not write it); when anything differs, one line each: the
+makes: the run's code did not write it; `identical ... on what both hold` for a JSON file or table
+this code added keys or columns to, equal bit for bit on the rest); when anything differs, one line each: the
 kernel path then vs now, the first diverging captured tensor in forward order (max |Δ| and
 where), the top-1 id per position, the kept counts per filter, the first trajectory step
 whose chosen id differs (both candidates and their probabilities), the checks whose result
@@ -24,6 +25,8 @@ import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pyarrow as pa
 
 from pipeline import kernels, progress
 from pipeline.checks import verdicts
@@ -40,7 +43,14 @@ from pipeline.tools.divergence import (
     recorded_kernels,
     top1_line,
 )
-from pipeline.tools.rundiff import kept_lines_from, runs_from_table, table_difference, trajectory_lines_from
+from pipeline.tools.rundiff import (
+    json_difference,
+    kept_lines_from,
+    runs_from_table,
+    shared_keys,
+    table_difference,
+    trajectory_lines_from,
+)
 
 RERUN = ("forward", "logits", "probs", "trajectories", "checks")      # in dvc.yaml's order
 READS = {"forward": (), "logits": ("forward",), "probs": ("logits",), "trajectories": (),
@@ -114,9 +124,11 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
                 if same is None:
                     result.lines.append(f"new       {stage}/{name}: made by this code, the run did not record it "
                                         "(not compared)")
-                    continue
-                result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")
-                if not same:
+                elif isinstance(same, str):
+                    result.lines.append(f"identical {stage}/{name} on what both hold ({same})")
+                else:
+                    result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")
+                if same is False:
                     result.differing.append(f"{stage}/{name}")
         if result.differing:
             result.lines += explain(root, here, {d.split("/")[0] for d in result.differing})
@@ -175,16 +187,48 @@ def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
                 body[stage](run)
 
 
-def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool | None]]:
+def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool | str | None]]:
     """(file name, bit-identical) for every output the stage's manifest lists, stored or re-made
     (what DVC adds beside them, such as a .gitignore, is not the stage's); None for a file only the
-    re-run made (newer code than the run's, e.g. prompt_metrics.parquet for a run made before it)."""
+    re-run made (newer code than the run's, e.g. prompt_metrics.parquet for a run made before it); a
+    string (what only one holds) for a JSON file or table equal bit for bit on the keys or columns both
+    hold, that newer code added to (metrics.json's set keys, checks.parquet's prompt_id)."""
     def files(r: Path) -> dict[str, Path]:
         outputs = read_json(paths.manifest_path(stage, r)).get("outputs") or []
         return {Path(o["path"]).relative_to(paths.stage_dir(stage)).as_posix(): r / o["path"] for o in outputs}
+
+    def compare(name: str) -> bool | str | None:
+        if name not in stored:
+            return None
+        if name not in made or not stored[name].is_file():
+            return False
+        return _content(stored[name]) == _content(made[name]) or _same_on_shared(stored[name], made[name]) or False
     stored, made = files(root), files(here)
-    return [(name, None if name not in stored else name in made and stored[name].is_file()
-             and _content(stored[name]) == _content(made[name])) for name in sorted(set(stored) | set(made))]
+    return [(name, compare(name)) for name in sorted(set(stored) | set(made))]
+
+
+def _same_on_shared(stored: Path, made: Path) -> str | None:
+    """What only one of two files holds, when they are equal on every key (JSON) or column (Parquet)
+    both hold and differ in layout; None when they differ in a value, or are the same layout."""
+    if stored.suffix == ".json":
+        a, b, only = shared_keys(read_json(stored), read_json(made))
+        return "only one holds " + ", ".join(only) if only and json_difference(a, b) is None else None
+    if stored.suffix != ".parquet":
+        return None
+    a, b = read_parquet(stored), read_parquet(made)
+    only = sorted(set(a.column_names) ^ set(b.column_names))
+    both = [c for c in a.column_names if c in b.column_names]
+    if not only or a.num_rows != b.num_rows or any(_bits(a[c]) != _bits(b[c]) for c in both):
+        return None
+    return "only one holds column " + ", ".join(only)
+
+
+def _bits(column: pa.ChunkedArray) -> bytes:
+    """A column's values as bytes (Arrow IPC, one chunk): equal bytes = the same values bit for bit, NaN too."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.schema([("c", column.type)])) as writer:
+        writer.write_table(pa.table({"c": column.combine_chunks()}))
+    return sink.getvalue().to_pybytes()
 
 
 def _content(path: Path) -> str:
