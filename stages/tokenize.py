@@ -19,8 +19,9 @@ def main() -> None:
     prompt = schema.load_section(params, "prompt")
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         source = read_json(run.use(paths.SOURCE))
-        if prompt.file is not None:
-            run.use(Path(prompt.file))          # its sha256 goes into the manifest
+        for given in (prompt.file, prompt.set):
+            if given is not None:
+                run.use(Path(given))            # its sha256 goes into the manifest
         prepared = paths.stage_dir("prepare_model")
         for f in loader.tokenizer_files(prepared, source):          # what the tokenizer reads: recorded
             run.use(f)

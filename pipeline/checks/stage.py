@@ -57,8 +57,9 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
     cfg, prompts, figures = sections(params, root)
     cap, model_cfg = cfg["capture"], cfg["model"]
     device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
-    if cfg["prompt"].file is not None:
-        use(Path(cfg["prompt"].file))                  # its sha256 goes into the manifest, as tokenize's
+    for given in (cfg["prompt"].file, cfg["prompt"].set):
+        if given is not None:
+            use(Path(given))                           # its sha256 goes into the manifest, as tokenize's
     source = read_json(use(paths.SOURCE))
     snapshot = loader.snapshot_dir(use(paths.stage_dir("prepare_model")), source)
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,

@@ -112,20 +112,22 @@ def shell_word(word: str) -> str:
 
 
 def prompt_overrides(overrides: list[str], text: str | None, file: str | None, root: Path) -> list[str]:
-    """overrides plus the ones that set the prompt verbatim: `--prompt TEXT` or `--prompt-file PATH`."""
+    """overrides plus the ones that set the prompt verbatim: `--prompt TEXT` or `--prompt-file PATH`, a single
+    prompt (so `prompt.set` is null, also over `prompt=concepts`)."""
     if text is None and file is None:
         return list(overrides)
-    given = [ov for ov in overrides if ov.partition("=")[0].lstrip("+~") in ("prompt.text", "prompt.file")]
+    keys = ("prompt.text", "prompt.file", "prompt.set")
+    given = [ov for ov in overrides if ov.partition("=")[0].lstrip("+~") in keys]
     if given:
         raise UserError(f"--prompt / --prompt-file set the prompt, and so does {given[0]!r}: give one of them")
     if text is not None:
         if problem := schema.prompt_problem(text):      # the text's own fault, before Hydra reads it
             raise bad_value("--prompt", text, problem)
-        return [*overrides, f"prompt.text={quote(text)}"]
+        return [*overrides, "prompt.set=null", f"prompt.text={quote(text)}"]
     path = Path(file)
     if path.is_absolute() and path.resolve().is_relative_to(root.resolve()):
         path = path.resolve().relative_to(root.resolve())      # the config records a path inside the repository
-    return [*overrides, "prompt.text=null", f"prompt.file={quote(path.as_posix())}"]
+    return [*overrides, "prompt.text=null", "prompt.set=null", f"prompt.file={quote(path.as_posix())}"]
 
 
 def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: str | None = None) -> dict:

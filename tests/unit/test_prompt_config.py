@@ -52,11 +52,12 @@ def test_compose_prompt_writes_the_text_and_derives_a_name(tmp_path, monkeypatch
     assert params["prompt"]["text"] == HELLO and params["model"]["name"] == "tiny_qwen2"
     sha = hashlib.sha256(HELLO.encode()).hexdigest()
     assert f"prompt=hello_it_s-{sha[:8]}" in out
-    # the printed override, run through a shell, is the same prompt for `dvc exp run -S`
+    # the printed overrides, run through a shell, are the same prompt for `dvc exp run -S`
     line = next(x for x in out.splitlines() if x.startswith("the same for dvc: dvc exp run -S "))
-    word = subprocess.run(["sh", "-c", f'printf %s {line.split(" -S ", 1)[1]}'], capture_output=True,
-                          text=True, check=True).stdout
-    again = compose.compose_to(tmp_path / "again.yaml", [word], tmp_path)
+    words = [subprocess.run(["sh", "-c", f"printf %s {w}"], capture_output=True, text=True, check=True).stdout
+             for w in line.split(" -S ")[1:]]
+    assert words[0] == "prompt.set=null"            # a single prompt, also over a prompt set
+    again = compose.compose_to(tmp_path / "again.yaml", words, tmp_path)
     assert again["prompt"]["text"] == HELLO
 
 
@@ -129,3 +130,17 @@ def test_overrides_after_prompt_count_and_their_errors_stay_theirs(tmp_path, mon
     assert cli.main(["compose", "--prompt", "a ${ b"]) == 2
     assert "--prompt='a ${ b' is not allowed" in capsys.readouterr().err
     assert yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8")) == params   # nothing written
+
+
+def test_prompt_over_a_prompt_set_option_is_a_single_prompt(tmp_path, monkeypatch):
+    """`--prompt` / `--prompt-file` give one prompt: over `prompt=concepts` they replace its set."""
+    _workspace(tmp_path, monkeypatch)
+    assert cli.main(["compose", "model=tiny_qwen2", "prompt=concepts", "--prompt", "hi there"]) == 0
+    prompt = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))["prompt"]
+    assert (prompt["text"], prompt["set"], prompt["file"]) == ("hi there", None, None)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/mine.txt").write_text("from a file", encoding="utf-8")
+    assert cli.main(["compose", "model=tiny_qwen2", "prompt=concepts", "--prompt-file", "prompts/mine.txt"]) == 0
+    prompt = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))["prompt"]
+    assert (prompt["file"], prompt["set"]) == ("prompts/mine.txt", None)
+    assert cli.main(["compose", "prompt.set=prompts/x.jsonl", "--prompt", "hi"]) == 2     # two ways to give it
