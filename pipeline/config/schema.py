@@ -389,7 +389,7 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
     node = _open(node, schema)
     kind = node.get("type")
     if "enum" in node:
-        return "one of " + ", ".join(node["enum"])
+        return "one of " + ", ".join(map(str, node["enum"]))
     if kind in ("integer", "number"):
         noun = "an integer" if kind == "integer" else "a number" if "than" in error else "a finite number"
         lo = node.get("minimum", node.get("exclusiveMinimum"))
