@@ -297,14 +297,14 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same
     if failed:          # the set-level files need every prompt: the finding above says why they are not compared
         return
     from pipeline.numerics import probs  # torch, as probs_outputs: only when re-deriving
-    if per_prompt:      # a run made before prompt_metrics.parquet has none
-        items.append(paths.PROBS_PROMPT_METRICS)
-        _compare_derived(paths.artifact(paths.PROBS_PROMPT_METRICS, root), probs.set_table(per_prompt), root,
-                         recorded, result, False)
     if figures:         # metrics.json: the last prompt's figures and the set's aggregates
         items.append(paths.PROBS_METRICS)
         _compare_derived(paths.artifact(paths.PROBS_METRICS, root), probs.run_metrics(figures), root, recorded,
                          result, not same_code)
+    if per_prompt:      # a run made before prompt_metrics.parquet has none
+        items.append(paths.PROBS_PROMPT_METRICS)
+        _compare_derived(paths.artifact(paths.PROBS_PROMPT_METRICS, root), probs.set_table(per_prompt), root,
+                         recorded, result, False)
     result.notes.append(f"re-derived {', '.join(i[1] for i in items)} from {paths.LOGITS[1]} "
                         f"({len(prompt_ids)} prompt(s))")
 
