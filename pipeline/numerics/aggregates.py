@@ -18,7 +18,7 @@ import statistics
 import pyarrow as pa
 
 PROBS_KEYS = ("entropy_median", "entropy_mean", "kept_median")
-TRAJECTORY_KEYS = ("prompts", "greedy_loop_rate", "sample_loop_rate", "diverge_mean")
+TRAJECTORY_KEYS = ("n_prompts", "greedy_loop_rate", "sample_loop_rate", "diverge_mean")
 
 
 def aggregate_temperature(temperatures: list[float]) -> float:
@@ -44,7 +44,7 @@ def trajectory_set_metrics(table: pa.Table) -> dict:
     """trajectories/metrics.json's set keys from its prompt_metrics.parquet (runs without the cache)."""
     ref = [r for r in table.to_pylist() if not r["kv_cache"]]
     prompts = sorted({r["prompt_id"] for r in table.to_pylist()})
-    out: dict = {"prompts": len(prompts)}
+    out: dict = {"n_prompts": len(prompts)}
     for branch in ("greedy", "sample"):
         runs = [r for r in ref if r["branch"] == branch]
         if runs:

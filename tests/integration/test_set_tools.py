@@ -56,7 +56,7 @@ def test_set_metrics_are_the_aggregates_of_the_prompt_rows_sweep_shows(set_run, 
     assert pm["entropy_median"] == pytest.approx(statistics.median(entropies), rel=1e-12)
     assert pm["entropy_mean"] == pytest.approx(sum(entropies) / 2, rel=1e-12)
     assert pm["kept_median"] == statistics.median(f["kept"] for f in figures.values())
-    assert tm["prompts"] == 2
+    assert tm["n_prompts"] == 2
     for branch in ("greedy", "sample"):
         assert tm[f"{branch}_loop_rate"] == sum(f[f"{branch}_loop"] for f in figures.values()) / 2
     steps = [f["diverge"] for f in figures.values() if f["diverge"]]

@@ -52,12 +52,12 @@ def test_trajectory_aggregates_count_prompts_loops_and_divergence_without_the_ca
             _run("c", "greedy", True, True, None), _run("d", "sample", True, True, 1)]
     m = aggregates.trajectory_set_metrics(pa.Table.from_pylist(rows))
     # greedy loops in a, b of 4; sample in b of 4; sample left greedy at 3 (a) and 6 (c), never in b, d
-    assert m == {"prompts": 4, "greedy_loop_rate": 0.5, "sample_loop_rate": 0.25, "diverge_mean": 4.5}
+    assert m == {"n_prompts": 4, "greedy_loop_rate": 0.5, "sample_loop_rate": 0.25, "diverge_mean": 4.5}
 
 
 def test_trajectory_aggregates_never_diverging_is_0_and_missing_branches_are_left_out():
     m = aggregates.trajectory_set_metrics(pa.Table.from_pylist(
         [_run("a", "greedy", False, False, None), _run("a", "sample", False, False, 0)]))
-    assert m == {"prompts": 1, "greedy_loop_rate": 0.0, "sample_loop_rate": 0.0, "diverge_mean": 0}
+    assert m == {"n_prompts": 1, "greedy_loop_rate": 0.0, "sample_loop_rate": 0.0, "diverge_mean": 0}
     only_greedy = aggregates.trajectory_set_metrics(pa.Table.from_pylist([_run("a", "greedy", False, True, None)]))
-    assert only_greedy == {"prompts": 1, "greedy_loop_rate": 1.0}
+    assert only_greedy == {"n_prompts": 1, "greedy_loop_rate": 1.0}
