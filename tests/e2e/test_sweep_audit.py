@@ -94,7 +94,8 @@ def test_exp_show_only_changed_fits_160_columns_with_the_swept_params(swept):
     Executor column and the set keys, a single prompt's own figures again, dropped): no column cut
     (DVC would print `…`), the swept params shown."""
     out = sh(swept, "dvc", "exp", "show", "--only-changed", "--drop",
-             "^artifacts/|^prompts$|^Executor$|.*_(median|mean|rate)$|^n_prompts$", "--no-pager", env={"COLUMNS": "160"}).stdout
+             "^artifacts/|^prompts$|^Executor$|.*_(median|mean|rate)$|^n_prompts$", "--no-pager",
+             env={"COLUMNS": "160"}).stdout
     assert max(cell_len(line) for line in out.splitlines()) <= 160, out     # terminal columns (CJK: two)
     header = out.splitlines()[1].split()
     for name in ("sampling.temperature", "sampling.top_p", "kept", "mass", "entropy", "sample"):
