@@ -57,6 +57,7 @@ class StageRun:
         self._recorded: dict[str, tuple[str, str | None]] = {}   # path -> (sha256, stage recording it)
         self._manifests: dict[str, dict | None] = {}
         self._prompt_seconds: dict[str, float] = {}
+        self._prompt_facts: dict[str, dict[str, Any]] = {}
         self._started = time.time()
         self.staging = self.root / paths.STAGING / f"{stage}-{os.getpid()}"
         _remove_stale_staging(self.staging.parent, stage)
@@ -207,13 +208,28 @@ class StageRun:
     @contextmanager
     def timed(self, prompt_id: str | None) -> Iterator[None]:
         """Time one prompt's work: the manifest's `prompt_seconds` (what each prompt of a set cost, the
-        shared set-up such as a model load not counted)."""
-        start = time.perf_counter()
+        shared set-up such as a model load not counted). Facts the stage sets inside are that prompt's
+        (`_set_facts` writes them to the manifest)."""
+        start, facts = time.perf_counter(), self.facts
         try:
             yield
         finally:
             key = prompt_id or ""
             self._prompt_seconds[key] = self._prompt_seconds.get(key, 0.0) + time.perf_counter() - start
+            if self.facts is not facts:
+                self._prompt_facts[key] = self.facts
+
+    def _set_facts(self) -> dict[str, Any]:
+        """The manifest's `facts` and, for a set whose prompts' facts differ, `prompt_facts`: `facts` holds
+        what every prompt shares (a single prompt: all its facts), `prompt_facts` each prompt's own values
+        of the others (otherwise the manifest would hold the last prompt's values as if they were the set's)."""
+        per = self._prompt_facts
+        if len(per) < 2:
+            return {"facts": self.facts}
+        first = next(iter(per.values()))
+        shared = {k: v for k, v in first.items() if all(k in f and f[k] == v for f in per.values())}
+        own = {pid: {k: v for k, v in f.items() if k not in shared} for pid, f in per.items()}
+        return {"facts": shared, **({"prompt_facts": own} if any(own.values()) else {})}
 
     def out(self, name: str, prompt_id: str | None = None) -> Path:
         """A path in the staging folder, for writers that need a file name; with a prompt id,
@@ -260,7 +276,7 @@ class StageRun:
             "config_sha256": provenance.sha256_json(self.config),
             "seeds": self.seeds,
             "model": self.model,
-            "facts": self.facts,
+            **self._set_facts(),
             "inputs": self._inputs,
             "outputs": outputs,
             **provenance.environment(self.root, self.with_torch and "torch" in sys.modules),

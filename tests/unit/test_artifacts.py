@@ -233,3 +233,23 @@ def test_timed_records_each_prompts_seconds_in_the_manifest(tmp_path):
         run.write_json("s.json", {})
     seconds = json.loads((tmp_path / "artifacts/logits/manifest.json").read_text())["prompt_seconds"]
     assert list(seconds) == ["a", "b", "c"] and seconds["a"] >= 0.05 and seconds["a"] >= seconds["b"] >= 0
+
+
+def test_a_sets_manifest_keeps_each_prompts_facts(tmp_path):
+    """`facts` is what every prompt shares; `prompt_facts` each prompt's own values (not the last prompt's)."""
+    def manifest(prompts):
+        with artifacts.stage_run("tokenize", {}, root=tmp_path) as run:
+            for pid, n, ok in prompts:
+                with run.timed(pid):
+                    run.facts = {"n_tokens": n, "round_trip_ok": ok, "family": "qwen2"}
+            run.write_json("s.json", {})
+        return json.loads((tmp_path / "artifacts/tokenize/manifest.json").read_text())
+
+    m = manifest([("a", 5, True), ("b", 9, False)])
+    assert m["facts"] == {"family": "qwen2"}
+    assert m["prompt_facts"] == {"a": {"n_tokens": 5, "round_trip_ok": True},
+                                 "b": {"n_tokens": 9, "round_trip_ok": False}}
+    m = manifest([("a", 5, True), ("b", 5, True)])                   # nothing differs: no prompt_facts
+    assert m["facts"] == {"n_tokens": 5, "round_trip_ok": True, "family": "qwen2"} and "prompt_facts" not in m
+    m = manifest([("a", 7, True)])                                    # a single prompt: its facts, as before
+    assert "prompt_facts" not in m and m["facts"] == {"n_tokens": 7, "round_trip_ok": True, "family": "qwen2"}
