@@ -32,7 +32,7 @@ def main() -> None:
         for record in sorted(prompt_set.for_config(prompt).prompts, key=lambda r: r.id):
             with run.timed(record.id):
                 tok = tokenization.tokenize_prompt(tokenizer, record.text, model_cfg.tokenizer.add_special_tokens,
-                                                   max_positions=loader.max_positions(snapshot))
+                                                   loader.max_positions(snapshot), prompt_set.where(prompt, record))
                 expected = record.expected_ids_for(model_cfg.tokenizer.family)
                 summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
                            "tokenizer_family": model_cfg.tokenizer.family, "expected_token_ids": expected,

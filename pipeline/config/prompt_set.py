@@ -164,6 +164,14 @@ def for_run(sections: dict, root: Path | str = ".") -> PromptSet:
     return prompts
 
 
+def where(prompt: PromptConfig, record: PromptRecord) -> str:
+    """How an error names one prompt of the run: `prompt.set='prompts/x.jsonl' id='a'`, `prompt.file='...'`
+    or `prompt.text`."""
+    if prompt.set is not None:
+        return f"prompt.set={prompt.set!r} id={record.id!r}"
+    return "prompt.text" if prompt.file is None else f"prompt.file={prompt.file!r}"
+
+
 def resolved(prompt: PromptConfig, root: Path | str = ".") -> dict:
     """What the stages that read the prompt depend on, resolved: the prompt's text, or a set's records
     (so editing the set file re-runs exactly those stages)."""

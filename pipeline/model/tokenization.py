@@ -82,13 +82,14 @@ class Tokenized:
     summary: dict             # round trip, special ids, tokenizer facts
 
 
-def tokenize_prompt(tokenizer, text: str, add_special_tokens: bool,
-                    max_positions: int | None = None) -> Tokenized:
+def tokenize_prompt(tokenizer, text: str, add_special_tokens: bool, max_positions: int | None = None,
+                    where: str = "prompt.text") -> Tokenized:
+    """One prompt's tokens; `where` names the prompt in an error (`prompt_set.where`)."""
     ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     if not ids:
-        raise UserError(f"prompt.text={text!r} tokenizes to no tokens: give a prompt with text in it")
+        raise UserError(f"{where} tokenizes to no tokens (text {text[:60]!r}): give a prompt with text in it")
     if max_positions is not None and len(ids) > max_positions:
-        raise UserError(f"prompt.text is {len(ids)} tokens long: the model's context allows at most "
+        raise UserError(f"{where} is {len(ids)} tokens long: the model's context allows at most "
                         f"{max_positions} (max_position_embeddings)")
     table = vocab_table(tokenizer, ids)
     table = pa.table({"position": pa.array(range(len(ids)), pa.int32()), **{

@@ -59,12 +59,14 @@ class Run:
     steps: list[Step]
 
 
-def check_room(prompt_len: int, max_new_tokens: int, max_positions: int | None) -> None:
-    """The last step feeds prompt + max_new_tokens - 1 tokens: it must fit the model's context."""
+def check_room(prompt_len: int, max_new_tokens: int, max_positions: int | None, prompt_id: str | None = None) -> None:
+    """The last step feeds prompt + max_new_tokens - 1 tokens: it must fit the model's context (prompt_id:
+    the set's longest prompt, named in the error)."""
     if max_positions is not None and prompt_len + max_new_tokens - 1 > max_positions:
-        raise bad_value("sampling.max_new_tokens", max_new_tokens,
-                        f"at most {max_positions - prompt_len + 1} for this {prompt_len}-token prompt (the model's "
-                        f"max_position_embeddings is {max_positions})")
+        which = f"this {prompt_len}-token prompt" if prompt_id is None else \
+            f"the set's longest prompt, id={prompt_id!r} ({prompt_len} tokens)"
+        raise bad_value("sampling.max_new_tokens", max_new_tokens, f"at most {max_positions - prompt_len + 1} for "
+                        f"{which} (the model's max_position_embeddings is {max_positions})")
 
 
 def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int]) -> list[Run]:
@@ -196,8 +198,9 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", stage.root), source)
     prompts = {pid: read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
                for pid in stage.prompt_ids(paths.TOKENS)}
-    for ids in prompts.values():                        # every prompt fits before the model loads
-        check_room(len(ids), sampling.max_new_tokens, loader.max_positions(snapshot))
+    longest = max(prompts, key=lambda pid: len(prompts[pid]))     # every prompt fits before the model loads
+    check_room(len(prompts[longest]), sampling.max_new_tokens, loader.max_positions(snapshot),
+               longest if len(prompts) > 1 else None)
     model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
                               spread=loader.spread(cap.device, snapshot, dtype))
     tokenizer = loader.load_tokenizer(snapshot)

@@ -328,6 +328,9 @@ def model_cases() -> list[Case]:
              check=lambda r: _position(r, 0, [24])),
         Case("model:sampling.max_new_tokens=32745 (25-token prompt, context 32768)", "sampling.max_new_tokens",
              32745, "model", check=lambda r: trajectories.check_room(25, 32745, 32768)),
+        Case("model:sampling.max_new_tokens=32745 (a set's longest prompt, 25 tokens, context 32768)",
+             "sampling.max_new_tokens", 32745, "model",
+             check=lambda r: trajectories.check_room(25, 32745, 32768, "b_long")),
         Case("model:capture.device=cuda:99 (no such GPU)", "capture.device", "cuda:99", "model", check=_device),
         Case("model:capture.device=multi with no GPU", "capture.device", "multi", "model",
              check=lambda r: loader.resolve_device("multi", gpus=0)),
@@ -519,6 +522,19 @@ def _duplicate_id_set(ws: Path):
     return lambda: (ws / "prompts/dup.jsonl").unlink()
 
 
+def _long_prompt_in_set(ws: Path):
+    """A two-prompt set whose second prompt (25 tokens) does not fit a context of 8 positions."""
+    restore = _small_context(ws)
+    (ws / "prompts").mkdir(exist_ok=True)
+    (ws / "prompts/two.jsonl").write_text(json.dumps({"id": "a_short", "text": "Hi"}) + "\n"
+                                          + json.dumps({"id": "b_long", "text": BASE["prompt"]["text"]}) + "\n")
+
+    def undo():
+        restore()
+        (ws / "prompts/two.jsonl").unlink()
+    return undo
+
+
 def _small_context(ws: Path):
     """A prepared model whose context is 8 positions (the prompt has 25 tokens).
 
@@ -610,6 +626,9 @@ SUBPROCESS = [
         params={"prompt.text": None, "prompt.file": "prompts/latin1.txt"}, setup=_latin1_prompt),
     Run("stage tokenize: prompt longer than the model's context", ("stage", "tokenize"),
         ("prompt.text is 25 tokens long: the model's context allows at most 8",), setup=_small_context),
+    Run("stage tokenize: a set's prompt longer than the model's context", ("stage", "tokenize"),
+        ("prompt.set='prompts/two.jsonl' id='b_long' is 25 tokens long: the model's context allows at most 8",),
+        params={"prompt.text": None, "prompt.set": "prompts/two.jsonl"}, setup=_long_prompt_in_set),
     Run("stage forward: capture.attention_layers=[5] (2 layers)", ("stage", "forward"),
         ("capture.attention_layers=5 is not allowed: integers in [-2, 1]",),
         params={"capture.attention_layers": [0, 5]}),
