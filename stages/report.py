@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import registry, schema
+from pipeline.config import prompt_set, registry, schema
 from pipeline.report import overview, plots, render, set_plots
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
@@ -18,7 +18,7 @@ def main() -> None:
     cfg = schema.load_section(params, "report")
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         ids = run.prompt_ids(paths.TOKENS)
-        chosen = overview.choose(cfg.prompt_id, ids)       # an id the run lacks: one line, before any read
+        chosen = prompt_set.detailed(cfg.prompt_id, ids)   # an id the run lacks: one line, before any read
         prompts = overview.load(run.use, ids)
         inputs = render.load(run.use, chosen, prompts=prompts)
         run.model = inputs.manifests.get("forward", {}).get("model")

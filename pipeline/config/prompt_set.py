@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -157,11 +158,20 @@ def for_run(sections: dict, root: Path | str = ".") -> PromptSet:
     against them: `report.prompt_id` (compose and the validate stage refuse a typo before any stage runs;
     the report stage checks it again against the artifacts)."""
     prompts = for_config(sections["prompt"], root)
-    wanted = sections["report"].prompt_id
-    if wanted is not None and wanted not in prompts.ids:
-        raise bad_value("report.prompt_id", wanted,
-                        "null or one of the run's prompt ids: " + ", ".join(sorted(prompts.ids)))
+    detailed(sections["report"].prompt_id, prompts.ids)
     return prompts
+
+
+def detailed(wanted: str | None, ids: Sequence[str]) -> str:
+    """The prompt the report details: `report.prompt_id`, or the run's first (its ids sorted: the run's order)
+    when null. An id the run does not hold is refused in one line naming the run's ids: by compose and the
+    validate stage before the run (`for_run`), by the report stage against the artifacts it reads."""
+    ids = sorted(ids)
+    if wanted is None:
+        return ids[0]
+    if wanted not in ids:
+        raise bad_value("report.prompt_id", wanted, "null or one of the run's prompt ids: " + ", ".join(ids))
+    return wanted
 
 
 def where(prompt: PromptConfig, record: PromptRecord) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import bad_value
+from pipeline.checks import verdicts
 from pipeline.numerics.aggregates import aggregate_temperature
 from pipeline.report.markdown import code, name, prob, src, table
 from pipeline.store import paths
@@ -36,8 +36,9 @@ class SetInputs:
     tokenize: dict[str, dict]                  # prompt id -> its tokenize.json
     probs: list[dict] | None                   # probs/prompt_metrics.parquet rows; None for a run made before it
     runs: list[dict] | None                    # trajectories/prompt_metrics.parquet rows; None likewise
-    checks: list[dict] | None                  # checks.parquet rows; None when the checks stage has not run
-    by_prompt_checks: bool = False             # checks.parquet has a prompt_id column
+    # checks.parquet rows, each with its prompt_id ("" or null: run-wide; `verdicts.stored_rows` attributes a
+    # table made before the column); None when the checks stage has not run
+    checks: list[dict] | None
 
     def temperatures(self) -> list[float]:
         """probs.temperatures as configured (the probs manifest), else those of the rows, ascending."""
@@ -58,25 +59,13 @@ def load(use: Use, ids: list[str], root: Path | str = ".") -> SetInputs:
     def table_rows(item: tuple[str, str]) -> list[dict] | None:
         return read_parquet(use(item)).to_pylist() if paths.artifact(item, root).exists() else None
     manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM if paths.manifest_path(s, root).exists()}
-    checks, by_prompt = None, False
+    checks = None
     if paths.artifact(paths.CHECKS, root).exists():
-        t = read_parquet(use(paths.CHECKS))
-        checks, by_prompt = t.to_pylist(), paths.PARTITION_KEY in t.column_names
+        checks = list(verdicts.stored_rows(read_parquet(use(paths.CHECKS)), ids).values())
     return SetInputs(ids=list(ids), manifests=manifests,
                      tokenize={p: read_json(use(paths.TOKENIZE_SUMMARY, p)) for p in ids},
                      probs=table_rows(paths.PROBS_PROMPT_METRICS), runs=table_rows(paths.TRAJECTORY_PROMPT_METRICS),
-                     checks=checks, by_prompt_checks=by_prompt)
-
-
-def choose(wanted: str | None, ids: list[str]) -> str:
-    """The prompt the report details: report.prompt_id, or the run's first prompt when it is null. An id
-    the run does not hold is refused in one line naming the allowed ids (as `prompt_set.for_run` does
-    before the run: this checks the artifacts the report reads)."""
-    if wanted is None:
-        return ids[0]
-    if wanted not in ids:
-        raise bad_value("report.prompt_id", wanted, "null or one of this run's prompt ids: " + ", ".join(ids))
-    return wanted
+                     checks=checks)
 
 
 # ---------------------------------------------------------------- what is shown
@@ -100,15 +89,15 @@ def run_row(runs: list[dict], prompt_id: str, branch: str) -> dict | None:
     return mine[0] if mine else None
 
 
-def check_counts(checks: list[dict] | None, by_prompt: bool, ids: list[str]) -> dict[str, tuple[int, int]] | None:
+def check_counts(checks: list[dict] | None, ids: list[str]) -> dict[str, tuple[int, int]] | None:
     """Per prompt (pass, fail) counts of its checks. Rows of no prompt of the run (null or "": checks over the
-    whole run) count for none. A checks.parquet without a prompt_id column belongs to the run's one prompt; with several
-    prompts its rows cannot be attributed (None). No checks: None."""
-    if checks is None or (not by_prompt and len(ids) != 1):
-        return None
+    whole run) count for none. None when there are no checks, or none of them is a prompt's (a table made
+    before the prompt_id column, in a run of several prompts, cannot be attributed)."""
     out = {p: (0, 0) for p in ids}
+    if checks is None or not any(c[paths.PARTITION_KEY] in out for c in checks):
+        return None
     for c in checks:
-        p = c.get(paths.PARTITION_KEY) if by_prompt else ids[0]
+        p = c[paths.PARTITION_KEY]
         if p in out:
             ok, bad = out[p]
             out[p] = (ok + 1, bad) if c["verdict"] == "pass" else (ok, bad + 1)
@@ -124,7 +113,7 @@ def rows(s: SetInputs) -> list[dict]:
     temps = s.temperatures()
     t = shown_temperature(temps) if temps else None
     nucleus = nucleus_filter(s.filters(), set(s.probs[0]) if s.probs else set())
-    counts = check_counts(s.checks, s.by_prompt_checks, s.ids)
+    counts = check_counts(s.checks, s.ids)
     out = []
     for p in s.ids:
         tok = s.tokenize[p]

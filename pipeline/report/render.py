@@ -102,7 +102,7 @@ def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.Set
     position = summary["positions"][-1]      # probs.positions, resolved; -1 (the last) by default
     top_n = len(summary["temperatures"][0]["top"])
     checks = None if prompts.checks is None else [
-        c for c in prompts.checks if not prompts.by_prompt_checks or c[paths.PARTITION_KEY] in (None, "", prompt_id)]
+        c for c in prompts.checks if c[paths.PARTITION_KEY] in (None, "", prompt_id)]
 
     def own(rows: list[dict] | None) -> list[dict] | None:
         """This prompt's rows of a set-level prompt_metrics table; None for a run made before it."""

@@ -111,7 +111,7 @@ def test_report_of_a_set_lists_every_prompt_and_details_the_chosen_one(two_promp
     _set_key(ws, "nope")              # an id the run lacks: one line naming the allowed ids, nothing written
     proc = run_module("stages.report", ws)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of this run's prompt ids: "
+        f"nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of the run's prompt ids: "
         f"{', '.join(sorted([pid, TWIN]))}"]
     assert not paths.stage_dir("report", ws).exists()
 

@@ -659,7 +659,7 @@ SUBPROCESS = [
     Run("stage validate: an unknown section foo: 1", ("stage", "validate"),
         ("foo=1 is not allowed: a known section: model, prompt",), params={"foo": 1}),
     Run("stage report: report.prompt_id=nope (not a prompt of the run)", ("stage", "report"),
-        ("nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of this run's prompt ids: "
+        ("nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of the run's prompt ids: "
          "temperature_question",), params={"report.prompt_id": "nope"}),
     Run("stage prepare_model: model.source.architecture.vocab_size=1000", ("stage", "prepare_model"),
         ("model.source.architecture.vocab_size=1000 is not allowed: an integer >= 151669",),

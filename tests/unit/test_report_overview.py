@@ -9,6 +9,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from pipeline.checks import verdicts
+from pipeline.config import prompt_set
 from pipeline.errors import UserError
 from pipeline.report import overview, plots, set_plots
 
@@ -55,11 +57,11 @@ def manifests(temps=TEMPS, sampling_top_p=1.0) -> dict:
         "sampling": {"temperature": 1.0, "top_k": 0, "top_p": sampling_top_p}}}}
 
 
-def inputs(checks: list[dict] | None = None, by_prompt: bool = True, **kw) -> overview.SetInputs:
+def inputs(checks: list[dict] | None = None, **kw) -> overview.SetInputs:
     tokenize = {"code_py": {"prompt": "def fib(n):\n    return", "n_tokens": 9},
                 "zh_fact": {"prompt": "中国的首都是", "n_tokens": 4}}
     return overview.SetInputs(ids=IDS, manifests=manifests(**kw), tokenize=tokenize, probs=probs_rows(),
-                              runs=run_rows(), checks=checks, by_prompt_checks=by_prompt)
+                              runs=run_rows(), checks=checks)
 
 
 def test_rows_show_t1_the_top_p_filter_and_the_full_prefix_runs():
@@ -92,17 +94,18 @@ def test_checks_per_prompt_and_from_a_run_recorded_before_the_column():
               {"prompt_id": None, "name": "environment", "verdict": "fail"},     # run-wide: no prompt's
               {"prompt_id": "", "name": "kernels", "verdict": "fail"}]
     assert [r["checks"] for r in overview.rows(inputs(checks))] == [(1, 1), (1, 0)]
-    old = [{k: v for k, v in c.items() if k != "prompt_id"} for c in checks]
-    assert overview.check_counts(old, False, ["only"]) == {"only": (2, 3)}   # the run's one prompt
-    assert overview.check_counts(old, False, IDS) is None                    # cannot be attributed
-    assert overview.check_counts(None, True, IDS) is None
+    # a table made before the column (one prompt's checks), as overview.load reads it (verdicts.stored_rows)
+    old = pa.Table.from_pylist([{k: v for k, v in c.items() if k != "prompt_id"} for c in checks if c is not checks[2]])
+    assert overview.check_counts(list(verdicts.stored_rows(old, ["only"]).values()), ["only"]) == {"only": (1, 3)}
+    assert overview.check_counts(list(verdicts.stored_rows(old, IDS).values()), IDS) is None   # cannot be attributed
+    assert overview.check_counts(None, IDS) is None
 
 
-def test_choose_defaults_to_the_first_prompt_and_refuses_an_unknown_id():
-    assert overview.choose(None, IDS) == "code_py" and overview.choose("zh_fact", IDS) == "zh_fact"
+def test_detailed_defaults_to_the_first_prompt_and_refuses_an_unknown_id():
+    assert prompt_set.detailed(None, IDS[::-1]) == "code_py" and prompt_set.detailed("zh_fact", IDS) == "zh_fact"
     with pytest.raises(UserError) as err:
-        overview.choose("nope", IDS)
-    assert str(err.value) == "report.prompt_id='nope' is not allowed: null or one of this run's prompt ids: " \
+        prompt_set.detailed("nope", IDS[::-1])
+    assert str(err.value) == "report.prompt_id='nope' is not allowed: null or one of the run's prompt ids: " \
                              "code_py, zh_fact"
 
 
