@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from pipeline.errors import EXIT_USER_ERROR, UserError
 from pipeline.store import paths
+
+EXIT_BROKEN_PIPE = 128 + 13      # SIGPIPE
 
 
 def _compose(args: argparse.Namespace) -> int:
@@ -120,7 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The command's exit status. A reader that stops early (`nexttoken diff a b | head`) ends it quietly, with
+    the status a shell gives a process killed by SIGPIPE (141), instead of a BrokenPipeError traceback."""
+    try:
+        try:
+            return _command(sys.argv[1:] if argv is None else list(argv))
+        finally:
+            sys.stdout.flush()       # here, where the error can be caught, not at the interpreter's exit
+    except BrokenPipeError:
+        # Python's advice: point stdout at devnull, or the exit's own flush fails a second time
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: list[str]) -> int:
     try:
         if argv[:1] == ["bench"]:        # every argument after it is the bench's own
             return _bench(argv[1:])
