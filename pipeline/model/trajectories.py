@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import unicodedata
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -206,7 +207,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
     tokenizer = loader.load_tokenizer(snapshot)
     stage.model = provenance.model_record(source)
     stage.seeds["sample"] = sampling.seed
-    per_prompt = []
+    summaries = []
     for pid, ids in prompts.items():
         with stage.timed(pid):
             prompt_id = probs.prompt_id(stage.use(paths.TOKENIZE_SUMMARY, pid))
@@ -219,9 +220,17 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
                                    extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
             summary_by_run = summary(runs, tokenizer)
             stage.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
-            per_prompt.append(prompt_metrics(prompt_id, summary_by_run))
-    # set-level: the last prompt's sweep figures (a set of one's, unchanged), then the set's aggregates
-    table = pa.concat_tables(per_prompt)
-    stage.write_json(paths.TRAJECTORIES_METRICS[1], {**sweep_metrics(summary_by_run), **trajectory_set_metrics(table)})
-    stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], table)
+            summaries.append((prompt_id, summary_by_run))
+    files = set_files(summaries)
+    stage.write_json(paths.TRAJECTORIES_METRICS[1], files[paths.TRAJECTORIES_METRICS])
+    stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], files[paths.TRAJECTORY_PROMPT_METRICS])
+
+
+def set_files(summaries: list[tuple[str, dict]]) -> dict[tuple[str, str], Any]:
+    """The stage's set-level files from each prompt's (id, trajectories.json), in the run's order: every
+    prompt's rows (prompt_metrics.parquet) and metrics.json, the last prompt's sweep figures (a set of one's,
+    unchanged) then the set's aggregates. The audit re-derives them with this function."""
+    table = pa.concat_tables([prompt_metrics(pid, summary) for pid, summary in summaries])
+    return {paths.TRAJECTORY_PROMPT_METRICS: table,
+            paths.TRAJECTORIES_METRICS: {**sweep_metrics(summaries[-1][1]), **trajectory_set_metrics(table)}}
 

@@ -3,8 +3,10 @@
 Findings (one line each; any finding makes the verdict FAIL, exit 1): an output whose bytes
 no longer match its manifest; an input that is not what its producing stage wrote (a broken
 chain); dvc.lock disagreeing with the files or params; a recorded config that is not
-params.yaml's; a stored table, filtered set, summary or check verdict that the same code
-does not re-derive, bit for bit, from the stored logits. Warnings never fail an audit: the
+params.yaml's; a stored table, filtered set, summary, set file or check verdict that the same
+code does not re-derive, bit for bit, from the stored files it was computed from
+(`pipeline.tools.rederived`: probs' files from the logits, trajectories' set files from each
+prompt's continuations). Warnings never fail an audit: the
 auditing machine's versions or hardware differ from the recorded ones, the code that
 re-derives differs from the code that ran, its kernel path differs from the run's (one line
 naming the fields: the probability tables and the checks depend on the CPU kernels), or a
@@ -16,12 +18,8 @@ report, saying so: `suite.kernel_bound`). The re-derivation runs under the run's
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
 
 from pipeline import kernels, progress
 from pipeline.checks import verdicts
@@ -29,10 +27,9 @@ from pipeline.config import registry, schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import parquet_facts, read_json, read_parquet
-from pipeline.tools import revisions
+from pipeline.store.artifacts import parquet_facts, read_parquet
+from pipeline.tools import rederived, revisions
 from pipeline.tools.divergence import kernel_difference_line, recorded_kernels
-from pipeline.tools.rundiff import json_difference, shared_keys, table_difference
 
 
 @dataclass
@@ -95,7 +92,9 @@ def audit_folder(root: Path, label: str) -> Audit:
         same_code = not code_changes(lock, result)
     pin_recorded(params, result)
     if "probs" in manifests:
-        rederive_probs(root, params, manifests["probs"], result, same_code)
+        rederived.rederive_probs(root, params, manifests["probs"], result, same_code)
+    if "trajectories" in manifests:
+        rederived.rederive_trajectories(root, manifests["trajectories"], result, same_code)
     if "checks" in manifests:
         rederive_checks(root, params, result)
     environment(manifests, result)
@@ -271,89 +270,6 @@ def code_changes(lock: dict, result: Audit) -> list[str]:
 
 
 # ---------------------------------------------------------------- re-derivation
-def rederive_probs(root: Path, params: dict, manifest: dict, result: Audit, same_code: bool) -> None:
-    """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does, per
-    prompt (partition; a run recorded before partitions: its flat files).
-
-    same_code: dvc.lock shows the run's code is this code; else metrics.json (DVC's metrics
-    view, whose layout follows the code) is compared on the keys both layouts have."""
-    recorded, items, per_prompt, figures, failed = {o["path"] for o in manifest["outputs"]}, [], [], [], False
-    prompt_ids = paths.run_prompt_ids(root)
-    for pid in prompt_ids:
-        try:
-            derived = probs_outputs(root, params, manifest, pid)
-        except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
-            result.find("re-derive", f"probs could not be recomputed from "
-                                     f"{_rel(paths.recorded(paths.LOGITS, pid, root), root)}: {type(e).__name__}: {e}")
-            failed = True
-            continue
-        figures.append(derived.pop(paths.PROBS_METRICS))      # set-level: compared once below
-        if paths.PROBS_PROMPT_METRICS in derived:   # set-level: every prompt's rows, compared once below
-            per_prompt.append(derived.pop(paths.PROBS_PROMPT_METRICS))
-        items = list(derived)
-        for item, want in derived.items():
-            _compare_derived(paths.lookup(root)(item, pid), want, root, recorded, result,
-                             item == paths.PROBS_METRICS and not same_code)
-    if failed:          # the set-level files need every prompt: the finding above says why they are not compared
-        return
-    from pipeline.numerics import probs  # torch, as probs_outputs: only when re-deriving
-    if figures:         # metrics.json: the last prompt's figures and the set's aggregates
-        items.append(paths.PROBS_METRICS)
-        _compare_derived(paths.artifact(paths.PROBS_METRICS, root), probs.run_metrics(figures), root, recorded,
-                         result, not same_code)
-    if per_prompt:      # a run made before prompt_metrics.parquet has none
-        items.append(paths.PROBS_PROMPT_METRICS)
-        _compare_derived(paths.artifact(paths.PROBS_PROMPT_METRICS, root), probs.set_table(per_prompt), root,
-                         recorded, result, False)
-    result.notes.append(f"re-derived {', '.join(i[1] for i in items)} from {paths.LOGITS[1]} "
-                        f"({len(prompt_ids)} prompt(s))")
-
-
-def _compare_derived(path: Path, want: Any, root: Path, recorded: set[str], result: Audit, shared: bool) -> None:
-    """A stored probs file against its re-derivation, bit for bit (shared: on the keys both have)."""
-    where = _rel(path, root)
-    if where not in recorded:   # written by newer code than the run's
-        result.warn(f"{where} is re-derivable but the run did not record it: not compared")
-        return
-    try:
-        stored = read_parquet(path) if isinstance(want, pa.Table) else read_json(path)
-    except UserError as e:
-        result.find("re-derive", str(e))
-        return
-    if not isinstance(want, pa.Table):   # through JSON, as the stage wrote it (tuples -> lists)
-        want = json.loads(json.dumps(want, ensure_ascii=False))
-    if shared:
-        stored, want, only = shared_keys(stored, want)
-        if only:
-            result.warn(f"{where}: {len(only)} key(s) only in the run's layout or only in this code's "
-                        f"({', '.join(only[:3])}{', ...' if len(only) > 3 else ''}): made by other "
-                        "code, or by code dvc.lock cannot show; the keys both have are compared")
-    diff = table_difference(stored, want) if isinstance(want, pa.Table) else json_difference(stored, want)
-    if diff:
-        result.find("re-derive", f"{where}: {diff}")
-
-
-def _rel(path: Path, root: Path) -> str:
-    return path.relative_to(root).as_posix()
-
-
-def probs_outputs(root: Path, params: dict, manifest: dict | None = None, prompt_id: str | None = None) \
-        -> dict[tuple[str, str], Any]:
-    """One prompt's probs tables and JSON, recomputed by the stage's own function from the files
-    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits;
-    prompt_id None: a run made before partitions; one made before prompt_metrics.parquet did not read
-    tokenize.json, and that file is not made)."""
-    from pipeline.numerics import probs
-    inputs = [i["path"] for i in (manifest or {}).get("inputs") or []]
-    read = {Path(i).name: root / i for i in inputs}
-    tokenize = paths.recorded(paths.TOKENIZE_SUMMARY, prompt_id, root)
-    outputs, _ = probs.build(paths.recorded(paths.LOGITS, prompt_id, root),
-                             read.get(paths.VOCAB[1], paths.artifact(paths.VOCAB, root)),
-                             schema.load_section(params, "probs"), schema.load_section(params, "sampling"),
-                             tokenize if manifest is None or _rel(tokenize, root) in inputs else None)
-    return outputs
-
-
 def rederive_checks(root: Path, params: dict, result: Audit) -> None:
     """Run the checks again from the stored artifacts; every verdict must be the stored one."""
     try:

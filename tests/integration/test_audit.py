@@ -24,7 +24,7 @@ import pytest
 from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
-from pipeline.tools import audit, cli, revisions
+from pipeline.tools import audit, cli, revisions, rundiff
 from tests.conftest import ON_CPU, copy_ws, run_module
 from tests.helpers.partitions import part, rel
 
@@ -77,6 +77,7 @@ def test_fresh_run_is_clean(run):
     assert result.clean, result.lines()
     text = "\n".join(result.lines())
     assert "re-derived table.parquet, filtered.parquet, summary.json, metrics.json, prompt_metrics.parquet" in text
+    assert "re-derived prompt_metrics.parquet, metrics.json from trajectories.json (1 prompt(s))" in text
     assert "re-ran" in text and "checks from the stored artifacts" in text
     assert text.splitlines()[-1].startswith("verdict: CLEAN")
 
@@ -127,6 +128,26 @@ def test_a_changed_prompt_metrics_cell_with_matching_hashes_is_caught_twice(copy
     assert any(f.startswith("FINDING [re-derive] artifacts/probs/prompt_metrics.parquet") and "top_p_0.9_kept" in f
                for f in found), found
     assert any(re_derived_fail("probs_prompt_metrics_rows", f) for f in found), found
+
+
+def test_forged_trajectory_set_files_are_caught_by_rederivation(copy):
+    """A loop flag flipped in trajectories/prompt_metrics.parquet and a loop rate changed in its metrics.json,
+    every hash re-recorded: the audit rebuilds both from trajectories.json (`trajectories.set_files`)."""
+    def flip_loop(path):
+        table = pq.read_table(path)
+        pq.write_table(table.set_column(table.schema.get_field_index("loop"), "loop", pc.invert(table["loop"])), path)
+
+    def other_rate(path):
+        m = json.loads(path.read_text())
+        m["greedy_loop_rate"] = 0.25 if m["greedy_loop_rate"] != 0.25 else 0.5
+        path.write_text(json.dumps(m))
+    forge(copy, paths.artifact(paths.TRAJECTORY_PROMPT_METRICS).as_posix(), flip_loop)
+    forge(copy, paths.artifact(paths.TRAJECTORIES_METRICS).as_posix(), other_rate)
+    found = findings(copy)
+    assert any(f.startswith("FINDING [re-derive] artifacts/trajectories/prompt_metrics.parquet") and "column loop" in f
+               for f in found), found
+    assert any(f.startswith("FINDING [re-derive] artifacts/trajectories/metrics.json") and "greedy_loop_rate" in f
+               for f in found), found
 
 
 def test_a_run_made_before_prompt_metrics_audits_clean(copy):
@@ -364,14 +385,14 @@ def test_a_revision_is_read_from_git_and_the_dvc_cache_without_checkout(tmp_path
 
 
 def test_json_and_table_differences_are_bit_exact():
-    assert audit.json_difference({"a": [1, 0.1]}, {"a": [1, 0.1]}) is None
-    assert audit.json_difference({"a": [1, 0.1]}, {"a": [1, np.nextafter(0.1, 1)]}).startswith("a.1: stored 0.1")
-    assert audit.json_difference({"a": 1}, {"a": 1.0}) is not None   # int vs float: not the same record
+    assert rundiff.json_difference({"a": [1, 0.1]}, {"a": [1, 0.1]}) is None
+    assert rundiff.json_difference({"a": [1, 0.1]}, {"a": [1, np.nextafter(0.1, 1)]}).startswith("a.1: stored 0.1")
+    assert rundiff.json_difference({"a": 1}, {"a": 1.0}) is not None   # int vs float: not the same record
     t = pa.table({"position": pa.array([3, 3], pa.int32()), "token_id": pa.array([0, 1], pa.int32()),
                   "p": pa.array([0.0, 0.5])})
-    assert audit.table_difference(t, t) is None
+    assert rundiff.table_difference(t, t) is None
     neg = t.set_column(2, "p", pa.array([-0.0, 0.5]))
-    assert "column p; first at row 0 (position=3, token_id=0)" in audit.table_difference(t, neg)
+    assert "column p; first at row 0 (position=3, token_id=0)" in rundiff.table_difference(t, neg)
 
 
 def test_a_stage_may_read_another_stages_manifest_but_only_as_recorded(tmp_path):
