@@ -26,8 +26,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-
 from pipeline import kernels, progress
 from pipeline.checks import verdicts
 from pipeline.config import schema
@@ -218,17 +216,9 @@ def _same_on_shared(stored: Path, made: Path) -> str | None:
     a, b = read_parquet(stored), read_parquet(made)
     only = sorted(set(a.column_names) ^ set(b.column_names))
     both = [c for c in a.column_names if c in b.column_names]
-    if not only or a.num_rows != b.num_rows or any(_bits(a[c]) != _bits(b[c]) for c in both):
+    if not only or table_difference(a.select(both), b.select(both)) is not None:
         return None
     return "only one holds column " + ", ".join(only)
-
-
-def _bits(column: pa.ChunkedArray) -> bytes:
-    """A column's values as bytes (Arrow IPC, one chunk): equal bytes = the same values bit for bit, NaN too."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, pa.schema([("c", column.type)])) as writer:
-        writer.write_table(pa.table({"c": column.combine_chunks()}))
-    return sink.getvalue().to_pybytes()
 
 
 def _content(path: Path) -> str:

@@ -34,6 +34,9 @@ def test_a_checks_table_with_a_new_column_is_equal_on_the_columns_both_hold(tmp_
     flipped = {"prompt_id": ["p", "p"], **rows, "verdict": ["pass", "pass"]}
     pq.write_table(pa.table(flipped), bad := tmp_path / "b.parquet")
     assert verify._same_on_shared(old, bad) is None
+    ulp = {"prompt_id": ["p", "p"], **rows, "measured": [5e-324, math.nan]}          # one bit off
+    pq.write_table(pa.table(ulp), off := tmp_path / "u.parquet")
+    assert verify._same_on_shared(old, off) is None
     pq.write_table(pa.table({"prompt_id": ["p"], "name": ["a"], "measured": [0.0], "verdict": ["pass"]}),
                    short := tmp_path / "s.parquet")
     assert verify._same_on_shared(old, short) is None                                 # a row fewer
