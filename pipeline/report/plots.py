@@ -130,7 +130,8 @@ class Figure:
     caption: str
 
 
-def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+def write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+    """The data a figure draws, as CSV beside it."""
     # repr of a float is its shortest round-trip form: exact and stable across runs.
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f, lineterminator="\n")
@@ -138,15 +139,18 @@ def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
         w.writerows([[repr(v) if isinstance(v, float) else v for v in row] for row in rows])
 
 
-def _new_figure():
+def new_figure(size: tuple[float, float] = SIZE_IN):
+    """A matplotlib figure drawn off screen (Agg), at the report's DPI (the report's, the set's and the
+    sweep's figures)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as MplFigure
-    fig = MplFigure(figsize=SIZE_IN, dpi=DPI, layout="constrained")
+    fig = MplFigure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def _save(fig, path: Path) -> None:
+def save(fig, path: Path) -> None:
+    """The figure as a PNG with fixed metadata (no date: two runs give the same bytes)."""
     fig.savefig(path, dpi=DPI, format="png", metadata=PNG_METADATA)
 
 
@@ -166,12 +170,12 @@ def temperature_bars(out: Callable[[str], Path], position: int, temps: list[dict
     values = np.array([[c["prob"] for c in t["top"]] + [t["rest"]] for t in temps])   # [T, group]
     # One row per temperature with fixed column names (rank1.., rest), so a dvc.yaml plot spec
     # holds for any model and prompt; which id each rank is goes in a file of its own.
-    _write_csv(out("plots/temperature_top.csv"), ["temperature", *(f"rank{k + 1}" for k in range(len(ids))), "rest"],
+    write_csv(out("plots/temperature_top.csv"), ["temperature", *(f"rank{k + 1}" for k in range(len(ids))), "rest"],
                [[float(t["temperature"]), *(float(v) for v in values[k])] for k, t in enumerate(temps)])
-    _write_csv(out("plots/temperature_top_ids.csv"), ["rank", "token_id", "label"],
+    write_csv(out("plots/temperature_top_ids.csv"), ["rank", "token_id", "label"],
                [[k + 1, i, labels[i].replace("\n", " ")] for k, i in enumerate(ids)])
     with matplotlib.rc_context(rc(font)):
-        fig = _new_figure()
+        fig = new_figure()
         ax = fig.add_subplot()
         width = 0.8 / len(temps)
         colors = matplotlib.colormaps["plasma"](np.linspace(0.1, 0.8, len(temps)))   # cool -> hot
@@ -187,7 +191,7 @@ def temperature_bars(out: Callable[[str], Path], position: int, temps: list[dict
         ax.legend(loc="upper center", ncols=len(temps), frameon=False)
         ax.grid(axis="y", alpha=0.3)
         png = out("plots/temperature_top.png")
-        _save(fig, png)
+        save(fig, png)
     return Figure("temperature_top", "plots/temperature_top.png", "plots/temperature_top.csv",
                   f"Probabilities of the top candidates and of all other ids together, per temperature "
                   f"(position {position}).")
@@ -200,10 +204,10 @@ def cumulative_curve(out: Callable[[str], Path], position: int, logits: np.ndarr
     p = np.sort(softmax64(logits, t))[::-1]
     cum = np.cumsum(p)
     ranks = log_ranks(p.size, extra=tuple(c["kept_count"] for c in cuts))
-    _write_csv(out("plots/cumulative.csv"), ["rank", "log10_rank", "prob", "cumulative"],
+    write_csv(out("plots/cumulative.csv"), ["rank", "log10_rank", "prob", "cumulative"],
                [[int(r), float(np.log10(r)), float(p[r - 1]), float(cum[r - 1])] for r in ranks])
     with matplotlib.rc_context(rc(font)):
-        fig = _new_figure()
+        fig = new_figure()
         ax = fig.add_subplot()
         ax.plot(ranks, cum[ranks - 1], color="tab:blue", lw=1.8, label=f"cumulative probability, T = {t:g}")
         ax.set_xscale("log")
@@ -225,7 +229,7 @@ def cumulative_curve(out: Callable[[str], Path], position: int, logits: np.ndarr
         ax.set_title(f"How much mass the top-ranked ids hold (position {position}, T = {t:g})")
         ax.grid(alpha=0.3, which="both")
         ax.legend(loc="upper left", frameon=False)
-        _save(fig, out("plots/cumulative.png"))
+        save(fig, out("plots/cumulative.png"))
     return Figure("cumulative", "plots/cumulative.png", "plots/cumulative.csv",
                   f"Cumulative probability of the ids sorted by probability at T = {t:g}; the dashed line is "
                   f"top_p, the dotted line the number of ids the filter keeps.")
@@ -238,12 +242,12 @@ def entropy_plot(out: Callable[[str], Path], position: int, logits: np.ndarray, 
     configured = [t["temperature"] for t in temps]
     grid = temperature_grid(configured)
     h = entropy_curve(logits, grid)
-    _write_csv(out("plots/entropy.csv"), ["temperature", "entropy_nats", "entropy_bits"],
+    write_csv(out("plots/entropy.csv"), ["temperature", "entropy_nats", "entropy_bits"],
                [[float(t), float(v), float(v / np.log(2))] for t, v in zip(grid, h)])
-    _write_csv(out("plots/entropy_configured.csv"), ["temperature", "entropy_nats", "entropy_bits"],
+    write_csv(out("plots/entropy_configured.csv"), ["temperature", "entropy_nats", "entropy_bits"],
                [[float(t["temperature"]), float(t["entropy_nats"]), float(t["entropy_bits"])] for t in temps])
     with matplotlib.rc_context(rc(font)):
-        fig = _new_figure()
+        fig = new_figure()
         ax = fig.add_subplot()
         ax.plot(grid, h, color="tab:purple", lw=1.8, label="entropy of softmax(logits / T)")
         ceiling = float(np.log(logits.size))
@@ -264,7 +268,7 @@ def entropy_plot(out: Callable[[str], Path], position: int, logits: np.ndarray, 
         ax.set_title(f"Entropy of the next-token distribution against temperature (position {position})")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", frameon=False)
-        _save(fig, out("plots/entropy.png"))
+        save(fig, out("plots/entropy.png"))
     return Figure("entropy", "plots/entropy.png", "plots/entropy.csv",
                   "Entropy on a grid of temperatures, computed from the stored logits; the dots are the configured "
                   "temperatures' entropies from the probs stage (they must sit on the curve).")

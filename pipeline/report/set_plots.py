@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.report import overview
-from pipeline.report.plots import Figure, Fonts, _new_figure, _save, _write_csv, rc
+from pipeline.report.plots import Figure, Fonts, new_figure, rc, save, write_csv
 
 LABEL_CHARS = 24     # characters of a prompt's text in its axis label
 
@@ -48,15 +48,15 @@ def _strip(ax, groups: list[tuple[float, list[tuple[str, float]]]], log: bool) -
 def nucleus(out: Callable[[str], Path], s: overview.SetInputs, filter_name: str, font: Fonts) -> Figure:
     import matplotlib
     groups = overview.by_temperature(s, f"{filter_name}_kept")
-    _write_csv(out("plots/set_nucleus.csv"), ["temperature", "prompt_id", "kept"],
+    write_csv(out("plots/set_nucleus.csv"), ["temperature", "prompt_id", "kept"],
                [[float(t), p, int(v)] for t, vals in groups for p, v in vals])
     with matplotlib.rc_context(rc(font)):
-        fig = _new_figure()
+        fig = new_figure()
         ax = fig.add_subplot()
         _strip(ax, groups, log=True)
         ax.set_ylabel(f"ids kept by {filter_name} (log scale)")
         ax.set_title(f"Nucleus size against temperature across {len(s.ids)} prompts")
-        _save(fig, out("plots/set_nucleus.png"))
+        save(fig, out("plots/set_nucleus.png"))
     return Figure("set_nucleus", "plots/set_nucleus.png", "plots/set_nucleus.csv",
                   f"How many ids `{filter_name}` keeps at each temperature, one dot per prompt (a gray line joins "
                   f"a prompt's dots), with the quartiles across prompts.")
@@ -68,11 +68,11 @@ def next_token(out: Callable[[str], Path], s: overview.SetInputs, t: float, font
     entropy = overview.by_temperature(s, "entropy")
     top1_at = {temp: dict(vals) for temp, vals in overview.by_temperature(s, "top1_prob")}
     top1 = top1_at[t]
-    _write_csv(out("plots/set_next_token.csv"), ["temperature", "prompt_id", "entropy_nats", "top1_prob"],
+    write_csv(out("plots/set_next_token.csv"), ["temperature", "prompt_id", "entropy_nats", "top1_prob"],
                [[float(temp), p, float(h), float(top1_at[temp][p])] for temp, vals in entropy for p, h in vals])
     labels = [prompt_label(p, s.tokenize[p]["prompt"], font) for p in s.ids if p in top1]
     with matplotlib.rc_context(rc(font)):
-        fig = _new_figure()
+        fig = new_figure()
         fig.set_size_inches(11.0, max(5.0, 1.5 + 0.28 * len(labels)))
         left, right = fig.subplots(1, 2, width_ratios=[1, 1.3])
         _strip(left, entropy, log=False)
@@ -85,7 +85,7 @@ def next_token(out: Callable[[str], Path], s: overview.SetInputs, t: float, font
         right.set_xlabel(f"probability of the top-1 id at T = {t:g}")
         right.set_title("Top-1 probability per prompt")
         right.grid(axis="x", alpha=0.3)
-        _save(fig, out("plots/set_next_token.png"))
+        save(fig, out("plots/set_next_token.png"))
     return Figure("set_next_token", "plots/set_next_token.png", "plots/set_next_token.csv",
                   f"Left: the entropy of each prompt's next-token distribution per temperature. Right: each prompt's "
                   f"top-1 probability at T = {t:g}, labelled with its id and first words.")
@@ -94,10 +94,10 @@ def next_token(out: Callable[[str], Path], s: overview.SetInputs, t: float, font
 def loops(out: Callable[[str], Path], s: overview.SetInputs, font: Fonts) -> Figure:
     import matplotlib
     rates = overview.loop_rates(s.runs or [])
-    _write_csv(out("plots/set_loops.csv"), ["branch", "kv_cache", "runs", "loops", "rate"],
+    write_csv(out("plots/set_loops.csv"), ["branch", "kv_cache", "runs", "loops", "rate"],
                [[r["branch"], r["kv_cache"], r["runs"], r["loops"], float(r["rate"])] for r in rates])
     with matplotlib.rc_context(rc(font)):
-        fig = _new_figure()
+        fig = new_figure()
         ax = fig.add_subplot()
         x = np.arange(len(rates))
         bars = ax.bar(x, [r["rate"] for r in rates], color=["tab:orange" if r["kv_cache"] else "tab:blue"
@@ -108,7 +108,7 @@ def loops(out: Callable[[str], Path], s: overview.SetInputs, font: Fonts) -> Fig
         ax.set_ylabel("share of prompts whose run ends in a loop")
         ax.set_title(f"Loop rate per branch across {len(s.ids)} prompts")
         ax.grid(axis="y", alpha=0.3)
-        _save(fig, out("plots/set_loops.png"))
+        save(fig, out("plots/set_loops.png"))
     return Figure("set_loops", "plots/set_loops.png", "plots/set_loops.csv",
                   "The share of prompts whose continuation ends in a loop (a tail repeating at least two full "
                   "periods), per branch and cache mode.")

@@ -250,11 +250,7 @@ def _short(value: Any, font: plots.Fonts, width: int = LABEL_CHARS) -> str:
 
 
 def _figure(ncols: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(5.2 * ncols + 1.0, 4.6), dpi=plots.DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
+    return plots.new_figure((5.2 * ncols + 1.0, 4.6))
 
 
 def _legend(fig, axes, title: str | None = None) -> None:
@@ -272,10 +268,6 @@ def _legend(fig, axes, title: str | None = None) -> None:
     fig.set_figheight(fig.get_figheight() + 0.22 * rows + (0.25 if title else 0))
     fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=ncols, fontsize=8,
                title=title, title_fontsize=8, frameon=False)
-
-
-def _save(fig, path: Path) -> None:
-    fig.savefig(path, dpi=plots.DPI, format="png", metadata=plots.PNG_METADATA)
 
 
 def _colors(n: int):
@@ -314,7 +306,7 @@ def kept_plot(df, path: Path):
         ax.set_title("Candidates kept by the sampling filter")
         ax.grid(True, which="major", alpha=0.3)
         _legend(fig, [ax], title="temperature")
-        _save(fig, path)
+        plots.save(fig, path)
     return fig
 
 
@@ -355,5 +347,5 @@ def temperature_plot(df, path: Path):
             ax.grid(True, alpha=0.3)
             ax.margins(x=0.08)
         _legend(fig, [left, right])
-        _save(fig, path)
+        plots.save(fig, path)
     return fig
