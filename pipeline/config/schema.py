@@ -85,8 +85,9 @@ def inside_repo(key: str, value: str, root: Path | str, folder: str = ".") -> Pa
     base, path = (Path(root) / folder).resolve(), (Path(root) / value).resolve()
     if not path.is_relative_to(base):
         where = "a path" if folder == "." else f"a file under {folder}/"
-        raise bad_value(key, value, f"{where} inside the repository, e.g. {PurePosixPath(folder, path.name)} "
-                        f"(it resolves to {path}, outside {base})")
+        example = PurePosixPath(folder, PureWindowsPath(path).name)     # / and \\ both split, on any OS
+        raise bad_value(key, value, f"{where} inside the repository, e.g. {example} (it resolves to {path}, "
+                        f"outside {base})")
     return path
 
 
