@@ -3,14 +3,17 @@
 A code line is a physical line that holds part of a token other than a comment: blank lines,
 comment-only lines and docstrings (a string that is a statement of its own, e.g. the first
 statement of a module, class or function) do not count; every line of a statement split over
-several lines does. Prints, per file: its path, its lines in all, its code lines.
+several lines does. Prints, per file (or `FILE:A-B`, lines A to B of it): its name, its lines in
+all, its code lines; then the total.
 
     python -m bench.code_lines pipeline/config/schema.py
     git show 0286aca:pipeline/config.py > /tmp/c0.py && python -m bench.code_lines /tmp/c0.py
+    python -m bench.validation_size      # issue 12: config.py and the checks it repeated, then and now
 """
 
 import io
 import sys
+import textwrap
 import tokenize
 
 SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
@@ -37,10 +40,21 @@ def code_lines(source: str) -> int:
 
 
 def main(paths: list[str]) -> None:
-    for path in paths:
+    """Each argument is a file, or `FILE:A-B` for its lines A to B (1-based, inclusive; dedented, so a
+    method can be counted alone); the last line is the total of the code lines."""
+    total = 0
+    for arg in paths:
+        path, _, span = arg.partition(":")
         with open(path, encoding="utf-8") as f:
-            source = f.read()
-        print(path, len(source.splitlines()), code_lines(source))
+            lines = f.read().splitlines(keepends=True)
+        if span:
+            first, _, last = span.partition("-")
+            lines = lines[int(first) - 1:int(last or first)]
+        source = textwrap.dedent("".join(lines))
+        n = code_lines(source)
+        total += n
+        print(arg, len(lines), n)
+    print("total", total)
 
 
 if __name__ == "__main__":

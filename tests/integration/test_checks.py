@@ -298,7 +298,7 @@ def test_tokenizer_checks_fail_on_wrong_ids(tokenizer, stored, cfg, ws):
     assert suite.tokenizer_round_trip(tokenizer, text, ids).passed
     assert suite.tokenizer_round_trip(tokenizer, text + "x", ids).measured == 1
     assert not suite.tokenizer_round_trip(tokenizer, text, wrong).passed
-    expected = cfg["prompt"].expected_ids_for("qwen2")
+    expected = cfg["prompt"].known_here.expected_token_ids["qwen2"]
     ok = suite.tokenizer_expected_ids(tokenizer, "qwen2", expected, text, ids)[0]
     assert ok.passed and ok.severity == "error"
     # The same text in other pieces ("LM" as "L" + "M"): the tokenizer would have changed: an error

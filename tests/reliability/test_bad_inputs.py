@@ -6,7 +6,8 @@ the real conf/ (tiny_qwen2): for every key, values of the wrong type (generated 
 type of its value), then out-of-range values, unknown names, unknown and missing keys,
 paths that leave the repository, and prompts that are empty, not UTF-8, full of control
 characters or longer than the model's context. Most cases go through the validators
-directly (`schema.load_section`, and the library checks stages make against the model);
+directly (`schema.load_section` and `prompt_set.for_run`, as compose and the validate stage call
+them, and the library checks stages make against the model);
 a representative subset runs the real `nexttoken` CLI and stages as subprocesses in a
 workspace with a complete run, whose files must come out byte-identical.
 docs/bad_inputs.md lists the matrix; a test keeps it in step.
@@ -459,8 +460,8 @@ def test_bad_input_is_named(case, tmp_path):
             params = BASE
             for key, value in case.change.items():
                 params = set_key(params, key, value)
-            for section in schema.SECTIONS:
-                schema.load_section(params, section, root)
+            # as compose and the validate stage do: every section, then the prompt set read where it is used
+            prompt_set.for_run({s: schema.load_section(params, s, root) for s in schema.SECTIONS}, root)
     _expect(case, str(err.value))
     if case.kind == "path":
         assert "inside the repository" in str(err.value) or "plain name" in str(err.value), err.value

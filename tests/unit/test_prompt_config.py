@@ -83,7 +83,7 @@ def test_unquoted_prompt_override_says_how_to_quote(tmp_path):
 def test_reference_text_keeps_its_name_and_ids():
     prompt = schema.load_section({"prompt": REFERENCE}, "prompt")
     assert prompt.name == "temperature_question"
-    assert prompt.expected_ids_for("qwen2") == REFERENCE["known"]["expected_token_ids"]["qwen2"]
+    assert prompt.known_here.expected_token_ids["qwen2"] == REFERENCE["known"]["expected_token_ids"]["qwen2"]
     assert REFERENCE["known"]["text_sha256"] == hashlib.sha256(REFERENCE["text"].encode()).hexdigest()
 
 
@@ -92,17 +92,17 @@ def test_another_text_inherits_neither_name_nor_ids(text):
     prompt = schema.load_section({"prompt": {**REFERENCE, "text": text}}, "prompt")
     assert prompt.name != "temperature_question" and prompt.name.endswith(
         "-" + hashlib.sha256(text.encode()).hexdigest()[:8])
-    assert prompt.expected_ids_for("qwen2") is None
+    assert prompt.known_here is None
 
 
 def test_a_given_name_is_kept_and_a_file_is_named_after_itself(tmp_path):
     named = schema.load_section({"prompt": {**REFERENCE, "text": "Hello world", "name": "greeting"}}, "prompt")
-    assert named.name == "greeting" and named.expected_ids_for("qwen2") is None
+    assert named.name == "greeting" and named.known_here is None
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts/q.txt").write_text(REFERENCE["text"], encoding="utf-8")   # the known text, from a file
     from_file = schema.load_section({"prompt": {**REFERENCE, "text": None, "file": "prompts/q.txt"}}, "prompt",
                                     tmp_path)
-    assert from_file.name == "temperature_question" and from_file.expected_ids_for("qwen2") is not None
+    assert from_file.name == "temperature_question" and from_file.known_here is not None
     assert schema.prompt_name(from_file.model_copy(update={"name": None, "known": None})) == \
         f"q-{REFERENCE['known']['text_sha256'][:8]}"
 

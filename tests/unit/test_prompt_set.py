@@ -126,7 +126,7 @@ BAD = [
     ("boolean expected id", b'{"id": "a", "text": "x", "expected_token_ids": {"qwen2": [true]}}\n',
      "line 1: expected_token_ids.qwen2=True is not allowed: an integer >= 0"),
     ("expected ids a list", b'{"id": "a", "text": "x", "expected_token_ids": [1]}\n',
-     "line 1: expected_token_ids=[1] is not allowed: a mapping of keys to values"),
+     "line 1: expected_token_ids=[1] is not allowed: a mapping tokenizer family -> list of ids"),
 ]
 
 
@@ -158,16 +158,19 @@ def test_a_set_that_is_not_jsonl(tmp_path):
         f"{KEY}='prompts/s.txt' is not allowed: a JSON Lines file named *.jsonl under prompts/ (a prompt set)")
 
 
-NO_ESCAPE = schema.PROMPT_FILE + schema.NO_ESCAPE
+def _outside(resolved: str) -> str:
+    """What prompt_path says of a path that resolves outside prompts/ (tmp: the repository)."""
+    return (f"a file under prompts/ inside the repository, e.g. prompts/s.jsonl (it resolves to {resolved}, "
+            "outside {tmp}/prompts)")
 
 
+# One rule for every path: where it resolves (so .., absolute paths and ~ need no rule of their own).
 @pytest.mark.parametrize(("value", "allowed"), [
-    ("../s.jsonl", NO_ESCAPE),
-    ("/etc/s.jsonl", NO_ESCAPE),
-    ("~/s.jsonl", NO_ESCAPE),
-    ("prompts/../../s.jsonl", NO_ESCAPE),
-    ("conf/s.jsonl", f"{schema.PROMPT_FILE} (e.g. prompts/mine.txt): DVC re-runs the stages that read the prompt "
-                     "when a file there changes"),
+    ("../s.jsonl", _outside("{tmp.parent}/s.jsonl")),
+    ("/etc/s.jsonl", _outside("/etc/s.jsonl")),
+    ("~/s.jsonl", _outside("{tmp}/~/s.jsonl")),
+    ("prompts/../../s.jsonl", _outside("{tmp.parent}/s.jsonl")),
+    ("conf/s.jsonl", _outside("{tmp}/conf/s.jsonl")),
     ("prompts/none.jsonl", "an existing file under prompts/ inside the repository, relative to its root"),
 ])
 def test_a_path_outside_prompts_or_missing(tmp_path, value, allowed):
@@ -175,7 +178,7 @@ def test_a_path_outside_prompts_or_missing(tmp_path, value, allowed):
     (tmp_path.parent / "s.jsonl").write_bytes(GOOD)     # what ../s.jsonl would read
     with pytest.raises(UserError) as err:
         prompt_set.read_set(KEY, value, tmp_path, 64)
-    assert str(err.value) == f"{KEY}={value!r} is not allowed: {allowed}"
+    assert str(err.value) == f"{KEY}={value!r} is not allowed: {allowed.format(tmp=tmp_path.resolve())}"
 
 
 def test_a_symlink_out_of_prompts(tmp_path):
@@ -183,7 +186,8 @@ def test_a_symlink_out_of_prompts(tmp_path):
     (tmp_path / "notes.jsonl").write_bytes(GOOD)
     (tmp_path / "prompts/s.jsonl").symlink_to("../notes.jsonl")
     with pytest.raises(UserError, match=r"^prompt\.set='prompts/s\.jsonl' is not allowed: a file under prompts/ "
-                                        r"inside the repository \(it resolves to .*notes\.jsonl, outside "):
+                                        r"inside the repository, e\.g\. prompts/notes\.jsonl \(it resolves to "
+                                        r".*notes\.jsonl, outside "):
         prompt_set.read_set(KEY, "prompts/s.jsonl", tmp_path, 64)
 
 
