@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from pipeline.checks import recompute, reference, suite, tables, trajectory, verdicts
-from pipeline.config import schema
+from pipeline.config import prompt_set, schema
 from pipeline.model import decode, loader
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
@@ -660,6 +660,7 @@ def test_full_reference_comparison_runs_on_tiny_artifacts(stored, model, tokeniz
     # tiny_qwen2 is not the reference model: the run figures are gathered and compared, and
     # the model-size figures fail (as errors), naming what differs.
     ref = reference.load_reference("seed_article")
+    cfg = {**cfg, "prompt": prompt_set.for_config(cfg["prompt"], ws).prompts[0]}    # as the checks stage passes it
     results = suite.run_all(stored, model, tokenizer, cfg, torch.device("cpu"), loader.eos_ids(model))
     measured = {"prompt": cfg["prompt"].text,
                 "tokenize": reference.gather_tokenizer(stored.token_ids, stored.token_text, tokenizer, " 就"),
