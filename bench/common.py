@@ -28,7 +28,7 @@ import torch
 
 from pipeline.atomic import write_atomic
 from pipeline.config import schema
-from pipeline.errors import UserError
+from pipeline.errors import UserError, bad_value
 from pipeline.model import capture, loader
 from pipeline.store import paths
 
@@ -133,6 +133,9 @@ class Workspace:
         if source.get("name") != cfg["model"].name:
             raise UserError(f"{prepared} holds {source.get('name')} but params.yaml names {cfg['model'].name}: "
                             f"run `dvc repro prepare_model` (or `nexttoken compose model=...`) first")
+        if cfg["prompt"].set is not None:     # the baseline script and the in-process chain take one prompt
+            raise bad_value("prompt.set", cfg["prompt"].set, "null: the bench compares one prompt's chain with the "
+                            f"plain-script baseline (compose one, e.g. `nexttoken compose model={source['name']}`)")
         return cls(root, params, loader.snapshot_dir(prepared, source).resolve(), cfg)
 
     @property

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from bench import bench, chain_scale, scale
 from pipeline.errors import UserError
@@ -103,6 +104,18 @@ def test_a_model_other_than_params_yaml_names_is_refused(tiny_workspace, tmp_pat
     (tmp_path / "artifacts" / "prepare_model").symlink_to(tiny_workspace / "artifacts" / "prepare_model")
     with pytest.raises(UserError, match="tiny_qwen2.*some_other_model"):
         bench.Workspace.open(tmp_path)
+
+
+def test_a_prompt_set_is_refused_in_one_line(tiny_workspace, tmp_path):
+    """The bench compares one prompt's chain with the plain-script baseline: a set is named, not a traceback."""
+    params = yaml.safe_load((tiny_workspace / "params.yaml").read_text())
+    params["prompt"] |= {"text": None, "set": "prompts/concepts.jsonl"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True))
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "prepare_model").symlink_to(tiny_workspace / "artifacts" / "prepare_model")
+    with pytest.raises(UserError) as err:
+        bench.Workspace.open(tmp_path)
+    assert str(err.value).startswith("prompt.set='prompts/concepts.jsonl' is not allowed: null: the bench compares")
 
 
 def test_unknown_section_is_refused(tmp_path):
