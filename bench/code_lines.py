@@ -39,6 +39,11 @@ def code_lines(source: str) -> int:
     return len(lines)
 
 
+def count(lines: list[str]) -> int:
+    """The code lines of some whole lines of a file, dedented (so a method can be counted alone)."""
+    return code_lines(textwrap.dedent("".join(lines)))
+
+
 def main(paths: list[str]) -> None:
     """Each argument is a file, or `FILE:A-B` for its lines A to B (1-based, inclusive; dedented, so a
     method can be counted alone); the last line is the total of the code lines."""
@@ -50,8 +55,7 @@ def main(paths: list[str]) -> None:
         if span:
             first, _, last = span.partition("-")
             lines = lines[int(first) - 1:int(last or first)]
-        source = textwrap.dedent("".join(lines))
-        n = code_lines(source)
+        n = count(lines)
         total += n
         print(arg, len(lines), n)
     print("total", total)
