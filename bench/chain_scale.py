@@ -2,10 +2,11 @@
 
 Per prompt length T (a prompt file of ~T tokens: the configured prompt's text repeated) and
 capture.positions, one workspace linking the prepared model; every stage runs as
-`python -m stages.<name>` and is measured from the kernel's accounting of that child
-(`os.wait4`): wall time, CPU time (user + system, every thread) and peak RSS. Beside them one
-child loads the model (its RSS is the baseline "above the loaded model") and times a hook-free
-forward over the same ids: the model's own growth, for comparison.
+`python -m stages.<name>` and is measured as that child: wall time, CPU time (user + system,
+every thread, `os.wait4`) and its own peak RSS (`tests/helpers/stage_peak.py`; not wait4's,
+which carries this process's size into the child). Beside them one child loads the model (its
+RSS is the baseline "above the loaded model") and times a hook-free forward over the same ids:
+the model's own growth, for comparison.
 
 Targets, per model:
 - memory: the largest stage peak above the loaded model <= 2.5 x 4*T*V bytes (one float32
@@ -22,14 +23,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.common import child, fit_exponent
 from pipeline.store import paths
-from tests.helpers import worktree
+from tests.helpers import stage_peak, worktree
 from tests.helpers.partitions import part
 
 STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
@@ -62,20 +62,13 @@ def length_workspace(src: Path, dest: Path, model: str, text: str, positions: st
 
 
 def run_stage(ws: Path, stage: str) -> dict:
-    """One stage in a fresh interpreter: exit status, wall s, CPU s (its threads), peak RSS MB."""
+    """One stage in a fresh interpreter: exit status, wall s, CPU s (its threads), its own peak RSS MB."""
     env = worktree.tool_env(**OFFLINE, PYTHONPATH=os.pathsep.join(
         filter(None, [str(worktree.ROOT), os.environ.get("PYTHONPATH")])))
     log = ws / f".{stage}.log"
-    t0 = time.perf_counter()
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=ws, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)     # this child's own accounting, not every child's
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    out = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3),
-           "cpu_s": round(usage.ru_utime + usage.ru_stime, 3), "peak_mb": round(usage.ru_maxrss / 1024, 1)}
-    if proc.returncode not in (0, 1) or (proc.returncode == 1 and stage != "checks"):   # checks: 1 = a failed check
-        raise RuntimeError(f"stage {stage} failed in {ws} ({proc.returncode}):\n{log.read_text()[-3000:]}")
+    out = stage_peak.run(f"stages.{stage}", ws, env, log)
+    if out["rc"] not in (0, 1) or (out["rc"] == 1 and stage != "checks"):   # checks: 1 = a failed check
+        raise RuntimeError(f"stage {stage} failed in {ws} ({out['rc']}):\n{log.read_text()[-3000:]}")
     return out
 
 

@@ -1,9 +1,10 @@
 """A 4096-token prompt through the whole chain (forward -> report, checks included) on tiny_qwen2,
 all positions captured: every stage's peak memory stays a small multiple of one float32 [T, V].
 
-Each stage runs as DVC runs it (a fresh `python -m stages.<name>`); its peak RSS comes from the
-kernel's accounting of that child (`os.wait4`). The bound is generous on purpose (the tight
-figures, per stage and above the loaded model, are the bench's: `nexttoken bench --only scale`):
+Each stage runs as DVC runs it (a fresh `python -m stages.<name>`) and reports its own peak RSS
+(`tests/helpers/stage_peak.py`; wait4's would include this pytest process's size). The bound is
+generous on purpose (the tight figures, per stage and above the loaded model, are the bench's:
+`nexttoken bench --only scale`):
 before streaming, the logits stage alone held ~9.5 float32 copies of [T, V] (~24 GB here).
 """
 
@@ -12,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from pipeline.store import paths
 from tests.conftest import make_workspace
+from tests.helpers import stage_peak
 from tests.helpers.partitions import part
 
 T_TARGET = 4096
@@ -28,15 +28,11 @@ BOUND_X = 3.0           # x 4*T*V bytes on top: generous (the bench's target is 
 
 
 def _peak_mb(stage: str, ws) -> float:
-    """Run one stage in a fresh interpreter; its exit status must be 0; its peak RSS in MB."""
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=ws, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    assert proc.returncode == 0, f"{stage} failed ({proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
-    return usage.ru_maxrss / 1024        # Linux: KB
+    """Run one stage in a fresh interpreter; its exit status must be 0; its own peak RSS in MB."""
+    log = ws / f".{stage}.log"
+    out = stage_peak.run(f"stages.{stage}", ws, {**os.environ, "TQDM_DISABLE": "1"}, log)
+    assert out["rc"] == 0, f"{stage} failed ({out['rc']}):\n{log.read_text()[-3000:]}"
+    return out["peak_mb"]
 
 
 @pytest.mark.slow
