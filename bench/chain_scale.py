@@ -180,9 +180,11 @@ def table(section: dict) -> str:
             lines.append(f"{r['T']:>6} {cells} {r['own_work_cpu_s']:>8.1f} {r['max_extra_mb']:>7.0f} "
                          f"{r['peak_vs_4tv']:>5.2f}")
         f = section["fits"].get(positions)
+        def slope(s: dict, key: str) -> float:      # None (not finite) prints as nan; a slope of 0.0 as 0.00
+            return math.nan if s[key] is None else s[key]
         for label, s in (("slope", f and f["all"]), ("from 2nd", f and f["without_shortest"])):
             if s:
-                lines.append(f"{label:>6} " + " ".join(f"{'cpu ' + format(s[st + '_cpu'] or math.nan, '.2f'):>19}"
+                lines.append(f"{label:>6} " + " ".join(f"{'cpu ' + format(slope(s, st + '_cpu'), '.2f'):>19}"
                                                        for st in STAGES)
-                             + f" {s['own_work_cpu'] or math.nan:>8.2f} {s['max_extra_memory'] or math.nan:>7.2f}")
+                             + f" {slope(s, 'own_work_cpu'):>8.2f} {slope(s, 'max_extra_memory'):>7.2f}")
     return "\n".join(lines)
