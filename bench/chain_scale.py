@@ -167,6 +167,11 @@ def record_ratios(res, section: dict) -> None:
                       "information")
 
 
+def _slope(fit: dict, key: str) -> float:
+    """A fitted slope for printing: None (not finite) as nan, and 0.0 as 0.00."""
+    return math.nan if fit[key] is None else fit[key]
+
+
 def table(section: dict) -> str:
     """Per length: each stage's wall / CPU seconds and peak MB; the chain, own work, the memory target."""
     lines = []
@@ -180,11 +185,9 @@ def table(section: dict) -> str:
             lines.append(f"{r['T']:>6} {cells} {r['own_work_cpu_s']:>8.1f} {r['max_extra_mb']:>7.0f} "
                          f"{r['peak_vs_4tv']:>5.2f}")
         f = section["fits"].get(positions)
-        def slope(s: dict, key: str) -> float:      # None (not finite) prints as nan; a slope of 0.0 as 0.00
-            return math.nan if s[key] is None else s[key]
         for label, s in (("slope", f and f["all"]), ("from 2nd", f and f["without_shortest"])):
             if s:
-                lines.append(f"{label:>6} " + " ".join(f"{'cpu ' + format(slope(s, st + '_cpu'), '.2f'):>19}"
+                lines.append(f"{label:>6} " + " ".join(f"{'cpu ' + format(_slope(s, st + '_cpu'), '.2f'):>19}"
                                                        for st in STAGES)
-                             + f" {slope(s, 'own_work_cpu'):>8.2f} {slope(s, 'max_extra_memory'):>7.2f}")
+                             + f" {_slope(s, 'own_work_cpu'):>8.2f} {_slope(s, 'max_extra_memory'):>7.2f}")
     return "\n".join(lines)

@@ -52,9 +52,10 @@ class Plan:
         if quick:
             return cls(True, 3, 2, 1, 1, {"workspace": {"all": lengths or (16, 64)}}, ("tokenize", "forward"))
         # The whole chain runs the model ~30 times per prompt (trajectories, checks): on 2 idle
-        # cores gemma3_270m took 459 s at 4096 tokens and 1333 s at 8192 (positions=last), and
-        # tiny_qwen2 at 4096 several minutes (bench/results/scale_chain_*.json); so the default
-        # lengths stay short and longer ones are opt-in (--lengths, --workspace-lengths, --last-lengths).
+        # cores gemma3_270m took 458 s at 4096 tokens and 1327 s at 8192 (positions=last), and
+        # tiny_qwen2 at 4096 7 minutes on 2 loaded ones (bench/results/scale_chain_*.json); so the
+        # default lengths stay short and longer ones are opt-in (--lengths, --workspace-lengths,
+        # --last-lengths).
         return cls(False, 3, 3, 1, 1, {"tiny_qwen2": {"all": lengths or (32, 256, 1024)},
                                        "workspace": {"all": workspace_lengths or (), "last": last_lengths or ()}})
 

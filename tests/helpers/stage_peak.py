@@ -19,24 +19,31 @@ import time
 from pathlib import Path
 
 PEAK_FILE_ENV = "NEXTTOKEN_PEAK_FILE"
-# Runs the module as `python -m` would, then writes this process's VmHWM (kB), even when the
-# module exits with an error (SystemExit goes through `finally`).
+# Runs the module as `python -m` would (while the package imports, sys.argv[0] is "-m" and
+# sys.orig_argv names the module, so stages/__init__.py sets its quiet Ctrl-C handler; sys.path[0]
+# is the working directory), then writes this process's VmHWM (kB), also when the module exits
+# with an error (SystemExit goes through `finally`). VmHWM leaves out the interpreter's teardown.
 RUNNER = """\
 import os, runpy, sys
 module = sys.argv.pop(1)
+sys.argv[0], sys.orig_argv, sys.path[0] = "-m", [sys.executable, "-m", module], os.getcwd()
 try:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 finally:
-    status = open("/proc/self/status").read()
-    with open(os.environ["NEXTTOKEN_PEAK_FILE"], "w") as f:
-        f.write(status.split("VmHWM:")[1].split()[0])
+    try:
+        with open("/proc/self/status") as status:
+            peak = status.read().split("VmHWM:")[1].split()[0]
+        with open(os.environ["NEXTTOKEN_PEAK_FILE"], "w") as f:
+            f.write(peak)
+    except (OSError, KeyError, IndexError):     # no peak rather than a changed exit status
+        pass
 """
 
 
 def run(module: str, cwd: Path, env: dict[str, str], log: Path) -> dict:
     """`python -m module` in cwd, stdout dropped, stderr to log: rc, wall_s, cpu_s (user + system,
-    every thread, from wait4: CPU time is not inherited), peak_mb (the child's own VmHWM; None if
-    it died before writing it)."""
+    every thread and the children it waited for, from wait4: CPU time is not inherited), peak_mb
+    (the child's own VmHWM, not its children's; None if it died before writing it, e.g. killed)."""
     fd, peak_file = tempfile.mkstemp(prefix="peak-", suffix=".kb")
     os.close(fd)
     try:
@@ -46,10 +53,11 @@ def run(module: str, cwd: Path, env: dict[str, str], log: Path) -> dict:
                                     env={**env, PEAK_FILE_ENV: peak_file},
                                     stdout=subprocess.DEVNULL, stderr=err)
             _, status, usage = os.wait4(proc.pid, 0)     # this child's own accounting, not every child's
+            proc.returncode = os.waitstatus_to_exitcode(status)     # reaped: Popen must not wait again
         wall = time.perf_counter() - t0
         text = Path(peak_file).read_text().strip()
     finally:
         os.unlink(peak_file)
-    return {"rc": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 3),
+    return {"rc": proc.returncode, "wall_s": round(wall, 3),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
             "peak_mb": round(int(text) / 1024, 1) if text else None}
