@@ -23,6 +23,8 @@ PEAK_FILE_ENV = "NEXTTOKEN_PEAK_FILE"
 # sys.orig_argv names the module, so stages/__init__.py sets its quiet Ctrl-C handler; sys.path[0]
 # is the working directory), then writes this process's VmHWM (kB), also when the module exits
 # with an error (SystemExit goes through `finally`). VmHWM leaves out the interpreter's teardown.
+# It parses /proc/self/status itself rather than call bench.common.peak_mb: that module imports
+# torch, which a stage must not find loaded before `kernels.pin`, and which would count in the peak.
 RUNNER = """\
 import os, runpy, sys
 module = sys.argv.pop(1)
