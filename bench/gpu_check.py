@@ -169,7 +169,7 @@ def record(snapshot: Path, device: torch.device, conf: dict, device_map: dict | 
     for step, d in clock("recompute", recompute.layer0_attention_recompute, model, tensors).items():
         fig[f"layer0_attention_{step}"] = d
     n_layers = len(capture.decoder_layers(model))
-    fig["residual_adds (all layers)"] = max(max(recompute.residual_adds_recompute(tensors, i).values())
+    fig["residual_adds (all layers)"] = max(max(recompute.residual_adds_recompute(model, tensors, i).values())
                                             for i in range(n_layers))
     fig["future_attention (max weight)"] = max(recompute.future_attention_max(tensors).values())
     first = clock("plain forward", capture.plain_forward_logits, model, input_ids, "all")

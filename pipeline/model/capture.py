@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -39,74 +39,72 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import bad_value
+from pipeline.model.families import FAMILIES, GENERIC, ModuleNames, captured_pieces
 from pipeline.model.names import ATTN_INTERNALS, GLOBAL_KINDS, LAYER_KINDS, act_name  # noqa: F401 (re-exported)
-
-_QK_NORM_KINDS = ("attn.q_norm_out", "attn.k_norm_out")
-
-
-@dataclass(frozen=True)
-class ModuleNames:
-    """Where one model family keeps each piece (dotted HF attribute paths).
-
-    Adding a Llama-like decoder is one entry in `FAMILIES`; nothing else branches on the model.
-    """
-
-    embed: str = "model.embed_tokens"
-    layers: str = "model.layers"
-    final_norm: str = "model.norm"
-    lm_head: str = "lm_head"
-    rotary: str = "model.rotary_emb"
-    # Inside a decoder layer.
-    ln1: str = "input_layernorm"
-    attn: str = "self_attn"
-    attn_out: str = "self_attn"                    # output (first element) is added to the residual
-    resid_mid_reader: str = "post_attention_layernorm"  # first module that reads resid_mid
-    mlp_out: str = "mlp"
-    post_attn_norm: str | None = None              # applied to o_proj output before the add
-    # Inside the attention module.
-    q_proj: str = "q_proj"
-    k_proj: str = "k_proj"
-    v_proj: str = "v_proj"
-    o_proj: str = "o_proj"
-    q_norm: str | None = None                      # applied on [B, heads, T, hd], before RoPE
-    k_norm: str | None = None
-    rope_by_layer_type: bool = False               # rotary module takes the layer type (Gemma 3)
-    attn_softcap: str | None = None                # attention attribute passed as `softcap`, if any
-    final_softcap: str | None = None               # config attribute: final logit softcapping
-
-
-LLAMA_LIKE = ModuleNames()
-GEMMA3 = ModuleNames(
-    attn_out="post_attention_layernorm",
-    resid_mid_reader="pre_feedforward_layernorm",
-    mlp_out="post_feedforward_layernorm",
-    post_attn_norm="post_attention_layernorm",
-    q_norm="q_norm",
-    k_norm="k_norm",
-    rope_by_layer_type=True,
-    # Gemma3Attention has `attn_logit_softcapping` but does NOT pass it to the attention
-    # function (Gemma 2 did), so no attention softcap here.
-    attn_softcap=None,
-    final_softcap="final_logit_softcapping",
-)
-FAMILIES: dict[str, ModuleNames] = {
-    "llama": LLAMA_LIKE,
-    "mistral": LLAMA_LIKE,
-    "qwen2": LLAMA_LIKE,
-    "gemma3_text": GEMMA3,
-}
 
 
 def family(model: nn.Module) -> ModuleNames:
-    """The module-name table for this model's `config.model_type`."""
+    """The module-name table for this model: its `config.model_type`'s entry in `FAMILIES`, else
+    the residual-stream paths found on the model (`find_generic`)."""
     model_type = model.config.model_type
-    if model_type not in FAMILIES:
-        raise bad_value("model_type", model_type, f"one of {sorted(FAMILIES)} (pipeline.model.capture.FAMILIES)")
-    return FAMILIES[model_type]
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    found = getattr(model, "_nexttoken_generic", None)
+    if found is None:
+        found = find_generic(model)
+        object.__setattr__(model, "_nexttoken_generic", found)     # found once per loaded model
+    return found
+
+
+def _path_of(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((name for name, m in model.named_modules() if m is module), None) if module is not None else None
+
+
+_FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+
+
+def find_generic(model: nn.Module) -> ModuleNames:
+    """`GENERIC` with the paths of this model: input embeddings, the decoder layers (the first
+    ModuleList of num_hidden_layers modules), the final norm beside them, the output embeddings.
+    A model where one is missing is refused in one line naming its model_type."""
+    cfg = text_config(model)
+    n = getattr(cfg, "num_hidden_layers", None)
+    layers = next((name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n), None)
+
+    def found(getter: str) -> str | None:
+        get = getattr(model, getter, None)
+        return _path_of(model, get()) if get else None
+    embed, lm_head = found("get_input_embeddings"), found("get_output_embeddings")
+    parent = layers.rpartition(".")[0] if layers else ""
+    norm = next((f"{parent}.{k}".lstrip(".") for k in _FINAL_NORMS
+                 if isinstance(getattr(model.get_submodule(parent), k, None), nn.Module)), None) if layers else None
+    missing = [what for what, path in (("decoder layers", layers), ("input embeddings", embed),
+                                       ("final norm", norm), ("LM head", lm_head)) if path is None]
+    if missing:
+        raise bad_value("model_type", model.config.model_type,
+                        f"a decoder whose {', '.join(missing)} can be found (supported families: {sorted(FAMILIES)})")
+    softcap = "final_logit_softcapping" if getattr(cfg, "final_logit_softcapping", None) is not None else None
+    return replace(GENERIC, embed=embed, layers=layers, final_norm=norm, lm_head=lm_head, final_softcap=softcap)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.get_submodule(family(model).layers)
+
+
+def text_config(model: nn.Module):
+    """The config that holds the decoder's sizes and multipliers (a multimodal wrapper's text part)."""
+    get = getattr(model.config, "get_text_config", None)
+    return get() if get else model.config
+
+
+def _layer0_internals(names: ModuleNames) -> list[str]:
+    """Layer 0's internals in `ATTN_INTERNALS` order, those this family has (attn_weights apart)."""
+    if names.generic:
+        return []
+    has = {"ln1_out": names.ln1 is not None, "attn.q": not names.fused, "attn.k": not names.fused,
+           "attn.v": not names.fused, "attn.qkv": names.fused, "attn.q_norm_out": names.q_norm is not None,
+           "attn.k_norm_out": names.k_norm is not None, "attn.value": names.fused}
+    return [k for k in ATTN_INTERNALS if has.get(k, True)]
 
 
 @dataclass(frozen=True)
@@ -134,15 +132,19 @@ def capture_names(model: nn.Module, spec: CaptureSpec) -> list[str]:
     names = family(model)
     num_layers = len(decoder_layers(model))
     attn_layers = spec.resolve_layers(num_layers)
-    order = [act_name("embed")]
+    parallel = names.is_parallel(text_config(model))
+    order = [act_name("embed")] + ([act_name("pos_embed")] if names.pos_embed else [])
     for i in range(num_layers):
         order.append(act_name("resid_pre", i))
+        if names.generic:
+            order.append(act_name("resid_post", i))
+            continue
         if i == 0:
-            order += [act_name(k, 0) for k in ATTN_INTERNALS
-                      if names.q_norm is not None or k not in _QK_NORM_KINDS]
+            order += [act_name(k, 0) for k in _layer0_internals(names)]
         elif i in attn_layers:
             order.append(act_name("attn_weights", i))
-        order += [act_name(k, i) for k in ("attn_out", "resid_mid", "mlp_out", "resid_post")]
+        order += [act_name(k, i) for k in ("attn_out", "resid_mid", "mlp_out", "resid_post")
+                  if not (parallel and k == "resid_mid")]
     return order + [act_name("final_norm_out"), act_name("logits")]
 
 
@@ -184,7 +186,8 @@ class _Recorder:
     """
 
     def __init__(self, attn_layer_of: dict[int, int], attn_layers: tuple[int, ...], base_impl: str,
-                 owned: set[int], copy: bool):
+                 owned: set[int], copy: bool, keep_value: bool = False):
+        self.keep_value = keep_value            # a fused projection: the value input is recorded itself
         self.tensors: dict[str, torch.Tensor] = {}
         self.versions: dict[str, int] = {}
         self.attn_layer_of = attn_layer_of      # id(attention module) -> layer index
@@ -205,11 +208,15 @@ class _Recorder:
         """Names whose tensor was modified in place after it was recorded."""
         return [name for name, t in self.tensors.items() if t._version != self.versions[name]]
 
-    def attention(self, module, query, key, mask, z, weights) -> None:
-        layer = self.attn_layer_of[id(module)]
+    def attention(self, module, query, key, value, mask, z, weights) -> None:
+        layer = self.attn_layer_of.get(id(module))
+        if layer is None:       # the generic tier records no attention internals
+            return
         if layer == 0:
             self.put(act_name("attn.q_rot", 0), query)
             self.put(act_name("attn.k_rot", 0), key)
+            if self.keep_value:
+                self.put(act_name("attn.value", 0), value)
             if mask is not None:
                 self.put(act_name("attn.mask", 0), mask)
             self.put(act_name("attn.z", 0), z)
@@ -233,7 +240,7 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     eager = inspect.unwrap(type(module).forward).__globals__["eager_attention_forward"]
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(recorder.base_impl, eager)
     z, weights = inner(module, query, key, value, attention_mask, **kwargs)
-    recorder.attention(module, query, key, attention_mask, z, weights)
+    recorder.attention(module, query, key, value, attention_mask, z, weights)
     return z, weights
 
 
@@ -283,27 +290,34 @@ def _hook_plan(model: nn.Module, recorder: _Recorder) -> list[tuple[nn.Module, s
     sub = model.get_submodule
     plan = [(sub(names.embed), "post", post(act_name("embed"))),
             (sub(names.final_norm), "post", post(act_name("final_norm_out")))]
+    if names.pos_embed:
+        plan.append((sub(names.pos_embed), "post", post(act_name("pos_embed"))))
+    parallel = names.is_parallel(text_config(model))
     for i, layer in enumerate(decoder_layers(model)):
         ls = layer.get_submodule
-        plan += [
-            (layer, "pre", pre(act_name("resid_pre", i))),
-            (ls(names.attn_out), "post", post(act_name("attn_out", i))),
-            (ls(names.resid_mid_reader), "pre", pre(act_name("resid_mid", i))),
-            (ls(names.mlp_out), "post", post(act_name("mlp_out", i))),
-            (layer, "post", post(act_name("resid_post", i))),
-        ]
+        plan += [(layer, "pre", pre(act_name("resid_pre", i))), (layer, "post", post(act_name("resid_post", i)))]
+        if names.generic:
+            continue
+        plan += [(ls(names.attn_out), "post", post(act_name("attn_out", i))),
+                 (ls(names.mlp_out), "post", post(act_name("mlp_out", i)))]
+        if not parallel:
+            plan.append((ls(names.resid_mid_reader), "pre", pre(act_name("resid_mid", i))))
+    if names.generic:
+        return plan
     layer0, attn0 = decoder_layers(model)[0], decoder_layers(model)[0].get_submodule(names.attn)
-    plan.append((layer0.get_submodule(names.ln1), "post", post(act_name("ln1_out", 0))))
+    if names.ln1 is not None:
+        plan.append((layer0.get_submodule(names.ln1), "post", post(act_name("ln1_out", 0))))
     for kind, path in layer0_projections(names):
         plan.append((attn0.get_submodule(path), "post", post(act_name(kind, 0))))
     return plan
 
 
 def layer0_projections(names: ModuleNames) -> list[tuple[str, str]]:
-    """(capture kind, module path inside the attention) of layer 0's q/k/v projections and
-    q/k norms, in execution order; the norms only where the family has them."""
+    """(capture kind, module path inside the attention) of layer 0's q/k/v projections (or the
+    fused one) and q/k norms, in execution order; each only where the family has it."""
     return [(kind, path) for kind, path in (("attn.q", names.q_proj), ("attn.k", names.k_proj),
-                                            ("attn.v", names.v_proj), ("attn.q_norm_out", names.q_norm),
+                                            ("attn.v", names.v_proj), ("attn.qkv", names.qkv_proj),
+                                            ("attn.q_norm_out", names.q_norm),
                                             ("attn.k_norm_out", names.k_norm)) if path is not None]
 
 
@@ -329,7 +343,7 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: str):
     the same either way."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
-    device = model.get_submodule(family(model).embed).weight.device
+    device = model.get_input_embeddings().weight.device
     model.eval()
     # use_cache=False: one prefill pass needs no cache; logits_to_keep=1 computes only the
     # last row of logits (HF slices the LM-head input, the final norm still sees every position).
@@ -370,9 +384,9 @@ def run_capture(model: nn.Module, input_ids: torch.Tensor, spec: CaptureSpec) ->
 def _record(model: nn.Module, input_ids: torch.Tensor, spec: CaptureSpec, base_impl: str, copy: bool) -> _Recorder:
     names = family(model)
     layers = decoder_layers(model)
-    attn_modules = [layer.get_submodule(names.attn) for layer in layers]
-    recorder = _Recorder({id(m): i for i, m in enumerate(attn_modules)},
-                         spec.resolve_layers(len(layers)), base_impl, _model_storages(model), copy)
+    attn_modules = [] if names.generic else [layer.get_submodule(names.attn) for layer in layers]
+    recorder = _Recorder({id(m): i for i, m in enumerate(attn_modules)}, spec.resolve_layers(len(layers)),
+                         base_impl, _model_storages(model), copy, keep_value=names.fused)
     with _hooks(_hook_plan(model, recorder)), _recording_attention_impl(model, recorder):
         out = _forward(model, input_ids, spec.positions)
     # Logits come from the model output, not an lm_head hook: Gemma softcaps after lm_head.
@@ -383,25 +397,34 @@ def _record(model: nn.Module, input_ids: torch.Tensor, spec: CaptureSpec, base_i
 def model_facts(model: nn.Module, tokenizer_len: int) -> dict:
     """Shape facts the later stages and the manifest need (plain JSON types)."""
     names = family(model)
-    cfg = model.config
-    attn = decoder_layers(model)[0].get_submodule(names.attn)
+    cfg = text_config(model)
     embed = model.get_submodule(names.embed)
     lm_head = model.get_submodule(names.lm_head)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if not names.generic:       # the attention module's own figure, where the family table knows it
+        attn = decoder_layers(model)[0].get_submodule(names.attn)
+        head_dim = getattr(attn, "head_dim", getattr(attn, "head_size", head_dim))
     scale = getattr(embed, "scalar_embed_scale", None)
+    parallel = names.is_parallel(cfg)
     facts = {
-        "model_type": cfg.model_type,
+        "model_type": model.config.model_type,
+        # "full": the family table's every piece; "residual": the residual stream only (`families.GENERIC`)
+        "capture_level": "residual" if names.generic else "full",
+        "captured_pieces": captured_pieces(names, parallel),
+        "family_notes": list(names.notes),
         "num_layers": len(decoder_layers(model)),
         "hidden_size": cfg.hidden_size,
-        "num_heads": cfg.num_attention_heads,
-        "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": attn.head_dim,
+        "num_heads": heads,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": int(head_dim),
         "output_size": lm_head.weight.shape[0],
         "tokenizer_len": tokenizer_len,
         "lm_head_weight_shape": list(lm_head.weight.shape),
-        "lm_head_has_bias": lm_head.bias is not None,
+        "lm_head_has_bias": getattr(lm_head, "bias", None) is not None,
         # The storage actually shared, not just what the config claims.
         "tied_embeddings": lm_head.weight.data_ptr() == embed.weight.data_ptr(),
-        "attn_implementation": cfg._attn_implementation,
+        "attn_implementation": model.config._attn_implementation,
         "dtype": str(lm_head.weight.dtype).removeprefix("torch."),
         "layer_types": list(getattr(cfg, "layer_types", None) or []),
         "sliding_window": getattr(cfg, "sliding_window", None),
@@ -411,4 +434,7 @@ def model_facts(model: nn.Module, tokenizer_len: int) -> dict:
             f"`embed` already includes the scale sqrt(hidden_size)={scale!r}, applied inside the "
             f"embedding module in the weight dtype (value used: {float(embed.embed_scale.to(embed.weight.dtype))!r})"),
     }
+    for key in ("residual_multiplier", "embedding_multiplier", "logits_scaling"):
+        if attr := getattr(names, key):
+            facts[key] = float(getattr(cfg, attr))
     return facts

@@ -27,7 +27,8 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.model import loader
-from pipeline.model.capture import FAMILIES, CaptureSpec
+from pipeline.model.capture import CaptureSpec
+from pipeline.model.families import FAMILIES
 
 GIB = 2**30
 
@@ -57,8 +58,12 @@ def estimate(snapshot: Path, dtype: torch.dtype, tokens: int, spec: CaptureSpec,
     cfg = loader.auto_config(snapshot, trust_remote_code).get_text_config()
     b = torch.empty((), dtype=dtype).element_size()
     t, layers, hidden = tokens, cfg.num_hidden_layers, cfg.hidden_size
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    # GPT-2 and GPT-NeoX have no num_key_value_heads (every head has its own K/V) nor an
+    # intermediate_size attribute (GPT-2: n_inner, None meaning 4 * hidden).
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    intermediate = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
     rows = t if spec.positions == "all" else 1
     logits, mask = rows * cfg.vocab_size * b, t * t * b
     q, kv = t * heads * head_dim * b, t * kv_heads * head_dim * b          # one [T, heads, head_dim] tensor
@@ -71,7 +76,7 @@ def estimate(snapshot: Path, dtype: torch.dtype, tokens: int, spec: CaptureSpec,
     return Estimate(
         tokens=t, heads=heads, weights=loader.weights_bytes(snapshot, dtype),
         attention=heads * t * t * (4 * b + 4) + mask,
-        activations=t * (4 * hidden + 3 * cfg.intermediate_size) * b,
+        activations=t * (4 * hidden + 3 * intermediate) * b,
         logits=logits, captured=captured, attention_captured=stored_attention, logit_rows=rows)
 
 

@@ -6,11 +6,13 @@ these names; the stages that only read a capture (logits, report) import them fr
 
 from __future__ import annotations
 
-GLOBAL_KINDS = ("embed", "final_norm_out", "logits")
+GLOBAL_KINDS = ("embed", "pos_embed", "final_norm_out", "logits")
 LAYER_KINDS = ("resid_pre", "attn_weights", "attn_out", "resid_mid", "mlp_out", "resid_post")
 # Layer-0 internals, in the order they are computed.
-ATTN_INTERNALS = ("ln1_out", "attn.q", "attn.k", "attn.v", "attn.q_norm_out", "attn.k_norm_out",
-                  "attn.q_rot", "attn.k_rot", "attn.mask", "attn_weights", "attn.z")
+# A family has the ones its pieces call for (`capture.capture_names`): a fused projection gives
+# attn.qkv and the attention function's value input attn.value instead of attn.q / attn.k / attn.v.
+ATTN_INTERNALS = ("ln1_out", "attn.q", "attn.k", "attn.v", "attn.qkv", "attn.q_norm_out", "attn.k_norm_out",
+                  "attn.q_rot", "attn.k_rot", "attn.value", "attn.mask", "attn_weights", "attn.z")
 
 
 def act_name(kind: str, layer: int | None = None) -> str:

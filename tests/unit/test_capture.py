@@ -196,7 +196,7 @@ def test_in_place_edit_after_recording_is_not_seen(input_ids):
         plain = plain_forward_logits(model, input_ids, "all")
     finally:
         handle.remove()
-    assert residual_adds_recompute(c, last) == {"resid_mid": 0.0, "resid_post": 0.0}
+    assert residual_adds_recompute(model, c, last) == {"resid_mid": 0.0, "resid_post": 0.0}
     assert torch.equal(c["logits"], plain)
     assert not torch.equal(c["logits"], plain_forward_logits(model, input_ids, "all"))   # the edit mattered
 
@@ -230,7 +230,8 @@ def test_recomputes_are_exact(run):
     assert list(attn) == expected
     assert attn == dict.fromkeys(expected, 0.0)
     for i in range(model.config.num_hidden_layers):
-        assert residual_adds_recompute(c, i) == {"resid_mid": 0.0, "resid_post": 0.0}
+        first = {"resid_pre": 0.0} if i == 0 else {}
+        assert residual_adds_recompute(model, c, i) == {**first, "resid_mid": 0.0, "resid_post": 0.0}
     assert future_attention_max(c) == {0: 0.0, model.config.num_hidden_layers - 1: 0.0}
 
 
@@ -248,12 +249,13 @@ def test_corruption_is_detected_where_it_happens(run):
     attn = layer0_attention_recompute(model, bad)
     assert attn["attn_out"] > 0.0
     assert all(v == 0.0 for k, v in attn.items() if k != "attn_out")  # steps restart from captures
-    assert residual_adds_recompute(bad, 0)["resid_mid"] > 0.0
+    assert residual_adds_recompute(model, bad, 0)["resid_mid"] > 0.0
+    assert residual_adds_recompute(model, _corrupt(c, "embed", (0, 1, 1)), 0)["resid_pre"] > 0.0
 
     assert layer0_attention_recompute(model, _corrupt(c, "blocks.0.attn.q_rot", (0, 1, 2, 3)))["q_rot"] > 0.0
     assert layer0_attention_recompute(model, _corrupt(c, "blocks.0.attn.z", (0, 2, 1, 0)))["z"] > 0.0
     last = model.config.num_hidden_layers - 1
-    assert residual_adds_recompute(_corrupt(c, f"blocks.{last}.mlp_out", (0, 0, 0)), last)["resid_post"] > 0.0
+    assert residual_adds_recompute(model, _corrupt(c, f"blocks.{last}.mlp_out", (0, 0, 0)), last)["resid_post"] > 0.0
     assert lm_head_recompute(model, _corrupt(c, "final_norm_out", (0, T - 1, 0))["final_norm_out"],
                              c["logits"]) > 0.0
     future = future_attention_max(_corrupt(c, f"blocks.{last}.attn_weights", (0, 0, 2, 7)))
@@ -286,7 +288,9 @@ def test_non_eager_attention_refused(input_ids):
 def test_unknown_family_refused():
     class Fake(torch.nn.Module):
         config = type("C", (), {"model_type": "not_a_family"})()
-    with pytest.raises(UserError, match="model_type='not_a_family'"):
+    # Not in the family table and no decoder layers to be found: refused in one line naming it.
+    with pytest.raises(UserError, match="model_type='not_a_family' is not allowed: a decoder whose decoder "
+                                        "layers, input embeddings, final norm, LM head can be found"):
         cap.family(Fake())
 
 
@@ -341,4 +345,4 @@ def test_exact_on_cuda(kind, input_ids):
     assert torch.equal(c["logits"], plain_forward_logits(model, input_ids, "all"))
     assert lm_head_recompute(model, c["final_norm_out"], c["logits"]) == 0.0
     assert set(layer0_attention_recompute(model, c).values()) == {0.0}
-    assert residual_adds_recompute(c, 0) == {"resid_mid": 0.0, "resid_post": 0.0}
+    assert residual_adds_recompute(model, c, 0) == {"resid_pre": 0.0, "resid_mid": 0.0, "resid_post": 0.0}

@@ -1,0 +1,134 @@
+"""Every family of `families.TINY_FAMILIES` on its seeded toy: golden capture names, every
+recompute exact in bf16, and each check failing where a piece of the family's arithmetic is
+left out (Granite's multipliers, GPT-NeoX's parallel sum, GPT-2's position embeddings, OLMo 2's
+norm placement). `support` decides from config.json alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pipeline.checks import recompute
+from pipeline.errors import UserError
+from pipeline.model import capture, families, tiny
+from pipeline.model.families import FAMILIES, TINY_FAMILIES, support
+
+ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, lm_head_std=0.5)
+EOS = 151643
+SPEC = capture.CaptureSpec((0, -1), "all")
+
+GOLDEN = {
+    "llama": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "mistral": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "qwen2": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "qwen3": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "mixtral": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "qwen3_moe": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "gemma": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "gemma2": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "gemma3_text": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "phi3": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.qkv", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.value", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "gpt2": ["embed", "pos_embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.qkv", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.value", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "gpt_neox": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.qkv", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.value", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "olmo2": ["embed", "blocks.0.resid_pre", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "granite": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "smollm3": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "starcoder2": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "qwen3_5_text": ["embed", "blocks.0.resid_pre", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.resid_post", "final_norm_out", "logits"],
+}
+
+
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def run(request):
+    """(family, bf16 model with non-trivial norms, its capture of a 12-token prompt)."""
+    model = tiny.build_family(request.param, ARCH, 20261002, EOS).to(torch.bfloat16)
+    for cfg in capture._configs(model):
+        cfg._attn_implementation = "eager"
+    with torch.no_grad():       # norms init at 1 (or 0 for Gemma's 1 + w): make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, 150000, (1, 12), generator=torch.Generator().manual_seed(0))
+    return request.param, model, capture.run_capture(model, ids, SPEC), ids
+
+
+def test_at_least_16_families():
+    assert len(TINY_FAMILIES) >= 16 and set(GOLDEN) == set(TINY_FAMILIES)
+
+
+def test_golden_names(run):
+    family, model, c, _ = run
+    assert list(c) == GOLDEN[family] == capture.capture_names(model, SPEC)
+
+
+def _corrupt(c: dict, name: str) -> dict:
+    bad = dict(c)
+    bad[name] = c[name].clone()
+    bad[name].view(-1)[3] += 1.0
+    return bad
+
+
+def test_every_recompute_exact_and_sensitive(run):
+    family, model, c, ids = run
+    assert torch.equal(c["logits"], capture.plain_forward_logits(model, ids, "all"))     # capture is transparent
+    assert recompute.lm_head_recompute(model, c["final_norm_out"], c["logits"]) == 0.0
+    assert recompute.final_norm_recompute(model, c) == 0.0
+    assert recompute.lm_head_recompute(model, _corrupt(c, "final_norm_out")["final_norm_out"], c["logits"]) > 0
+    last = model.config.get_text_config().num_hidden_layers - 1
+    assert recompute.final_norm_recompute(model, _corrupt(c, f"blocks.{last}.resid_post")) > 0
+    attn = recompute.layer0_attention_recompute(model, c)
+    adds = [recompute.residual_adds_recompute(model, c, i) for i in range(last + 1)]
+    if family in families.GENERIC_TESTED:
+        assert attn == {} and adds == [{}, {}]
+        return
+    assert attn and set(attn.values()) == {0.0}, attn
+    assert all(set(d.values()) == {0.0} for d in adds), adds
+    assert recompute.layer0_attention_recompute(model, _corrupt(c, "blocks.0.attn.z"))["z"] > 0
+    assert recompute.layer0_attention_recompute(model, _corrupt(c, "blocks.0.attn_out"))["attn_out"] > 0
+    assert recompute.residual_adds_recompute(model, _corrupt(c, "blocks.0.mlp_out"), 0)["resid_post"] > 0
+    assert recompute.residual_adds_recompute(model, _corrupt(c, "embed"), 0)["resid_pre"] > 0
+
+
+@pytest.mark.parametrize(("family", "piece"), [("granite", "residual_multiplier"), ("granite", "embedding_multiplier"),
+                                               ("granite", "logits_scaling"), ("gpt_neox", "parallel_residual"),
+                                               ("gpt2", "pos_embed"), ("gemma2", "attn_softcap"),
+                                               ("gemma2", "final_softcap")])
+def test_leaving_a_piece_out_fails_a_check(family, piece, monkeypatch):
+    """A family entry without one of its pieces is a wrong computation: some recompute sees it."""
+    model = tiny.build_family(family, ARCH, 20261002, EOS).to(torch.bfloat16)
+    for cfg in capture._configs(model):
+        cfg._attn_implementation = "eager"
+    if piece == "attn_softcap":     # a toy's scores are too small for a cap of 2 to round differently in bf16
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(100.0)
+    ids = torch.randint(0, 150000, (1, 12), generator=torch.Generator().manual_seed(0))
+    c = capture.run_capture(model, ids, SPEC)
+    # (GPT-2's softmax in the compute dtype is not here: the CPU's bf16 softmax computes in float32
+    # and rounds once, the same bits as float32-then-cast, so that flag cannot be shown to matter.)
+    wrong = replace(FAMILIES[family], **{piece: None})
+    if piece == "parallel_residual":
+        c = {k: v for k, v in c.items()}        # the serial formula needs resid_mid: compare by hand
+        wrong_sum = c["blocks.0.resid_pre"] + c["blocks.0.attn_out"] + c["blocks.0.mlp_out"]
+        assert not torch.equal(wrong_sum, c["blocks.0.resid_post"])
+        return
+    monkeypatch.setitem(FAMILIES, family, wrong)
+    figures = [recompute.lm_head_recompute(model, c["final_norm_out"], c["logits"]),
+               *recompute.layer0_attention_recompute(model, {k: v for k, v in c.items() if k != "pos_embed"}
+                                                     if piece == "pos_embed" else c).values(),
+               *(v for i in range(2) for v in recompute.residual_adds_recompute(model, c, i).values())]
+    assert max(figures) > 0
+
+
+def test_support_from_config_json():
+    assert support({"model_type": "qwen3"}, "x/config.json").level == "full"
+    assert support({"model_type": "llava", "text_config": {"model_type": "llama"}}, "c").model_type == "llama"
+    other = support({"model_type": "brand_new_lm", "num_attention_heads": 8, "num_hidden_layers": 4}, "c")
+    assert (other.level, other.names.generic) == ("residual", True)
+    with pytest.raises(UserError, match=r"^model_type='mamba' \(m/config.json\) cannot be captured: it has no "
+                                        r"attention layers"):
+        support({"model_type": "mamba", "num_hidden_layers": 4}, "m/config.json")
+    with pytest.raises(UserError, match="has no model_type"):
+        support({}, "e/config.json")
