@@ -20,24 +20,125 @@ ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 EOS = 151643
 SPEC = capture.CaptureSpec((0, -1), "all")
 
+def _n(text: str) -> list[str]:
+    return text.split()
+
+
 GOLDEN = {
-    "llama": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "mistral": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "qwen2": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "qwen3": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "mixtral": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "qwen3_moe": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "gemma": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "gemma2": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "gemma3_text": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "phi3": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.qkv", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.value", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "gpt2": ["embed", "pos_embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.qkv", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.value", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "gpt_neox": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.qkv", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.value", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "olmo2": ["embed", "blocks.0.resid_pre", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_norm_out", "blocks.0.attn.k_norm_out", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "granite": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "smollm3": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "starcoder2": ["embed", "blocks.0.resid_pre", "blocks.0.ln1_out", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.q_rot", "blocks.0.attn.k_rot", "blocks.0.attn.mask", "blocks.0.attn_weights", "blocks.0.attn.z", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_out", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn_weights", "blocks.1.attn_out", "blocks.1.resid_mid", "blocks.1.mlp_out", "blocks.1.resid_post", "final_norm_out", "logits"],
-    "qwen3_5_text": ["embed", "blocks.0.resid_pre", "blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.resid_post", "final_norm_out", "logits"],
+    "llama": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "mistral": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "qwen2": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "qwen3": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_norm_out blocks.0.attn.k_norm_out blocks.0.attn.q_rot blocks.0.attn.k_rot "
+        "blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z blocks.0.attn_out blocks.0.resid_mid "
+        "blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre blocks.1.attn_weights blocks.1.attn_out "
+        "blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post final_norm_out logits"
+    ),
+    "mixtral": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "qwen3_moe": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_norm_out blocks.0.attn.k_norm_out blocks.0.attn.q_rot blocks.0.attn.k_rot "
+        "blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z blocks.0.attn_out blocks.0.resid_mid "
+        "blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre blocks.1.attn_weights blocks.1.attn_out "
+        "blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post final_norm_out logits"
+    ),
+    "gemma": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "gemma2": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "gemma3_text": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_norm_out blocks.0.attn.k_norm_out blocks.0.attn.q_rot blocks.0.attn.k_rot "
+        "blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z blocks.0.attn_out blocks.0.resid_mid "
+        "blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre blocks.1.attn_weights blocks.1.attn_out "
+        "blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post final_norm_out logits"
+    ),
+    "phi3": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.qkv blocks.0.attn.q_rot blocks.0.attn.k_rot "
+        "blocks.0.attn.value blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z blocks.0.attn_out "
+        "blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre blocks.1.attn_weights "
+        "blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post final_norm_out logits"
+    ),
+    "gpt2": _n(
+        "embed pos_embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.qkv blocks.0.attn.q_rot "
+        "blocks.0.attn.k_rot blocks.0.attn.value blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "gpt_neox": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.qkv blocks.0.attn.q_rot blocks.0.attn.k_rot "
+        "blocks.0.attn.value blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z blocks.0.attn_out "
+        "blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre blocks.1.attn_weights blocks.1.attn_out "
+        "blocks.1.mlp_out blocks.1.resid_post final_norm_out logits"
+    ),
+    "olmo2": _n(
+        "embed blocks.0.resid_pre blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v blocks.0.attn.q_norm_out "
+        "blocks.0.attn.k_norm_out blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask "
+        "blocks.0.attn_weights blocks.0.attn.z blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out "
+        "blocks.0.resid_post blocks.1.resid_pre blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid "
+        "blocks.1.mlp_out blocks.1.resid_post final_norm_out logits"
+    ),
+    "granite": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "smollm3": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "starcoder2": _n(
+        "embed blocks.0.resid_pre blocks.0.ln1_out blocks.0.attn.q blocks.0.attn.k blocks.0.attn.v "
+        "blocks.0.attn.q_rot blocks.0.attn.k_rot blocks.0.attn.mask blocks.0.attn_weights blocks.0.attn.z "
+        "blocks.0.attn_out blocks.0.resid_mid blocks.0.mlp_out blocks.0.resid_post blocks.1.resid_pre "
+        "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
+        "final_norm_out logits"
+    ),
+    "qwen3_5_text": _n(
+        "embed blocks.0.resid_pre blocks.0.resid_post blocks.1.resid_pre blocks.1.resid_post final_norm_out "
+        "logits"
+    ),
 }
 
 
