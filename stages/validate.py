@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import prompt_set, registry, schema
+from pipeline.model import sources
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
@@ -25,6 +26,7 @@ def main() -> None:
     sections = {name: schema.load_section(params, name) for name in schema.SECTIONS}
     prompt = sections["prompt"]
     prompt_set.for_run(sections)                             # a bad prompt set, report.prompt_id: one line
+    sources.up_front(sections["model"].source, Path.cwd())   # a model that cannot load or be captured: one line
     resolved_prompt = prompt_set.resolved(prompt)
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         run.with_torch = False

@@ -141,11 +141,6 @@ SOURCE_NEEDS = {"gguf_package": ("package", "pip"), "tiny_qwen2": ("package", "p
                 "hub": ("hub_id",)}
 
 
-def _tiny_family_problem(model_type: str) -> str | bool:
-    from pipeline.model.families import TINY_FAMILIES
-    return model_type not in TINY_FAMILIES and f"one of {', '.join(TINY_FAMILIES)}"
-
-
 class SourceConfig(Section):
     """`model.source`: where the model comes from (pipeline.model.snapshot.prepare builds it)."""
 
@@ -156,11 +151,15 @@ class SourceConfig(Section):
     revision: Text | None = None
     seed: int | None = Field(None, ge=0)
     architecture: TinyArchitecture | None = None
-    # kind=tiny: the model_type of the seeded toy model (pipeline/model/tiny.py builds any family)
-    family: Annotated[Text | None, rule(_tiny_family_problem)] = None
+    # kind=tiny: the model_type of the seeded toy model (pipeline/model/tiny.py builds any family of
+    # families.TINY_FAMILIES; the validate stage checks it, `sources.up_front`)
+    family: Text | None = None
     # kind=local: a folder anywhere on disk (absolute, or relative to the repository root) holding
     # config.json, *.safetensors and the tokenizer files; checked by the validate stage
     path: Text | None = None
+    # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`):
+    # the folder for kind=local (an edited weight re-runs the chain), the model's conf file otherwise
+    files: Text
 
     @model_validator(mode="after")
     def _kind_needs(self):

