@@ -186,3 +186,19 @@ def captured_pieces(names: ModuleNames, parallel: bool = False) -> dict[str, boo
             "attn.qkv (fused)": full and names.fused, "q/k norm": full and names.q_norm is not None,
             "attn_out": full, "resid_mid": full and not parallel, "mlp_out": full,
             "attn_weights": full, "final_softcap": names.final_softcap is not None}
+
+
+_TABLE_PIECES = ("pos_embed", "ln1_out", "attn.q/k/v", "attn.qkv (fused)", "q/k norm", "resid_mid", "attn_weights",
+                 "final_softcap")
+
+
+def markdown_table() -> str:
+    """The family table of docs/models.md, made from `FAMILIES` (a test keeps the page in step)."""
+    def row(model_type: str, names: ModuleNames, level: str) -> str:
+        pieces = captured_pieces(names, parallel=names.parallel_residual is not None)
+        return (f"| `{model_type}` | {level} | " + " | ".join("yes" if pieces[c] else "-" for c in _TABLE_PIECES)
+                + " | " + "; ".join(names.notes) + " |")
+    head = ["| model_type | capture | " + " | ".join(_TABLE_PIECES) + " | notes |",
+            "|---|---|" + "---|" * len(_TABLE_PIECES) + "---|"]
+    return "\n".join([*head, *(row(t, n, "full") for t, n in FAMILIES.items()),
+                      *(row(t, GENERIC, "residual") for t in GENERIC_TESTED)]) + "\n"

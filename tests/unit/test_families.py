@@ -233,3 +233,9 @@ def test_support_from_config_json():
         support({"model_type": "mamba", "num_hidden_layers": 4}, "m/config.json")
     with pytest.raises(UserError, match="has no model_type"):
         support({}, "e/config.json")
+
+
+def test_docs_models_holds_the_family_table():
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs/models.md").read_text(encoding="utf-8")
+    assert families.markdown_table() in doc, "docs/models.md: paste families.markdown_table() into it"
