@@ -39,7 +39,7 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
 
     conf = (root / CONF_DIR).resolve()
     try:
-        compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str(root.resolve()), list(overrides))
+        compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str(root.resolve()), with_prompt_source(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as e:   # ValueError: Hydra on `=3`
         raise _explain(e, overrides, conf) from None
     params = schema.read_params(out_file)      # an unknown section is refused there
@@ -111,23 +111,42 @@ def shell_word(word: str) -> str:
     return f'"{word}"' if not re.search(r'["$`]|\\\\|![^ ]', word) else shlex.quote(word)
 
 
-def prompt_overrides(overrides: list[str], text: str | None, file: str | None, root: Path) -> list[str]:
-    """overrides plus the ones that set the prompt verbatim: `--prompt TEXT` or `--prompt-file PATH`, a single
-    prompt (so `prompt.set` is null, also over `prompt=concepts`)."""
-    if text is None and file is None:
+PROMPT_SOURCES = ("prompt.text", "prompt.file", "prompt.set")     # one of them gives the prompt, the others are null
+
+
+def with_prompt_source(overrides: list[str]) -> list[str]:
+    """overrides, plus `=null` for the other two of prompt.text / file / set when the command line gives one of them
+    a value and names neither other: the prompt given on the command line replaces conf/'s (the default text, or a
+    prompt option's set), as `--prompt`, `--prompt-file` and `--prompt-set` do. Two given values stay both, and
+    the prompt section refuses them, naming both."""
+    named = {ov.partition("=")[0].lstrip("+~"): ov.partition("=")[2].strip() for ov in overrides
+             if not ov.startswith("~")}
+    given = [k for k in PROMPT_SOURCES if k in named and named[k] != "null"]
+    if len(given) != 1 or any(k in named for k in PROMPT_SOURCES if k != given[0]):
         return list(overrides)
-    keys = ("prompt.text", "prompt.file", "prompt.set")
-    given = [ov for ov in overrides if ov.partition("=")[0].lstrip("+~") in keys]
+    return [*overrides, *(f"{k}=null" for k in PROMPT_SOURCES if k != given[0])]
+
+
+def prompt_overrides(overrides: list[str], text: str | None, file: str | None, root: Path,
+                     set_file: str | None = None) -> list[str]:
+    """overrides plus the ones that set the prompt verbatim: `--prompt TEXT`, `--prompt-file PATH` (a single
+    prompt, so `prompt.set` is null, also over `prompt=concepts`) or `--prompt-set PATH` (a set: text and file null)."""
+    if text is None and file is None and set_file is None:
+        return list(overrides)
+    given = [ov for ov in overrides if ov.partition("=")[0].lstrip("+~") in PROMPT_SOURCES]
     if given:
-        raise UserError(f"--prompt / --prompt-file set the prompt, and so does {given[0]!r}: give one of them")
+        raise UserError(f"--prompt / --prompt-file / --prompt-set set the prompt, and so does {given[0]!r}: "
+                        f"give one of them")
     if text is not None:
         if problem := schema.prompt_problem(text):      # the text's own fault, before Hydra reads it
             raise bad_value("--prompt", text, problem)
         return [*overrides, "prompt.set=null", f"prompt.text={quote(text)}"]
-    path = Path(file)
+    path = Path(file if file is not None else set_file)
     if path.is_absolute() and path.resolve().is_relative_to(root.resolve()):
         path = path.resolve().relative_to(root.resolve())      # the config records a path inside the repository
-    return [*overrides, "prompt.text=null", "prompt.set=null", f"prompt.file={quote(path.as_posix())}"]
+    if file is not None:
+        return [*overrides, "prompt.text=null", "prompt.set=null", f"prompt.file={quote(path.as_posix())}"]
+    return [*overrides, "prompt.text=null", "prompt.file=null", f"prompt.set={quote(path.as_posix())}"]
 
 
 def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: str | None = None) -> dict:

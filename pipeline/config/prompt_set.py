@@ -115,7 +115,8 @@ def _record(key: str, value: str, n: int, line: str) -> PromptRecord:
     try:
         obj = json.loads(line, object_pairs_hook=_unique_keys)
     except ValueError as e:      # json.JSONDecodeError is a ValueError, and so is a repeated key
-        problem = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        # json's own messages for a string or character end in "at" ("Unterminated string starting at"): one "at"
+        problem = f"{e.msg.removesuffix(' at')} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise _at(key, value, n, f"not JSON ({problem}); allowed: {LINE}") from None
     if not isinstance(obj, dict):
         raise _at(key, value, n, f"a JSON {_json_kind(obj)}, not an object; allowed: {LINE}")

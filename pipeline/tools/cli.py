@@ -20,8 +20,9 @@ def _compose(args: argparse.Namespace) -> int:
     root = Path.cwd()
     params_file = root / paths.PARAMS
     if args.check:
-        if args.overrides or args.prompt is not None or args.prompt_file is not None:
-            raise UserError("--check takes no overrides (nor --prompt): it composes conf/ with the recorded ones")
+        if args.overrides or any(v is not None for v in (args.prompt, args.prompt_file, args.prompt_set)):
+            raise UserError("--check takes no overrides (nor --prompt / --prompt-file / --prompt-set): it composes "
+                            "conf/ with the recorded ones")
         differing, overrides = compose.check(root, params_file)
         how = f"`nexttoken compose{''.join(' ' + shlex.quote(o) for o in overrides)}`"
         if differing:
@@ -32,12 +33,13 @@ def _compose(args: argparse.Namespace) -> int:
             return 1
         print(f"params.yaml matches {how}")
         return 0
-    overrides = compose.prompt_overrides(args.overrides, args.prompt, args.prompt_file, root)
+    overrides = compose.prompt_overrides(args.overrides, args.prompt, args.prompt_file, root, args.prompt_set)
     params = compose.compose(overrides, root, params_file, prompt_text=args.prompt)
     prompt = schema.load_section(params, "prompt", root)
     print(f"wrote {paths.PARAMS}: model={params['model']['name']} prompt={prompt.name}")
-    if args.prompt is not None or args.prompt_file is not None:     # the same prompt for `dvc exp run -S`
-        added = overrides[len(args.overrides):]
+    # what this command added to the overrides for the prompt (DVC's own composition adds nothing): for `dvc exp run`
+    added = compose.with_prompt_source(overrides)[len(args.overrides):]
+    if added:
         print("the same for dvc: dvc exp run " + " ".join(f"-S {compose.shell_word(ov)}" for ov in added))
     return 0
 
@@ -96,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "from it unless prompt.name=NAME is given")
     given.add_argument("--prompt-file", metavar="PATH",
                        help="a UTF-8 file under prompts/ holding the prompt (sets prompt.file, prompt.text=null)")
+    given.add_argument("--prompt-set", metavar="PATH",
+                       help="a prompt set, prompts/<name>.jsonl (sets prompt.set, prompt.text=null, prompt.file=null)")
     c.set_defaults(func=_compose)
     b = sub.add_parser("bench", help="(in a checkout) measure what recording costs, as ratios with targets: "
                                      "`nexttoken bench --help` lists the sections", add_help=False)

@@ -1,10 +1,13 @@
 """`nexttoken sweep`: the current baseline's experiments as one table and two plots.
 
-Reads `dvc exp show --json` (DVC 3.67: a list of baselines, each with `experiments`, each
-with `revs[0].data.params/metrics`), writes one row per experiment (its name, commit, the
-swept params and every metric, flattened to dotted columns) as Parquet and CSV, and draws:
-kept count against top_p per temperature, and the top candidate's probability and the
-entropy against temperature. Over a prompt set the metrics are the set's (the
+Reads `dvc exp show --json` (DVC 3.67: a list of baselines, each with its own `data` and
+`experiments`, each with `revs[0].data.params/metrics`), writes one row per run, the baseline
+commit first (`kind` baseline) and then its experiments (its name, commit, the swept params and
+every metric, flattened to dotted columns) as Parquet and CSV, prints the table's main columns,
+and draws: kept count against top_p per temperature, and the top candidate's probability and
+the entropy against temperature. A line joins runs only along a numeric axis they were swept
+on; the baseline, greedy runs (T = 0 is a decoding mode, not a temperature) and a series with
+one value on the axis are points. Over a prompt set the metrics are the set's (the
 `pipeline.numerics.aggregates` keys beside the last prompt's figures), and sweep_prompts.parquet /
 .csv hold one row per experiment and prompt (from each experiment's prompt_metrics tables) plus
 the experiment's set line. `sweep` is not a DVC stage (it reads DVC's record of many runs), so
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import subprocess
 import sys
 from pathlib import Path
@@ -54,9 +58,17 @@ SET_OF = {"entropy": "probs:entropy_median", "kept": "probs:kept_median",
           "diverge": "trajectories:diverge_mean"}
 
 
+# The terminal's view of the table (every column is in the files): the runs' metric columns, in this order.
+SHOWN_METRICS = (KEPT, TOP, TOP_AFTER, ENTROPY, "trajectories:greedy", "trajectories:sample",
+                 "trajectories:diverge", "checks:failed_error", "checks:failed_report")
+BASELINE, EXPERIMENT = "baseline", "experiment"     # the `kind` column
+
+
 def cli(args) -> int:
     out = collect(Path.cwd(), args.out or OUT)
-    print(f"wrote {len(out['rows'])} experiments ({out['prompt_rows']} prompt rows) to {out['dir']}: "
+    print(terminal_table(out["table"]))
+    n_exp = sum(r["kind"] == EXPERIMENT for r in out["rows"])
+    print(f"wrote {n_exp} experiments and their baseline ({out['prompt_rows']} prompt rows) to {out['dir']}: "
           f"{', '.join(out['files'])}")
     for line in out["skipped"]:
         print(line)
@@ -84,30 +96,40 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def experiment_rows(shown: list[dict], repo: Path | None = None) -> list[dict]:
-    """One dict per experiment: name, rev, state, baseline, all params, all metrics (dotted).
+    """One dict per run: name, kind (baseline / experiment), rev, state, baseline, all params, all metrics
+    (dotted). Each baseline commit comes first, named by its branch (else its short commit), then its
+    experiments; the workspace entry is left out (it is the baseline, or not a committed run).
 
     `prompt.name` is the run's prompt name (`schema.prompt_name`: params.yaml's null becomes the
-    known or derived name), with the prompt file read from git at the experiment's commit.
+    known or derived name), with the prompt file read from git at the run's commit.
     """
     rows = []
     for baseline in shown:
-        for exp in baseline.get("experiments") or []:
+        exps = baseline.get("experiments") or []
+        if baseline.get("rev") != revisions.WORKSPACE and (baseline.get("data") or {}).get("metrics"):
+            state = "failed" if baseline.get("error") else "success"
+            name = baseline.get("name") or str(baseline.get("rev"))[:7]
+            rows.append(_row(baseline, name, BASELINE, state, baseline.get("rev"), repo))
+        for exp in exps:
             rev = (exp.get("revs") or [{}])[0]
             state = (exp.get("executor") or {}).get("state") or ("failed" if rev.get("error") else "success")
-            data = rev.get("data") or {}
-            row = {"exp": exp.get("name") or rev.get("name"), "rev": rev.get("rev"), "state": state,
-                   "baseline": baseline.get("rev")}
-            for fname, content in (data.get("params") or {}).items():
-                prefix = "" if fname == paths.PARAMS else f"{fname}:"
-                params = (content or {}).get("data") or {}
-                row.update({prefix + k: v for k, v in flatten(params).items()})
-                if fname == paths.PARAMS and isinstance(params.get("prompt"), dict):
-                    row["prompt.name"] = run_prompt_name(params["prompt"], repo, rev.get("rev"))
-            for fname, content in (data.get("metrics") or {}).items():
-                stage = Path(fname).parent.name   # artifacts/<stage>/metrics.json -> <stage>:
-                row.update({f"{stage}:{k}": v for k, v in flatten((content or {}).get("data") or {}).items()})
-            rows.append(row)
+            rows.append(_row(rev, exp.get("name") or rev.get("name"), EXPERIMENT, state, baseline.get("rev"), repo))
     return rows
+
+
+def _row(rev: dict, name: str, kind: str, state: str, baseline: str | None, repo: Path | None) -> dict:
+    data = rev.get("data") or {}
+    row = {"exp": name, "kind": kind, "rev": rev.get("rev"), "state": state, "baseline": baseline}
+    for fname, content in (data.get("params") or {}).items():
+        prefix = "" if fname == paths.PARAMS else f"{fname}:"
+        params = (content or {}).get("data") or {}
+        row.update({prefix + k: v for k, v in flatten(params).items()})
+        if fname == paths.PARAMS and isinstance(params.get("prompt"), dict):
+            row["prompt.name"] = run_prompt_name(params["prompt"], repo, rev.get("rev"))
+    for fname, content in (data.get("metrics") or {}).items():
+        stage = Path(fname).parent.name   # artifacts/<stage>/metrics.json -> <stage>:
+        row.update({f"{stage}:{k}": v for k, v in flatten((content or {}).get("data") or {}).items()})
+    return row
 
 
 def run_prompt_name(prompt: dict, repo: Path | None, commit: str | None) -> str | None:
@@ -124,19 +146,41 @@ def run_prompt_name(prompt: dict, repo: Path | None, commit: str | None) -> str 
         return prompt.get("name")
 
 
+HEAD = ("exp", "kind", "rev", "state", "baseline")      # a run's own columns, before its params
+
+
 def table(rows: list[dict]):
-    """The sweep as a DataFrame: fixed and varying params first, then the metrics, sorted by them."""
+    """The sweep as a DataFrame: the baseline first, then fixed and varying params, then the metrics,
+    sorted by them."""
     import pandas as pd
     df = pd.DataFrame(rows)
+    if "kind" not in df.columns:
+        df["kind"] = EXPERIMENT
     metric_cols = [c for c in df.columns if ":" in c]
-    params = [c for c in df.columns if c not in metric_cols and c not in ("exp", "rev", "state", "baseline")]
+    params = [c for c in df.columns if c not in metric_cols and c not in HEAD]
     varying = [c for c in params if c not in PARAM_COLUMNS and df[c].astype(str).nunique() > 1]
     shown = [c for c in PARAM_COLUMNS if c in df.columns] + varying
-    df = df[["exp", "rev", "state", "baseline", *shown, *metric_cols]].copy()
+    df = df[[*HEAD, *shown, *metric_cols]].copy()
     if TOP_BITS in df.columns and MASS in df.columns:
         df[TOP] = 2.0 ** -pd.to_numeric(df[TOP_BITS], errors="coerce")
         df[TOP_AFTER] = df[TOP] / pd.to_numeric(df[MASS], errors="coerce")
-    return df.sort_values([*shown, "exp"], kind="stable").reset_index(drop=True)
+    df["_first"] = df["kind"] != BASELINE
+    df = df.sort_values(["_first", *shown, "exp"], kind="stable").reset_index(drop=True)
+    return df.drop(columns="_first")
+
+
+def terminal_table(df) -> str:
+    """The table as the terminal shows it: each run's name and kind, the sampling params and any param that
+    varies, then the main metrics (`SHOWN_METRICS`), short column names, 4 significant digits."""
+    params = [c for c in df.columns[len(HEAD):] if ":" not in c
+              and (c in (T, TOP_P) or df[c].astype(str).nunique() > 1)
+              and (not c.startswith(("prompt.", "model.")) or c in ("prompt.name", "model.name"))]   # as _series
+    cols = ["exp", "kind", *params, *[c for c in SHOWN_METRICS if c in df.columns]]
+    view = df[cols].rename(columns=lambda c: c.rpartition(":")[2] if ":" in c else c.removeprefix("sampling."))
+    view = view.apply(lambda col: col.str.replace("\n", " ") if col.dtype == object else col)   # one line a run
+    if (df["state"] != "success").any():
+        view.insert(2, "state", df["state"])
+    return view.to_string(index=False, float_format=lambda v: f"{v:.4g}", max_colwidth=LABEL_CHARS)
 
 
 def collect(repo: Path, out_dir: Path) -> dict:
@@ -162,7 +206,7 @@ def collect(repo: Path, out_dir: Path) -> dict:
     if T in done.columns and TOP in done.columns:
         write_atomic(out_dir / TEMPERATURE_PLOT, lambda p: temperature_plot(done, p))
         files.append(TEMPERATURE_PLOT)
-    return {"dir": out_dir, "rows": rows, "files": files, "skipped": skipped,
+    return {"dir": out_dir, "rows": rows, "table": df, "files": files, "skipped": skipped,
             "prompt_rows": int((per_prompt["prompt_id"] != SET_ROW).sum())}
 
 
@@ -206,10 +250,11 @@ def _sampling_temperature(root: Path) -> float | None:
 def experiment_figures(repo: Path, row: dict, skipped: list[str]) -> dict[str, dict]:
     """`prompt_figures` of one experiment, its outputs linked from the DVC cache (none when not there)."""
     try:
-        with revisions.open_run(repo, revisions.Revision(row["exp"], row["rev"], exp=row["exp"])) as root:
+        exp = row["exp"] if row.get("kind") != BASELINE else None
+        with revisions.open_run(repo, revisions.Revision(row["exp"], row["rev"], exp=exp)) as root:
             return prompt_figures(root)
     except UserError as e:
-        skipped.append(f"experiment {row['exp']}: no per-prompt rows ({e})")
+        skipped.append(f"{row.get('kind', EXPERIMENT)} {row['exp']}: no per-prompt rows ({e})")
         return {}
 
 
@@ -232,7 +277,7 @@ def prompt_table(df, figures_of):
 def _series(df, exclude: tuple[str, ...], font: plots.Fonts) -> list[tuple[str, Any]]:
     """(label, sub-frame) per combination of the varying params not on an axis: a prompt by its name and
     a model by its name (not by each of their keys), other params (seed, dtype, top_k ...) by value."""
-    cols = [c for c in df.columns[4:] if ":" not in c and c not in exclude and df[c].astype(str).nunique() > 1
+    cols = [c for c in df.columns[len(HEAD):] if ":" not in c and c not in exclude and df[c].astype(str).nunique() > 1
             and (not c.startswith(("prompt.", "model.")) or c in ("prompt.name", "model.name"))]
     if not cols:
         return [("", df)]
@@ -270,6 +315,33 @@ def _legend(fig, axes, title: str | None = None) -> None:
                title=title, title_fontsize=8, frameon=False)
 
 
+def _trend(pts, x: str) -> bool:
+    """Whether a line may join pts along x: two or more runs, each at its own numeric value of x (else the runs
+    are categories, points: a line between them would read as a trend)."""
+    values = pts[x]
+    numeric = all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values)
+    return len(pts) >= 2 and values.nunique() == len(pts) and numeric
+
+
+def _plot(ax, pts, x: str, y: str, **style) -> None:
+    """pts as a line along x when they are a trend (`_trend`), else as unjoined points in the same style."""
+    if not _trend(pts, x):
+        style["linestyle"] = "none"
+    ax.plot(pts[x], pts[y], **style)
+
+
+def _split(df):
+    """(the experiments, the baseline rows): the baseline is a point of its own, never part of a series."""
+    base = df["kind"] == BASELINE if "kind" in df.columns else df["exp"].isna()
+    return (df[~base] if (~base).any() else df), df[base]
+
+
+def _baseline(ax, base, x: str, y: str) -> None:
+    for _, row in base.iterrows():
+        ax.plot([row[x]], [row[y]], linestyle="none", marker="*", markersize=13, color="black", zorder=5,
+                markerfacecolor="gold", label=f"baseline ({row['exp']})")
+
+
 def _colors(n: int):
     import matplotlib
     import numpy as np
@@ -277,27 +349,34 @@ def _colors(n: int):
 
 
 def kept_plot(df, path: Path):
-    """Kept count (log scale: 1 .. vocabulary size) against top_p, one line per temperature (and series)."""
+    """Kept count (log scale: 1 .. vocabulary size) against top_p, one line per temperature (and series);
+    greedy (T = 0), a single run and the baseline as points."""
     import matplotlib
     font = plots.fonts()
+    runs, base = _split(df)
     with matplotlib.rc_context(plots.rc(font)):
         fig = _figure()
         ax = fig.add_subplot()
-        temps = sorted(df[T].unique())
+        temps = sorted(runs[T].unique())
         labelled: set[tuple[float, int]] = set()
         last = max(df[TOP_P])
-        for i, (label, sub) in enumerate(_series(df, (T, TOP_P), font)):
+        for i, (label, sub) in enumerate(_series(runs, (T, TOP_P), font)):
             for t, color in zip(temps, _colors(len(temps))):
                 pts = sub[sub[T] == t].sort_values(TOP_P)
-                if len(pts):
-                    ax.plot(pts[TOP_P], pts[KEPT], marker=MARKERS[i % len(MARKERS)], color=color,
-                            label=f"T={t:g}" + (f" ({label})" if label else ""))
+                name = "greedy (T=0)" if t == 0 else f"T={t:g}"
+                if len(pts) and t == 0:     # greedy keeps one id at any top_p: a decoding mode, not a curve
+                    ax.plot(pts[TOP_P], pts[KEPT], linestyle="none", marker="x", color=color,
+                            label=name + (f" ({label})" if label else ""))
+                elif len(pts):
+                    _plot(ax, pts, TOP_P, KEPT, marker=MARKERS[i % len(MARKERS)], color=color,
+                          label=name + (f" ({label})" if label else ""))
                 for x, y in zip(pts[TOP_P], pts[KEPT]):
                     if (x, int(y)) not in labelled:   # lines meet at top_p = 1 (the whole vocabulary)
                         labelled.add((x, int(y)))
                         right = x == last   # labels point inwards, away from the axes
                         ax.annotate(f"{int(y):,}", (x, y), textcoords="offset points",
                                     xytext=(-7 if right else 7, 5), fontsize=8, ha="right" if right else "left")
+        _baseline(ax, base, TOP_P, KEPT)
         ax.set_yscale("log")
         ax.margins(x=0.1, y=0.15)
         ax.set_xticks(sorted(df[TOP_P].unique()))
@@ -314,19 +393,26 @@ def temperature_plot(df, path: Path):
     """Left: the top candidate's probability, before and after the filter; right: entropy (bits).
 
     Both "before" curves depend on the temperature only; top_p = 1 is off, so its "after"
-    curve is the "before" one and is not drawn twice.
+    curve is the "before" one and is not drawn twice. Greedy runs (T = 0: their probs metrics are
+    taken at T = 1) and the baseline are points, never part of a curve.
     """
     import matplotlib
     font = plots.fonts()
+    runs, base = _split(df)
     with matplotlib.rc_context(plots.rc(font)):
         fig = _figure(ncols=2)
         left, right = fig.subplots(1, 2)
-        top_ps = [p for p in sorted(df[TOP_P].unique()) if p < 1.0]
-        for i, (label, sub) in enumerate(_series(df, (T, TOP_P), font)):
+        top_ps = [p for p in sorted(runs[TOP_P].unique()) if p < 1.0]
+        for i, (label, sub) in enumerate(_series(runs, (T, TOP_P), font)):
             marker, suffix = MARKERS[i % len(MARKERS)], f" ({label})" if label else ""
+            greedy, sub = sub[sub[T] == 0], sub[sub[T] != 0]
+            for ax, y in ((left, TOP), (right, ENTROPY)):
+                if len(greedy):
+                    ax.plot(greedy[T], greedy[y], linestyle="none", marker="x", color="black",
+                            label="greedy (T=0; figures at T=1)" + suffix)
             per_t = sub.sort_values(T).drop_duplicates(T)
-            left.plot(per_t[T], per_t[TOP], marker=marker, color="black", lw=2, label="before the filter" + suffix)
-            right.plot(per_t[T], per_t[ENTROPY], marker=marker, color="black", label="entropy" + suffix)
+            _plot(left, per_t, T, TOP, marker=marker, color="black", lw=2, label="before the filter" + suffix)
+            _plot(right, per_t, T, ENTROPY, marker=marker, color="black", label="entropy" + suffix)
             for x, y in zip(per_t[T], per_t[ENTROPY]):
                 right.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=8)
             off = sub[sub[TOP_P] >= 1.0]   # top_p off keeps every id: the vocabulary, the entropy's ceiling
@@ -336,8 +422,11 @@ def temperature_plot(df, path: Path):
                               label=f"uniform over {vocab:,} ids" + suffix)
             for p, color in zip(top_ps, _colors(len(top_ps) + 1)):
                 pts = sub[sub[TOP_P] == p].sort_values(T)
-                left.plot(pts[T], pts[TOP_AFTER], linestyle="--", marker=marker, color=color,
+                if len(pts):
+                    _plot(left, pts, T, TOP_AFTER, linestyle="--", marker=marker, color=color,
                           label=f"after top_p={p:g}, renormalised" + suffix)
+        _baseline(left, base, T, TOP)
+        _baseline(right, base, T, ENTROPY)
         temps = sorted(df[T].unique())
         left.set(xlabel="temperature", ylabel="probability of the top candidate", ylim=(0, 1.05), xticks=temps,
                  title="Top candidate's probability")

@@ -104,10 +104,13 @@ def test_exp_show_only_changed_fits_160_columns_with_the_swept_params(swept):
 
 def test_sweep_writes_the_table_and_deterministic_plots(swept, tmp_path):
     proc = sh(swept, "nexttoken", "sweep")
-    assert "wrote 6 experiments" in proc.stdout
+    assert "wrote 6 experiments and their baseline" in proc.stdout
+    assert proc.stdout.split()[:4] == ["exp", "kind", "temperature", "top_p"]      # the table, on the terminal
     out = swept / sweep.OUT
-    df = pd.read_parquet(out / sweep.TABLE)
-    assert len(df) == 6 and len(pd.read_csv(out / sweep.CSV)) == 6
+    table = pd.read_parquet(out / sweep.TABLE)
+    assert len(table) == 7 and len(pd.read_csv(out / sweep.CSV)) == 7
+    assert table.loc[0, "kind"] == "baseline" and table.loc[0, sweep.KEPT] > 0    # the baseline commit's own run
+    df = table[table["kind"] == "experiment"]
     assert set(zip(df["sampling.temperature"], df["sampling.top_p"])) == {(t, p) for t in TEMPERATURES for p in TOP_PS}
     assert (df["model.name"] == "tiny_qwen2").all()
     full = df[df["sampling.top_p"] == 1.0]

@@ -1,6 +1,7 @@
 """End to end: what a new user hit with DVC (issue 13), in one temporary clone run once.
 
-A committed tiny_qwen2 run whose prompt comes from a file under prompts/. Then, in order:
+A fresh clone's first run leaves git nothing DVC asks to add. A committed tiny_qwen2 run whose prompt
+comes from a file under prompts/. Then, in order:
 audit is clean and catches an edit of the prompt file (also under `--rev`, which reads the
 committed file), and the checks stage names the stale input; a refused `dvc exp run` leaves
 git status and every artifact as they were; a new file under prompts/ re-runs validate alone;
@@ -24,11 +25,18 @@ EXP = [a for o in BASE for a in ("-S", o)]       # `dvc exp run` composes conf/ 
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
+def first_run(tmp_path_factory) -> tuple[Path, str, list[str]]:
+    """A fresh clone's first `dvc repro`: (the clone, DVC's output, `git status --porcelain` right after)."""
     repo = clone_worktree(tmp_path_factory.mktemp("hygiene"))
     (repo / PROMPT).write_text("Once upon a time, a model chose its next token.\n", encoding="utf-8")
     sh(repo, "nexttoken", "compose", *BASE)
-    sh(repo, "dvc", "repro")
+    proc = sh(repo, "dvc", "repro")
+    return repo, proc.stdout + proc.stderr, porcelain(repo)
+
+
+@pytest.fixture(scope="module")
+def clone(first_run) -> Path:
+    repo = first_run[0]
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "tiny_qwen2 run on a prompt file")
     return repo
@@ -41,6 +49,15 @@ def artifact_hashes(repo: Path) -> dict[str, str]:
 
 def porcelain(repo: Path) -> list[str]:
     return sh(repo, "git", "status", "--porcelain").stdout.splitlines()
+
+
+def test_a_fresh_run_leaves_git_nothing_to_add(first_run):
+    """Issue 27: DVC asked to `git add artifacts/.gitignore artifacts/probs/.gitignore ... dvc.lock`. The
+    .gitignore files are committed; dvc.lock, the run's record, DVC stages itself (core.autostage)."""
+    _, out, status = first_run
+    assert "git add" not in out and "autostage" not in out, out
+    ours = {" M params.yaml", " M params.overrides.yaml", f"?? {PROMPT}"}      # this test's compose and prompt
+    assert set(status) - ours == {"A  dvc.lock"}, status
 
 
 def test_audit_is_clean_with_a_prompt_file_and_catches_its_edit(clone):

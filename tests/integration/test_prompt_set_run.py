@@ -37,7 +37,9 @@ def set_run(tiny_workspace, tmp_path_factory):
     (ws / "prompts").mkdir(exist_ok=True)
     (ws / "prompts/pair.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pair),
                                            encoding="utf-8")
-    run_module("pipeline.tools.cli", ws, "compose", "capture.device=cpu", "model=tiny_qwen2", "prompt=concepts",
+    # the user's command of issue 27, `nexttoken compose model=tiny_qwen2 prompt.set=prompts/mine.jsonl && dvc repro`:
+    # the set replaces conf/'s default text (no prompt=concepts, no prompt.text=null)
+    run_module("pipeline.tools.cli", ws, "compose", "capture.device=cpu", "model=tiny_qwen2",
                "prompt.set=prompts/pair.jsonl", check=True)
     for stage in ("tokenize", *CHAIN):
         run_module(f"stages.{stage}", ws, check=True)

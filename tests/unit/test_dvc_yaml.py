@@ -8,6 +8,7 @@ that run it. Params: `pipeline.config.registry.PARAMS`. Outs: the stage's fixed 
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,38 @@ def test_each_stage_that_reads_params_depends_on_its_validated_config(stage):
 
 def test_validate_writes_a_file_for_each_stage_that_depends_on_one():
     assert set(registry.validated_stages()) == {s for s in DVC if paths.validated(s).as_posix() in DVC[s]["deps"]}
+
+
+# ---------------------------------------------------------------- what DVC keeps in git (issue 27 item 5)
+def _cached_outs() -> dict[str, list[str]]:
+    """folder -> the `/name` entries DVC writes into folder/.gitignore for the cached outs (and metrics) there."""
+    out: dict[str, list[str]] = {}
+    for stage in DVC.values():
+        for item in [*stage.get("outs", []), *stage.get("metrics", []), *stage.get("plots", [])]:
+            path, opts = next(iter(item.items())) if isinstance(item, dict) else (item, {})
+            if (opts or {}).get("cache", True):
+                folder, _, name = path.rpartition("/")
+                out.setdefault(folder, []).append(f"/{name}")
+    return out
+
+
+def test_the_repository_holds_the_gitignore_files_dvc_writes():
+    """After `dvc repro` in a fresh clone DVC asked to `git add` artifacts/.gitignore and three stage folders'
+    ones: they are committed, each listing exactly the cached outs of its folder (so DVC, finding every out
+    ignored already, writes none and asks nothing)."""
+    expected = _cached_outs()
+    found = {p.parent.relative_to(REPO).as_posix(): p for p in (REPO / paths.ARTIFACTS).rglob(".gitignore")}
+    assert set(found) == set(expected)
+    for folder, entries in expected.items():
+        assert found[folder].read_text(encoding="utf-8").splitlines() == entries, folder
+
+
+def test_dvc_stages_dvc_lock_itself():
+    """dvc.lock is a run's record (its outs' hashes depend on the CPU's bf16 kernels): not committed with the
+    code, staged by DVC after each run (`core.autostage`), so `git commit` records the run."""
+    import configparser
+    config = configparser.ConfigParser()
+    config.read(REPO / ".dvc/config")
+    assert config.getboolean("core", "autostage")
+    tracked = subprocess.run(["git", "ls-files", "dvc.lock"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert tracked.stdout == ""

@@ -144,3 +144,56 @@ def test_prompt_over_a_prompt_set_option_is_a_single_prompt(tmp_path, monkeypatc
     prompt = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))["prompt"]
     assert (prompt["file"], prompt["set"]) == ("prompts/mine.txt", None)
     assert cli.main(["compose", "prompt.set=prompts/x.jsonl", "--prompt", "hi"]) == 2     # two ways to give it
+
+
+SET = '{"id": "a", "text": "The capital of France is"}\n{"id": "b", "text": "1, 2, 3,"}\n'
+
+
+def test_a_set_on_the_command_line_replaces_the_default_text(tmp_path, monkeypatch, capsys):
+    """Issue 27: `nexttoken compose model=tiny_qwen2 prompt.set=prompts/mine.jsonl` was refused (`prompt.set=... is
+    not allowed: null when prompt.text is set`): the set given there replaces conf/'s text, and --check agrees."""
+    _workspace(tmp_path, monkeypatch)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/mine.jsonl").write_text(SET, encoding="utf-8")
+    assert cli.main(["compose", "model=tiny_qwen2", "prompt.set=prompts/mine.jsonl"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    prompt = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))["prompt"]
+    assert (prompt["set"], prompt["text"], prompt["file"]) == ("prompts/mine.jsonl", None, None)
+    assert "prompt=mine" in out
+    assert 'the same for dvc: dvc exp run -S "prompt.text=null" -S "prompt.file=null"' in out   # DVC adds none
+    assert cli.main(["compose", "--check"]) == 0      # the recorded overrides compose to the same params.yaml
+    # a file given there replaces a prompt option's set the same way
+    (tmp_path / "prompts/one.txt").write_text("from a file", encoding="utf-8")
+    assert cli.main(["compose", "prompt=concepts", "prompt.file=prompts/one.txt"]) == 0
+    prompt = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))["prompt"]
+    assert (prompt["file"], prompt["text"], prompt["set"]) == ("prompts/one.txt", None, None)
+
+
+def test_two_prompts_on_the_command_line_are_still_refused(tmp_path, monkeypatch, capsys):
+    _workspace(tmp_path, monkeypatch)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/mine.jsonl").write_text(SET, encoding="utf-8")
+    assert cli.main(["compose", "prompt.set=prompts/mine.jsonl", "prompt.text=hi"]) == 2
+    assert "prompt.set='prompts/mine.jsonl' is not allowed: null when prompt.text is set" in capsys.readouterr().err
+    assert not (tmp_path / "params.yaml").exists()
+
+
+def test_compose_prompt_set_option(tmp_path, monkeypatch, capsys):
+    """`--prompt-set PATH`, like --prompt / --prompt-file: a set, over the default text or another option's."""
+    _workspace(tmp_path, monkeypatch)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts/mine.jsonl").write_text(SET, encoding="utf-8")
+    assert cli.main(["compose", "model=tiny_qwen2", "--prompt-set", str(tmp_path / "prompts/mine.jsonl")]) == 0
+    out = capsys.readouterr().out
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text(encoding="utf-8"))
+    assert (params["prompt"]["set"], params["prompt"]["text"], params["prompt"]["file"]) == \
+        ("prompts/mine.jsonl", None, None)                         # absolute: made relative
+    assert 'the same for dvc: dvc exp run -S "prompt.text=null" -S "prompt.file=null" -S ' in out
+    assert cli.main(["compose", "--check"]) == 0
+    assert cli.main(["compose", "--prompt-set", "prompts/none.jsonl"]) == 2
+    assert "prompts/none.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:      # argparse: one of --prompt / --prompt-file / --prompt-set
+        cli.main(["compose", "--prompt-set", "prompts/mine.jsonl", "--prompt", "hi"])
+    assert stop.value.code == 2 and "not allowed with argument --prompt-set" in capsys.readouterr().err
+    assert cli.main(["compose", "--prompt-set", "prompts/mine.jsonl", "prompt.text=hi"]) == 2
+    assert "give one of them" in capsys.readouterr().err

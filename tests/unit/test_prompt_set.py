@@ -113,6 +113,10 @@ BAD = [
     ("a string, not an object", b'"just text"\n', f"line 1: a JSON string, not an object; allowed: {LINE}"),
     ("not JSON", GOOD + b"id: a, text: x\n",
      f"line 2: not JSON (Expecting value at column 1); allowed: {LINE}"),
+    ("an unterminated string", b'{"id": "a", "text": "x}\n',      # json's message ends in "at": said once
+     f"line 1: not JSON (Unterminated string starting at column 21); allowed: {LINE}"),
+    ("a raw control character", b'{"id": "a", "text": "x\ty"}\n',
+     f"line 1: not JSON (Invalid control character at column 23); allowed: {LINE}"),
     ("two objects on one line", b'{"id": "a", "text": "x"} {"id": "b", "text": "y"}\n',
      f"line 1: not JSON (Extra data at column 26); allowed: {LINE}"),
     ("a key twice", b'{"id": "a", "text": "x", "id": "b"}\n',

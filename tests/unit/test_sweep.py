@@ -27,7 +27,7 @@ NAMED = {**REFERENCE, "text": "问题：模型为什么会重复？", "name": "�
 def _exp(name: str, prompt: dict, t: float, top_p: float, seed: int = 0, dtype: str = "bfloat16") -> dict:
     entropy = 3.0 + t
     metrics = {"artifacts/probs/metrics.json": {"data": {"kept": int(100 * t * top_p) + 1, "mass": top_p,
-                                                         "top_bits": 1.0 / t, "entropy": entropy}},
+                                                         "top_bits": 1.0 / (t or 1.0), "entropy": entropy}},
                "artifacts/trajectories/metrics.json": {"data": {"sample": "好的", "sample_loop": 0, "greedy": "好",
                                                                 "greedy_loop": 1, "diverge": 2, "kv_diff": 0}},
                "artifacts/checks/metrics.json": {"data": {"checks": 40, "passed": 39, "failed_error": 0,
@@ -160,3 +160,58 @@ def test_a_tokenize_json_without_prompt_id_is_one_line_naming_the_stage_to_rerun
         path.write_text(old)
         with pytest.raises(UserError, match=r"tokenize.json records no prompt_id .*re-run `dvc repro tokenize`"):
             probs.prompt_id(path)
+
+
+# ---------------------------------------------------------------- issue 27 item 4: table, baseline, points
+def _baseline(name: str, t: float, top_p: float) -> dict:
+    """A baseline entry of `dvc exp show --json`: the commit's own run beside its experiments."""
+    own = _exp(name, REFERENCE, t, top_p)["revs"][0]
+    return {"rev": own["rev"], "name": name, "data": own["data"]}
+
+
+GREEDY_SWEEP = [{"rev": "workspace", "data": _baseline("x", 1.0, 0.9)["data"]},      # the workspace: left out
+                {**_baseline("main", 1.0, 0.9), "experiments": [
+                    _exp("greedy", REFERENCE, 0.0, 1.0), _exp("cold", REFERENCE, 0.5, 0.9),
+                    _exp("warm", REFERENCE, 1.5, 0.9), _exp("hot", REFERENCE, 2.0, 0.9),
+                    _exp("hot-off", REFERENCE, 2.0, 1.0)]}]
+
+
+def test_the_baseline_run_is_the_tables_first_row():
+    df = sweep.table(sweep.experiment_rows(GREEDY_SWEEP))
+    assert list(df["exp"]) == ["main", "greedy", "cold", "warm", "hot", "hot-off"]
+    assert list(df["kind"]) == ["baseline"] + ["experiment"] * 5
+    assert df.loc[0, "rev"] == GREEDY_SWEEP[1]["rev"] and df.loc[0, sweep.KEPT] == 91
+
+
+def test_sweep_prints_the_table(tmp_path, monkeypatch, capsys):
+    from pipeline.tools import cli
+    monkeypatch.setattr(sweep, "exp_show", lambda repo: GREEDY_SWEEP)
+    monkeypatch.setattr(sweep, "experiment_figures", lambda repo, row, skipped: {})   # no DVC cache here
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["sweep", "--out", str(tmp_path / "out")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[0].split()
+    assert head[:4] == ["exp", "kind", "temperature", "top_p"] and "kept" in head and "top_prob" in head
+    rows = {line.split()[0]: line.split() for line in lines[1:7]}
+    assert list(rows) == ["main", "greedy", "cold", "warm", "hot", "hot-off"]
+    assert rows["main"][1] == "baseline" and rows["cold"][1:4] == ["experiment", "0.5", "0.9"]
+    assert rows["cold"][head.index("kept")] == "46" and rows["warm"][head.index("top_prob")] == "0.63"
+    assert lines[7].startswith("wrote 5 experiments and their baseline")
+
+
+def test_categorical_runs_are_points_and_only_a_swept_axis_draws_a_line(tmp_path):
+    df = sweep.table(sweep.experiment_rows(GREEDY_SWEEP))
+    for draw in (sweep.kept_plot, sweep.temperature_plot):
+        fig = draw(df, tmp_path / "plot.png")
+        lines = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() != "None"]
+        points = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() == "None"]
+        star = [ln for ln in points if ln.get_label() == "baseline (main)"]
+        assert star and all(ln.get_marker() == "*" for ln in star)      # the baseline: a point in every axes
+        assert len(star) == len(fig.axes)
+        for ln in lines:        # a line: distinct values along the swept axis, never greedy's T = 0
+            xs = list(ln.get_xdata())
+            assert len(xs) >= 2 and len(set(xs)) == len(xs), (ln.get_label(), xs)
+            assert "greedy" not in ln.get_label() and "baseline" not in ln.get_label()
+        assert any("greedy" in ln.get_label() for ln in points)
+    temperature_lines = [ln for ln in fig.axes[0].get_lines() if ln.get_linestyle() != "None"]
+    assert [list(ln.get_xdata()) for ln in temperature_lines] == [[0.5, 1.5, 2.0], [0.5, 1.5, 2.0]]

@@ -1,0 +1,198 @@
+"""The Python API for notebooks: `open_run(path_or_revision)` reads a recorded run as pandas / numpy / torch.
+
+`from pipeline.api import open_run`. A run is a workspace folder (default: the current one) or a git
+revision / experiment name of the workspace repository, read the way `nexttoken audit --rev` reads one
+(`pipeline.tools.revisions.open_run`: git + the local DVC cache, nothing checked out). Every artifact
+read is first checked against the sha256 that the stage which wrote it recorded in its manifest
+(artifacts/<stage>/manifest.json), once per file; a file that differs raises one `ArtifactChanged`
+naming it. `verify=False` skips the check. Capture tensors are opened lazily with
+`safetensors.safe_open` (memory-mapped: a tensor is read when it is asked for), as TransformerLens'
+ActivationCache is indexed by name.
+
+The module lives at the top of the library (above `tools`): `pipeline/__init__.py` does not re-export
+it, because the package root is the base layer every module imports (tests/unit/test_layout.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import UserError
+from pipeline.store import paths, provenance
+from pipeline.tools import revisions
+
+__all__ = ["ArtifactChanged", "Capture", "Run", "open_run"]
+
+
+class ArtifactChanged(UserError):
+    """A file differs from what its producing stage recorded (or no manifest records it)."""
+
+
+def open_run(where: str | Path = ".", *, repo: str | Path = ".", verify: bool = True) -> Run:
+    """The run in folder `where` (a workspace: it has artifacts/), else the run at git revision or experiment
+    `where` of the repository `repo`. Close it (or use `with`) to release a revision's temporary folder."""
+    folder = Path(where)
+    if (folder / paths.ARTIFACTS).is_dir():
+        return Run(folder, verify=verify, label=str(folder))
+    rev = revisions.resolve(Path(repo), str(where))
+    stack = contextlib.ExitStack()
+    try:
+        root = stack.enter_context(revisions.open_run(Path(repo), rev))
+    except BaseException:
+        stack.close()
+        raise
+    return Run(root, verify=verify, label=str(rev), stack=stack)
+
+
+class Capture:
+    """One prompt's capture.safetensors, lazily: `names`, `cap[name]` -> torch tensor in its stored dtype."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+        self.path = path
+        self._file = safe_open(str(path), framework="pt")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._file.keys())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str):
+        if name not in self.names:
+            raise KeyError(f"{name!r} is not in {self.path.name}: one of {', '.join(self.names[:8])}, ...")
+        return self._file.get_tensor(name)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"Capture({self.path}, {len(self)} tensors)"
+
+
+class Run:
+    """A recorded run: its prompts, tokens, logits, probability tables, capture, trajectories, checks and
+    manifests. `prompt_id` None means the run's only prompt (a set needs it named)."""
+
+    def __init__(self, root: Path, *, verify: bool = True, label: str = "", stack=None):
+        self.root, self.verify, self.label = Path(root).resolve(), verify, label or str(root)
+        self._stack = stack or contextlib.ExitStack()
+        self._checked: set[Path] = set()
+        self.manifests: dict[str, dict] = revisions.load_manifests(self.root)
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Run({self.label}: {len(self.prompt_ids)} prompt(s), stages {', '.join(self.manifests)})"
+
+    # ------------------------------------------------------------ reading, verified
+    def path(self, item: tuple[str, str], prompt_id: str | None = None) -> Path:
+        """The verified path of an artifact (paths.<ITEM>); a per-prompt one for prompt_id."""
+        path = paths.lookup(self.root)(item, self._prompt(prompt_id) if item in paths.PER_PROMPT else None)
+        if self.verify and path not in self._checked:
+            self._check(path)
+            self._checked.add(path)
+        return path
+
+    def _check(self, path: Path) -> None:
+        rel = path.relative_to(self.root).as_posix()
+        if not path.is_file():
+            raise ArtifactChanged(f"{rel} is missing from {self.label}: run `dvc repro` to make it")
+        for stage, manifest in self.manifests.items():
+            record = next((o for o in manifest["outputs"] if o.get("path") == rel), None)
+            if record is not None:
+                got = provenance.sha256_file(path)
+                if got != record["sha256"]:
+                    raise ArtifactChanged(f"{rel} has sha256 {got[:12]}, not the {record['sha256'][:12]} that "
+                                          f"artifacts/{stage}/manifest.json records: the file changed after the "
+                                          f"stage wrote it (re-run `dvc repro`, or read it anyway with verify=False)")
+                return
+        raise ArtifactChanged(f"{rel} is recorded by no stage manifest of {self.label}: not this run's output "
+                              f"(read it anyway with verify=False)")
+
+    def _prompt(self, prompt_id: str | None) -> str | None:
+        ids = self.prompt_ids
+        if prompt_id is None:
+            if len(ids) != 1:
+                raise UserError(f"this run holds {len(ids)} prompts: name one, prompt_id= one of {', '.join(ids)}")
+            return ids[0]
+        if prompt_id not in ids:
+            raise UserError(f"prompt_id={prompt_id!r} is not in this run: one of {', '.join(map(str, ids))}")
+        return prompt_id
+
+    def _parquet(self, item: tuple[str, str], prompt_id: str | None = None, **kw):
+        import pyarrow.parquet as pq
+        return pq.read_table(self.path(item, prompt_id), **kw).to_pandas()
+
+    def _json(self, item: tuple[str, str], prompt_id: str | None = None) -> Any:
+        return json.loads(self.path(item, prompt_id).read_text(encoding="utf-8"))
+
+    # ------------------------------------------------------------ the artifacts
+    @property
+    def prompt_ids(self) -> list[str]:
+        return [p for p in paths.run_prompt_ids(self.root) if p is not None]
+
+    @property
+    def prompts(self):
+        """One row per prompt: prompt_id, name, text, n_tokens, token_ids (pandas)."""
+        import pandas as pd
+        rows = []
+        for pid in self.prompt_ids:
+            t = self._json(paths.TOKENIZE_SUMMARY, pid)
+            rows.append({"prompt_id": pid, "name": t.get("prompt_name"), "text": t["prompt"],
+                         "n_tokens": t["n_tokens"], "token_ids": t["token_ids"]})
+        return pd.DataFrame(rows, columns=["prompt_id", "name", "text", "n_tokens", "token_ids"])
+
+    def tokens(self, prompt_id: str | None = None):
+        """tokens.parquet: position, token_id, piece, piece_bytes_hex, text, decodes_alone, is_special (pandas)."""
+        return self._parquet(paths.TOKENS, prompt_id)
+
+    def logits(self, prompt_id: str | None = None, position: int | None = None):
+        """float32 logits from logits.parquet (numpy): [T, V] for every recorded position, [V] for one."""
+        from pipeline.store import logits_io
+        path = self.path(paths.LOGITS, prompt_id)
+        if position is not None:
+            return logits_io.read_position(path, position)
+        return logits_io.read_matrix(path)[1]
+
+    def probs(self, prompt_id: str | None = None):
+        """table.parquet: the FP64 probability table per temperature, with ranks (pandas)."""
+        return self._parquet(paths.TABLE, prompt_id)
+
+    def filtered(self, prompt_id: str | None = None):
+        """filtered.parquet: the top-k / top-p kept sets, before and after renormalising (pandas)."""
+        return self._parquet(paths.FILTERED, prompt_id)
+
+    def capture(self, prompt_id: str | None = None) -> Capture:
+        """capture.safetensors, lazy and memory-mapped: `run.capture()["blocks.0.resid_post"]` (torch)."""
+        return Capture(self.path(paths.CAPTURE, prompt_id))
+
+    def trajectories(self, prompt_id: str | None = None):
+        """steps.parquet: one row per branch, cache mode and step (pandas)."""
+        return self._parquet(paths.STEPS, prompt_id)
+
+    @property
+    def checks(self):
+        """checks.parquet: one row per prompt and check (pandas)."""
+        return self._parquet(paths.CHECKS)
+
+    def metrics(self, stage: str) -> dict:
+        """A stage's metrics.json (probs, trajectories or checks)."""
+        return self._json((stage, "metrics.json"))
+
+    def manifest(self, stage: str) -> dict:
+        if stage not in self.manifests:
+            raise UserError(f"stage {stage!r} has no manifest in this run: one of {', '.join(self.manifests)}")
+        return self.manifests[stage]

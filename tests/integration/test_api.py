@@ -1,0 +1,81 @@
+"""The Python API (issue 27 item 7): docs/api.md's notebook code, run as written on a tiny_qwen2 run.
+
+The page's python blocks are executed in a copy of the session chain with the checks stage run; the
+block that opens a git revision needs a committed run in a DVC cache and is left to the e2e runs of
+`nexttoken audit --rev`, whose reader (`tools.revisions.open_run`) `open_run` reuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import numpy as np
+import pytest
+
+from pipeline import api
+from pipeline.store import paths
+from tests.conftest import REPO, copy_ws, run_module
+
+BLOCKS = re.findall(r"^```python\n(.*?)^```", (REPO / "docs/api.md").read_text(encoding="utf-8"), re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def ws(tiny_chain, tmp_path_factory):
+    ws = copy_ws(tiny_chain, tmp_path_factory.mktemp("api") / "ws")
+    run_module("stages.checks", ws, check=True)
+    return ws
+
+
+def _exec(code: str, namespace: dict) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/api.md", "exec"), namespace)
+    return out.getvalue()
+
+
+def test_the_docs_notebook_code_runs_and_a_changed_file_is_one_error(ws, monkeypatch):
+    monkeypatch.chdir(ws)
+    session, revision, tampered = BLOCKS[1:]         # BLOCKS[0]: the import line alone
+    assert 'open_run("HEAD")' in revision
+    namespace: dict = {}
+    out = _exec(session, namespace)
+    assert "Run(." in out and "bfloat16" in out and "pass" in out
+    pid = namespace["pid"]
+    path = paths.partition(paths.LOGITS, pid, ws)
+    good = path.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    try:
+        out = _exec(tampered, namespace)
+        rel = path.relative_to(ws).as_posix()
+        assert out.startswith(f"{rel} has sha256 ") and "artifacts/logits/manifest.json records" in out, out
+        assert out.count("\n") == 1                                            # one line
+        assert api.open_run(".", verify=False).path(paths.LOGITS, pid) == path    # verify=False reads it anyway
+    finally:
+        path.write_bytes(good)      # the module's workspace, for the next test
+
+
+def test_reads_equal_the_artifacts_and_the_capture_is_lazy(ws):
+    run = api.open_run(ws)
+    pid = run.prompt_ids[0]
+    from safetensors.torch import load_file
+    stored = load_file(paths.partition(paths.CAPTURE, pid, ws))
+    cap = run.capture(pid)
+    assert sorted(cap.names) == sorted(stored) and (cap["logits"] == stored["logits"]).all()
+    assert np.array_equal(run.logits(pid), stored["logits"][0].float().numpy())
+    assert list(run.tokens(pid).token_id) == run.prompts.token_ids[0]
+    with pytest.raises(KeyError, match="'nope' is not in capture.safetensors"):
+        cap["nope"]
+    with pytest.raises(api.UserError, match="prompt_id='x' is not in this run: one of "):
+        run.tokens("x")
+
+
+def test_a_file_no_manifest_records_is_refused(ws, tmp_path):
+    other = copy_ws(ws, tmp_path / "other")
+    manifest = paths.manifest_path("probs", other)
+    manifest.write_text(manifest.read_text().replace('"artifacts/probs/table/', '"artifacts/probs/elsewhere/'))
+    with pytest.raises(api.ArtifactChanged, match="is recorded by no stage manifest"):
+        api.open_run(other).probs()
