@@ -397,7 +397,20 @@ def read_params(path: Path) -> dict:
         raise bad_value(str(path), data, "a YAML mapping of config sections")
     for extra in sorted(set(data) - set(SECTIONS), key=str):   # a hand-edited section no stage reads
         raise bad_value(str(extra), data[extra], "a known section: " + ", ".join(SECTIONS))
+    if key := _unset(data):
+        raise bad_value(key, MISSING, f"a value: the chosen config option leaves it to you (nexttoken compose ... "
+                        f"{key}=VALUE; docs/models.md)")
     return data
+
+
+MISSING = "???"     # Hydra's "must be supplied" (conf/model/local.yaml: model.source.path)
+
+
+def _unset(node, key: str = "") -> str | None:
+    """The first key whose value is still Hydra's ??? (a composition that did not supply it)."""
+    if isinstance(node, dict):
+        return next((found for k, v in node.items() if (found := _unset(v, f"{key}.{k}".lstrip(".")))), None)
+    return key if node == MISSING else None
 
 
 def load_section(params: dict, name: str, root: Path | str = "."):

@@ -106,7 +106,8 @@ def up_front(source: SourceConfig, root: Path) -> Support | None:
     if source.kind == "tiny":
         if source.family not in TINY_FAMILIES:
             raise bad_value("model.source.family", source.family, f"one of {', '.join(TINY_FAMILIES)}")
-        return support({"model_type": source.family}, "model.source.family")
+        return support({"model_type": source.family, "num_attention_heads": 1, "num_hidden_layers": 1},
+                       "model.source.family")       # every toy has attention layers (tiny._FAMILY_EXTRAS)
     if source.kind == "hub":
         local = Path(root) / source.hub_id
         config = local / "config.json" if local.is_dir() else _cached_config(source.hub_id, source.revision)

@@ -105,7 +105,7 @@ def _refused(clone: Path, override: str) -> str:
     after = snapshot(clone)
     after.pop("params.yaml"), before.pop("params.yaml")
     assert after == before                                  # every artifact's sha256 unchanged
-    sh(clone, "git", "checkout", "params.yaml")
+    sh(clone, "git", "checkout", "params.yaml", "params.overrides.yaml")
     assert sh(clone, "git", "status", "--porcelain").stdout == status
     return proc.stderr
 

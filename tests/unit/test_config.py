@@ -21,13 +21,36 @@ def test_groups_are_the_designed_ones():
     assert GROUPS == ["capture", "checks", "model", "probs", "prompt", "report", "sampling"]
 
 
+# Options that leave a value to the user (`???`), with one supplied; their files also interpolate or extend
+# another option, so they are compared key by key with what was supplied.
+SUPPLIED = {("model", "local"): {"model.source.path": "models/mine"}, ("model", "hub"): {"model.source.hub_id": "o/n"},
+            ("model", "tiny"): {"model.source.family": "gpt2"}}
+
+
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS
                                           for p in sorted((REPO / "conf" / g).glob("*.yaml"))])
 def test_every_group_option_composes_and_validates(tmp_path, group, option):
-    params = compose.compose_to(tmp_path / "params.yaml", [f"{group}={option}"], REPO)
+    supplied = SUPPLIED.get((group, option), {})
+    params = compose.compose_to(tmp_path / "params.yaml", [f"{group}={option}",
+                                                          *(f"{k}={v}" for k, v in supplied.items())], REPO)
     for section in schema.SECTIONS:
         assert schema.load_section(params, section) is not None
-    assert params[group] == yaml.safe_load((REPO / "conf" / group / f"{option}.yaml").read_text())
+    if not supplied:
+        assert params[group] == yaml.safe_load((REPO / "conf" / group / f"{option}.yaml").read_text())
+        return
+    for key, value in supplied.items():
+        node = params
+        for part in key.split("."):
+            node = node[part]
+        assert node == value
+    assert params["model"]["source"]["kind"] == option
+
+
+@pytest.mark.parametrize("option", ["local", "hub", "tiny"])
+def test_an_option_that_leaves_a_value_to_the_user_says_which(tmp_path, option):
+    key = next(iter(SUPPLIED[("model", option)]))
+    with pytest.raises(UserError, match=rf"^{key}='\?\?\?' is not allowed: a value: the chosen config option "):
+        compose.compose_to(tmp_path / "params.yaml", [f"model={option}"], REPO)
 
 
 def test_committed_params_yaml_is_the_composition_of_conf():
@@ -82,7 +105,7 @@ def test_a_key_conf_does_not_set_is_added_with_plus(tmp_path, monkeypatch):
 
 
 def test_unknown_model_lists_the_options(tmp_path):
-    with pytest.raises(UserError, match=r"model='nope'.*gemma3_270m, qwen2_5_7b, tiny_qwen2"):
+    with pytest.raises(UserError, match=r"model='nope'.*gemma3_270m, hub, local, qwen2_5_7b, tiny, tiny_qwen2"):
         compose.compose_to(tmp_path / "p.yaml", ["model=nope"], REPO)
 
 
@@ -131,7 +154,7 @@ def _tiny_source(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"kind": "onnx"}, r"model\.source\.kind='onnx'.*gguf_package, tiny_qwen2, hub"),
+    ({"kind": "onnx"}, r"model\.source\.kind='onnx'.*gguf_package, tiny_qwen2, tiny, local, hub"),
     ({"seed": None}, r"model\.source\.seed=None is not allowed: a value \(kind=tiny_qwen2 needs"),
     ({"seed": True}, "model.source.seed=True"),
     ({"architecture": {"hidden_size": 64}}, "model.source.architecture.intermediate_size is missing"),
