@@ -31,10 +31,13 @@ def main() -> None:
         # a single prompt is a set of one; the run's order is its ids sorted, as its partitions are listed
         for record in sorted(prompt_set.for_config(prompt).prompts, key=lambda r: r.id):
             with run.timed(record.id):
-                tok = tokenization.tokenize_prompt(tokenizer, record.text, model_cfg.tokenizer.add_special_tokens,
-                                                   loader.max_positions(snapshot), prompt_set.where(prompt, record))
+                where = prompt_set.where(prompt, record)
+                text, add = tokenization.prompt_for(tokenizer, record, model_cfg.tokenizer.add_special_tokens, where)
+                tok = tokenization.tokenize_prompt(tokenizer, text, add, loader.max_positions(snapshot), where,
+                                                   chat=record.chat)
                 expected = record.expected_ids_for(model_cfg.tokenizer.family)
-                summary = {**tok.summary, "prompt_name": prompt.name, "prompt_id": record.id,
+                chat = {"chat": record.chat, "messages": tokenization.chat_messages(record) if record.chat else None}
+                summary = {**tok.summary, **chat, "prompt_name": prompt.name, "prompt_id": record.id,
                            "tokenizer_family": model_cfg.tokenizer.family, "expected_token_ids": expected,
                            "expected_token_ids_match": None if expected is None else expected == tok.ids}
                 run.facts = {"n_tokens": len(tok.ids), "round_trip_ok": tok.summary["round_trip_ok"]}

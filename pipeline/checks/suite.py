@@ -23,7 +23,7 @@ import torch
 from pipeline.checks import next_token, recompute, tables
 from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logit_rows
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
-from pipeline.model import capture, decode, loader
+from pipeline.model import capture, decode, loader, tokenization
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import parquet_facts, read_json, read_parquet, read_safetensors
@@ -156,19 +156,21 @@ def tokenizer_retokenize(tokenizer_json: Path | None, tokenizer, text: str, add_
                 "from tokenizer.json (not transformers' wrapper)", encoded, stored_ids)
 
 
-def tokenizer_round_trip(tokenizer, text: str, stored_ids: list[int]) -> Check:
-    special = set(tokenizer.all_special_ids)
+def tokenizer_round_trip(tokenizer, text: str, stored_ids: list[int], chat: bool = False) -> Check:
+    """chat: the text is a rendered chat template, whose special tokens are text: all ids decode back to it."""
+    special = set() if chat else set(tokenizer.all_special_ids)
     decoded = tokenizer.decode([i for i in stored_ids if i not in special], skip_special_tokens=False,
                                clean_up_tokenization_spaces=False)
-    return _ids("tokenizer_round_trip", "prompt.text vs decode(tokens.parquet ids without special tokens) "
-                "(characters)", decoded, text)
+    what = "the rendered chat prompt vs decode(all tokens.parquet ids)" if chat else \
+        "prompt.text vs decode(tokens.parquet ids without special tokens)"
+    return _ids("tokenizer_round_trip", f"{what} (characters)", decoded, text)
 
 
-def tokenizer_bytes(tokenizer, text: str, stored: Stored) -> Check:
+def tokenizer_bytes(tokenizer, text: str, stored: Stored, chat: bool = False) -> Check:
     """tokens.parquet's bytes, joined, are the prompt's UTF-8 bytes (one leading space a
-    SentencePiece dummy prefix adds is allowed); each token's bytes that are UTF-8 on their own
-    are what the tokenizer decodes that id to."""
-    content = [b or b"" for b, sp in zip(stored.token_bytes, stored.token_special) if not sp]
+    SentencePiece dummy prefix adds is allowed; a rendered chat prompt's special tokens are part of
+    it); each token's bytes that are UTF-8 on their own are what the tokenizer decodes that id to."""
+    content = [b or b"" for b, sp in zip(stored.token_bytes, stored.token_special) if chat or not sp]
     joined, want = b"".join(content), text.encode("utf-8")
     bad = [] if joined in (want, b" " + want) else ["joined bytes"]
     for pos, (i, b) in enumerate(zip(stored.token_ids, stored.token_bytes)):
@@ -181,6 +183,15 @@ def tokenizer_bytes(tokenizer, text: str, stored: Stored) -> Check:
     return Check("tokenizer_bytes", "tokens.parquet piece bytes vs the prompt's UTF-8 bytes (joined) and vs "
                  "decode([id]) (each token that is UTF-8 alone) (mismatches)", len(bad), 0, "error",
                  ", ".join(bad[:5]) or f"{len(joined)} bytes")
+
+
+def chat_template(tokenizer, prompt, stored_ids: list[int]) -> list[Check]:
+    """A chat prompt: the stored ids (the rendered text, encoded) vs what the template gives when it
+    tokenizes itself, `apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`."""
+    if not prompt.chat:
+        return []
+    return [_ids("chat_template_ids", "tokens.parquet ids vs apply_chat_template(messages, tokenize=True, "
+                 "add_generation_prompt=True)", stored_ids, tokenization.chat_template_ids(tokenizer, prompt))]
 
 
 def tokenizer_expected_ids(tokenizer, family: str, expected: list[int] | None, text: str,
@@ -354,12 +365,14 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
     transparent, repeat = fresh_forward(model, tensors, mode, "error")
     rows = {p: logits_io.read_position(stored.logits, p)
             for p in probs.resolve_positions(p_cfg.positions, len(ids), stored.logit_positions)}
+    text, add = tokenization.prompt_for(tokenizer, prompt, m.tokenizer.add_special_tokens)   # as tokenize did
     out = [
-        tokenizer_retokenize(tokenizer_json, tokenizer, prompt.text, m.tokenizer.add_special_tokens, ids),
-        tokenizer_round_trip(tokenizer, prompt.text, ids),
-        tokenizer_bytes(tokenizer, prompt.text, stored),
+        tokenizer_retokenize(tokenizer_json, tokenizer, text, add, ids),
+        tokenizer_round_trip(tokenizer, text, ids, prompt.chat),
+        tokenizer_bytes(tokenizer, text, stored, prompt.chat),
+        *chat_template(tokenizer, prompt, ids),
         *tokenizer_expected_ids(tokenizer, m.tokenizer.family, prompt.expected_ids_for(m.tokenizer.family),
-                                prompt.text, ids),
+                                text, ids),
         capture_input_ids(tensors, ids),
         logits_finite(tensors[capture.act_name("logits")], stored.logit_positions),
         *logits_file(stored.logits, tensors[capture.act_name("logits")], stored.logit_positions),

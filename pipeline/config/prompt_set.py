@@ -25,28 +25,67 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipeline.config.schema import PROMPT_ID_ALLOWED as ID_ALLOWED  # the id rule is schema's (report.prompt_id too)
 from pipeline.config.schema import PROMPT_ID_PATTERN as ID_PATTERN
-from pipeline.config.schema import PromptConfig, Section, parse, prompt_path, prompt_problem, rule, text_sha256
+from pipeline.config.schema import (
+    PromptConfig,
+    RuleError,
+    Section,
+    items,
+    parse,
+    prompt_path,
+    prompt_problem,
+    rule,
+    text_sha256,
+)
 from pipeline.errors import UserError, bad_value
 
-KEYS = ("id", "text", "expected_token_ids")
-LINE = 'one JSON object per line, {"id": ..., "text": ...} (optional "expected_token_ids"); blank lines are skipped'
+KEYS = ("id", "text", "messages", "expected_token_ids")
+LINE = ('one JSON object per line, {"id": ..., "text": ...} or {"id": ..., "messages": [{"role": ..., '
+        '"content": ...}]} (optional "expected_token_ids"); blank lines are skipped')
 SUFFIX = ".jsonl"
+MESSAGES = 'a non-empty list of {"role": ..., "content": ...} objects'
+
+
+class ChatMessage(Section):
+    """One turn of a chat prompt, as the tokenizer's chat template takes it."""
+
+    role: Annotated[str, rule(lambda r: not r.strip() and "a non-empty string")] = Field(
+        description="a role the model's chat template knows, e.g. system, user, assistant")
+    content: Annotated[str, rule(prompt_problem)] = Field(description="a non-empty string")
 
 
 class PromptRecord(Section):
-    """One prompt of a set: its id, its text, and per tokenizer family the ids it is known to tokenize to."""
+    """One prompt of a set: its id, its text or its chat messages, and per tokenizer family the ids it
+    is known to tokenize to. With `messages` the prompt is rendered by the tokenizer's own chat template
+    (`tokenization.prompt_for`); `text` is then the plain text it was made from, if any."""
 
     id: str = Field(pattern=ID_PATTERN, description=ID_ALLOWED)
-    text: Annotated[str, rule(prompt_problem)] = Field(description="a non-empty string")
+    text: Annotated[str | None, rule(prompt_problem)] = Field(None, description="a non-empty string")
+    messages: items(ChatMessage, MESSAGES) | None = None
     expected_token_ids: dict[str, list[Annotated[int, Field(ge=0)]]] = Field(
         default_factory=dict, description="a mapping tokenizer family -> list of ids")
 
+    @model_validator(mode="after")
+    def _text_or_messages(self):
+        if self.text is None and self.messages is None:
+            raise RuleError("text", None, f"a value, or messages instead: {LINE}")
+        return self
+
     def expected_ids_for(self, family: str) -> list[int] | None:
         return self.expected_token_ids.get(family)
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
+
+    def as_chat(self) -> PromptRecord:
+        """The record as a one-turn user chat (prompt.chat=true), its text kept."""
+        if self.messages is not None:
+            return self
+        return self.model_copy(update={"messages": (ChatMessage(role="user", content=self.text),)})
 
 
 class PromptSet(Section):
@@ -123,9 +162,19 @@ def _record(key: str, value: str, n: int, line: str) -> PromptRecord:
     for k in obj:
         if k not in KEYS:
             raise _at(key, value, n, f"{k}={obj[k]!r} is not allowed: a known key: {', '.join(KEYS)}")
-    for k in KEYS[:2]:
-        if k not in obj:
-            raise _at(key, value, n, f"{k} is missing; allowed: {LINE}")
+    if "id" not in obj:
+        raise _at(key, value, n, f"id is missing; allowed: {LINE}")
+    if ("text" in obj) == ("messages" in obj):
+        raise _at(key, value, n, ("text and messages are both given" if "text" in obj else "text is missing")
+                  + f"; allowed: {LINE}")
+    if "text" in obj and obj["text"] is None:
+        raise _at(key, value, n, "text=None is not allowed: a non-empty string")
+    messages = obj.get("messages", [None])
+    if not isinstance(messages, list) or not messages:
+        raise _at(key, value, n, f"messages={messages!r} is not allowed: {MESSAGES}")
+    for i, m in enumerate(messages if "messages" in obj else []):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise _at(key, value, n, f"messages[{i}]={m!r} is not allowed: an object with exactly role and content")
     try:
         return parse(PromptRecord, obj, "")
     except UserError as e:
@@ -145,13 +194,15 @@ def for_config(prompt: PromptConfig, root: Path | str = ".") -> PromptSet:
     prompt name (`single_id`), with the ids `prompt.known` gives for its text.
     """
     if prompt.set is not None:
-        return read_set("prompt.set", prompt.set, root, prompt.max_set_size)
+        found = read_set("prompt.set", prompt.set, root, prompt.max_set_size)
+        return found if not prompt.chat else found.model_copy(
+            update={"prompts": tuple(p.as_chat() for p in found.prompts)})
     if prompt.text is None or prompt.name is None:
         raise ValueError("for_config takes the prompt section from schema.load_section (text and name resolved)")
     known = prompt.known_here
     record = PromptRecord(id=single_id(prompt.name, prompt.text), text=prompt.text,
                           expected_token_ids=known.expected_token_ids if known else {})
-    return PromptSet(file=None, prompts=(record,))
+    return PromptSet(file=None, prompts=(record.as_chat() if prompt.chat else record,))
 
 
 def for_run(sections: dict, root: Path | str = ".") -> PromptSet:
@@ -188,7 +239,10 @@ def resolved(prompt: PromptConfig, root: Path | str = ".") -> dict:
     (so editing the set file re-runs exactly those stages)."""
     if prompt.set is None:
         return {"text": prompt.text}
-    return {"text": None, "prompts": [p.model_dump() for p in for_config(prompt, root).prompts]}
+    # a text record's dump as before chat prompts (no messages key): the stages' resolved configs, hence
+    # DVC's view of them, do not change for sets without chat records
+    return {"text": None, "prompts": [{k: v for k, v in p.model_dump().items() if k != "messages" or v is not None}
+                                      for p in for_config(prompt, root).prompts]}
 
 
 def single_id(name: str, text: str) -> str:

@@ -172,9 +172,10 @@ class SourceConfig(Section):
 class TokenizerConfig(Section):
     family: Text
     add_special_tokens: bool
-    # The reference experiment scores a raw prompt; a chat template would change what is
-    # measured, and no stage implements it yet.
-    chat_template: Annotated[bool, rule(lambda on: on and "false (chat templates are not supported)")]
+    # The reference experiment scores a raw prompt. A chat template is chosen per prompt, not per
+    # model: prompt.chat=true, or `messages` in a set's records.
+    chat_template: Annotated[bool, rule(lambda on: on and "false (a chat template is chosen per prompt: "
+                                        "prompt.chat=true, or messages in a set's records)")]
 
 
 class ModelConfig(Section):
@@ -207,6 +208,9 @@ class PromptConfig(Section):
     set: Text | None = Field(None, pattern=r"\.jsonl$", description=f"null or a prompt set, {PROMPT_DIR}/<name>.jsonl")
     known: KnownPrompt | None = None     # applies only to the text whose sha256 it names
     max_set_size: Count = MAX_SET_SIZE   # the most prompts a set may hold
+    # true: each prompt's text is a user turn rendered by the tokenizer's own chat template
+    # (apply_chat_template(..., add_generation_prompt=True)); a set's `messages` records always are
+    chat: bool = False
 
     @model_validator(mode="after")
     def _text_file_or_set(self):

@@ -82,9 +82,39 @@ class Tokenized:
     summary: dict             # round trip, special ids, tokenizer facts
 
 
+def prompt_for(tokenizer, record, add_special_tokens: bool, where: str = "prompt.text") -> tuple[str, bool]:
+    """The text a prompt record is scored as, and whether special tokens are added when encoding it.
+
+    A chat record (`messages`, or prompt.chat=true) is rendered by the tokenizer's own template,
+    `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`; the rendered text
+    already holds the template's special tokens, so none are added. A tokenizer without a template
+    is refused in one line. Both the tokenize and the checks stage take the prompt through here.
+    """
+    if not record.chat:
+        return record.text, add_special_tokens
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{where} is a chat prompt, but this model's tokenizer has no chat template "
+                        "(tokenizer_config.json / chat_template.jinja): give the prompt as plain text "
+                        "(prompt.chat=false, text instead of messages)")
+    return tokenizer.apply_chat_template(chat_messages(record), tokenize=False, add_generation_prompt=True), False
+
+
+def chat_messages(record) -> list[dict]:
+    return [m.model_dump() for m in record.messages]
+
+
+def chat_template_ids(tokenizer, record) -> list[int]:
+    """The ids transformers' template gives when it tokenizes itself (`tokenize=True`), for the check
+    that the rendered text tokenizes to them."""
+    out = tokenizer.apply_chat_template(chat_messages(record), tokenize=True, add_generation_prompt=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
 def tokenize_prompt(tokenizer, text: str, add_special_tokens: bool, max_positions: int | None = None,
-                    where: str = "prompt.text") -> Tokenized:
-    """One prompt's tokens; `where` names the prompt in an error (`prompt_set.where`)."""
+                    where: str = "prompt.text", chat: bool = False) -> Tokenized:
+    """One prompt's tokens; `where` names the prompt in an error (`prompt_set.where`). chat: the text is a
+    rendered chat template, whose special tokens are part of the text (the round trip keeps them)."""
     ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     if not ids:
         raise UserError(f"{where} tokenizes to no tokens (text {text[:60]!r}): give a prompt with text in it")
@@ -105,7 +135,9 @@ def tokenize_prompt(tokenizer, text: str, add_special_tokens: bool, max_position
         "special_positions": [p for p, i in enumerate(ids) if i in special],
         "decoded": tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
         "decoded_without_special": decoded,
-        "round_trip_ok": decoded == text,
+        # a rendered chat template holds its special tokens as text: decoded with them, it must come back whole
+        "round_trip_ok": (tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                          if chat else decoded) == text,
         "tokenizer_class": type(tokenizer).__name__,
         "tokenizer_len": len(tokenizer),
         "byte_level": is_byte_level(tokenizer),

@@ -150,7 +150,11 @@ def tokens(inp: Inputs) -> list[str]:
         r = inp.tokens[p]
         rows.append([r["position"], r["token_id"], code(r["piece"]), code(r["text"]), name(r["piece_bytes_hex"]),
                      yes(r["decodes_alone"])])
-    return ["## 2. Prompt and tokens", "", "```text", t["prompt"], "```", "",
+    chat = [] if not t.get("chat") else [
+        "A chat prompt: these messages, rendered by the tokenizer's own chat template "
+        "(`apply_chat_template(..., add_generation_prompt=True)`), are the text below.", "",
+        *[f"- **{m['role']}**: {m['content']}" for m in t["messages"]], ""]
+    return ["## 2. Prompt and tokens", "", *chat, "```text", t["prompt"], "```", "",
             f"{t['n_tokens']} tokens (add_special_tokens = {t['add_special_tokens']}); decoding them gives the "
             f"prompt back: {yes(t['round_trip_ok'])}; expected ids for `{t.get('tokenizer_family')}` match: "
             f"{yes(t.get('expected_token_ids_match'))}. A piece that does not decode alone is part of a "

@@ -122,7 +122,7 @@ BAD = [
     ("a key twice", b'{"id": "a", "text": "x", "id": "b"}\n',
      f"line 1: not JSON (key 'id' appears twice in one object); allowed: {LINE}"),
     ("unknown key", b'{"id": "a", "text": "x", "name": "y"}\n',
-     "line 1: name='y' is not allowed: a known key: id, text, expected_token_ids"),
+     "line 1: name='y' is not allowed: a known key: id, text, messages, expected_token_ids"),
     ("missing id", b'{"text": "x"}\n', f"line 1: id is missing; allowed: {LINE}"),
     ("missing text", b'{"id": "a"}\n', f"line 1: text is missing; allowed: {LINE}"),
     ("negative expected id", b'{"id": "a", "text": "x", "expected_token_ids": {"qwen2": [1, -1]}}\n',
@@ -131,6 +131,14 @@ BAD = [
      "line 1: expected_token_ids.qwen2=True is not allowed: an integer >= 0"),
     ("expected ids a list", b'{"id": "a", "text": "x", "expected_token_ids": [1]}\n',
      "line 1: expected_token_ids=[1] is not allowed: a mapping tokenizer family -> list of ids"),
+    ("text and messages", b'{"id": "a", "text": "x", "messages": [{"role": "user", "content": "x"}]}\n',
+     f"line 1: text and messages are both given; allowed: {LINE}"),
+    ("messages empty", b'{"id": "a", "messages": []}\n',
+     'line 1: messages=[] is not allowed: a non-empty list of {"role": ..., "content": ...} objects'),
+    ("message without content", b'{"id": "a", "messages": [{"role": "user"}]}\n',
+     """line 1: messages[0]={'role': 'user'} is not allowed: an object with exactly role and content"""),
+    ("message role empty", b'{"id": "a", "messages": [{"role": " ", "content": "x"}]}\n',
+     "line 1: messages[0].role=' ' is not allowed: a non-empty string"),
 ]
 
 
