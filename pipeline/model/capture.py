@@ -1,23 +1,29 @@
 """Capture every internal of ONE forward pass of a HF causal LM, by hooks on module paths.
 
-Names follow one TransformerLens-style scheme built by `act_name`. Shapes (batch B = 1,
+Names follow one TransformerLens-style scheme built by `act_name`; where each family keeps each
+piece is the table in `pipeline.model.families` (one entry per model_type). Shapes (batch B = 1,
 T positions, H hidden, V = LM-head output size):
 
     embed                       [1, T, H]   embedding module output (Gemma: already * sqrt(H))
+    pos_embed                   [1, T, H]   learned position embeddings (GPT-2 only)
     blocks.{i}.resid_pre        [1, T, H]   input of decoder layer i
     blocks.{i}.attn_out         [1, T, H]   what attention adds to the residual
-    blocks.{i}.resid_mid        [1, T, H]   residual after the attention add (real input of its reader)
+    blocks.{i}.resid_mid        [1, T, H]   residual after the attention add (absent where attention
+                                            and MLP run in parallel: GPT-NeoX)
     blocks.{i}.mlp_out          [1, T, H]   what the MLP adds to the residual
     blocks.{i}.resid_post       [1, T, H]   output of decoder layer i
     blocks.{i}.attn_weights     [1, heads, T, T]   for layer 0 and the configured layers
     final_norm_out              [1, T, H]   LM-head input (all positions, even with positions="last")
     logits                      [1, T or 1, V]     model output (after any final softcapping)
 
-Layer 0 also gets what its attention recompute needs (`ATTN_INTERNALS`): ln1_out [1,T,H];
-attn.q / attn.k / attn.v [1,T,heads*hd] (projection outputs); Gemma: attn.q_norm_out /
-attn.k_norm_out [1,heads,T,hd]; attn.q_rot / attn.k_rot [1,heads,T,hd] and attn.mask
+Layer 0 also gets what its attention recompute needs (`ATTN_INTERNALS`): ln1_out [1,T,H] (not
+OLMo 2, whose attention reads the residual itself); attn.q / attn.k / attn.v [1,T,heads*hd]
+(projection outputs), or attn.qkv where the family fuses them (Phi-3, GPT-2, GPT-NeoX) with
+attn.value, the value the attention function got; the q/k norm outputs where the family has
+them, at the place it applies them; attn.q_rot / attn.k_rot [1,heads,T,hd] and attn.mask
 [1,1,T,T] exactly as passed to the attention function; attn.z [1,T,heads,hd] (its output,
-before o_proj).
+before o_proj). A model_type outside the table gets the residual stream only (`find_generic`):
+embed, resid_pre / resid_post per layer, final_norm_out, logits.
 
 Why hooks and not `output_hidden_states`: HF's `hidden_states[-1]` is already after the
 final norm. Post-RoPE q/k, the mask and the attention weights are recorded by routing the
