@@ -348,7 +348,11 @@ def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overvi
             f"prompt set {prompt_name} ({n} prompts; detail: {inp.prompt_id}, {shown})")
     lines = [f"# Next-token report: {inp.source.get('name')} on {what}", "",
              "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
-             f"from. Figures of one prompt are drawn at {inp.where()}; plot fonts: {fonts}.", ""]
+             f"from. Figures of one prompt are drawn at {inp.where()}; plot fonts: {fonts}.", "",
+             f"Explore it: [{paths.EXPLORER[1]}]({paths.EXPLORER[1]}), one offline page per prompt (tokens, the "
+             "next-token distribution with temperature / top-k / top-p computed exactly over the full vocabulary, "
+             "attention, trajectories, checks); a screenshot, where a browser made one (`nexttoken screenshot`): "
+             f"[{paths.EXPLORER_SHOT[1]}]({paths.EXPLORER_SHOT[1]}).", ""]
     if prompts is not None:
         lines += overview.section(prompts, inp.prompt_id, [figure(f) for f in set_figures])
     for part in (run_conditions.conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),

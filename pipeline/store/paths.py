@@ -46,6 +46,8 @@ TRAJECTORY_PROMPT_METRICS = ("trajectories", "prompt_metrics.parquet")
 CHECKS = ("checks", "checks.parquet")
 METRICS = ("checks", "metrics.json")
 REPORT = ("report", "report.md")
+EXPLORER = ("report", "explorer.html")           # the detailed prompt's page; a set's others: explorer-<id>.html
+EXPLORER_SHOT = ("report", "explorer.png")       # a screenshot of it, where a browser made one (tests, docs)
 
 # One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
 PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,

@@ -123,7 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="collect the current baseline's experiments into a table and plots")
     s.add_argument("--out", type=Path, default=None, help="output folder (default: artifacts/sweep)")
     s.set_defaults(func=_sweep)
+    sh = sub.add_parser("screenshot", help="a PNG of the explorer page, in headless Chromium with no network "
+                        "(needs chromium, chromium-driver and selenium)")
+    sh.add_argument("page", nargs="?", default="artifacts/report/explorer.html", help="the page (default: %(default)s)")
+    sh.add_argument("--out", default=None, help="the PNG (default: beside the page, explorer.png)")
+    sh.set_defaults(func=_screenshot)
     return p
+
+
+def _screenshot(args) -> int:
+    from pipeline.tools import screenshot
+    return screenshot.cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:

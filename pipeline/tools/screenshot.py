@@ -1,0 +1,94 @@
+"""Open a page in headless Chromium from Debian (no browser download) with every network request
+refused, and what the browser tests and `nexttoken screenshot` need from it.
+
+`browser()` starts /usr/bin/chromium through Selenium and /usr/bin/chromedriver, with the
+flags that keep a closed machine quiet (no background networking, component updates or sync)
+and DevTools' performance log on, so `requests(driver)` lists every request the page made.
+`available()` says why not when either piece is missing. Selenium comes with the test tools
+(`pip install -e '.[test]'`); Chromium with `apt-get install chromium chromium-driver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-default-apps", "--disable-extensions", "--window-size=1400,1800")
+
+
+def available() -> str | None:
+    """None when a page can be opened here, else what is missing (one line)."""
+    missing = [p for p in (CHROMIUM, DRIVER) if not Path(p).exists() and not shutil.which(Path(p).name)]
+    if missing:
+        return f"no {' or '.join(missing)}: apt-get install chromium chromium-driver"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "no selenium: pip install selenium (it comes with the test tools, pip install -e '.[test]')"
+    return None
+
+
+@contextlib.contextmanager
+def browser() -> Iterator:
+    """A headless Chromium driven by Selenium, in a fresh profile that is deleted afterwards."""
+    if why := available():
+        raise UserError(f"cannot open a browser here: {why}")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="nexttoken-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or CHROMIUM
+    for flag in (*FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def requests(driver) -> list[str]:
+    """The URL of every request the browser sent since the last call (DevTools' Network events)."""
+    out = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message.get("method") == "Network.requestWillBeSent":
+            out.append(message["params"]["request"]["url"])
+    return out
+
+
+def console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def shoot(page: Path, out: Path) -> Path:
+    """A PNG of the whole page, opened from file:// in a browser that sends nothing anywhere."""
+    page = Path(page).resolve()
+    if not page.is_file():
+        raise UserError(f"{page}: no such page (run `dvc repro` to make artifacts/report/explorer.html)")
+    with browser() as driver:
+        driver.get(page.as_uri())
+        height = driver.execute_script("return document.body.scrollHeight")
+        driver.set_window_size(1400, min(max(height, 900), 6000))
+        driver.save_screenshot(str(out))
+    return out
+
+
+def cli(args) -> int:
+    """`nexttoken screenshot [PAGE] [--out PNG]`: the explorer's picture, beside it by default."""
+    page = Path(args.page)
+    out = Path(args.out) if args.out else page.with_suffix(".png")
+    print(shoot(page, out))
+    return 0
