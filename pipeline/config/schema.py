@@ -306,6 +306,28 @@ SECTIONS: dict[str, type[Section]] = {"model": ModelConfig, "prompt": PromptConf
                                       "report": ReportConfig}
 
 
+# ---------------------------------------------------------------- equivalence (its own stage)
+# In the order the matrix shows them (pipeline/equivalence/variations.py runs them). kv_cache: the
+# trajectories stage's stored step logits, one row per branch.
+VARIATIONS = ("sdpa", "batch_2", "batch_8", "float32", "float16", "threads_1", "kernels", "kv_cache")
+Variation = Literal[VARIATIONS]
+
+
+class EquivalenceConfig(Section):
+    """`equivalence`: which variations of the recorded forward pass the matrix re-runs, for which prompts."""
+
+    variations: Annotated[items(Variation, "a non-empty list of " + ", ".join(VARIATIONS)), rule(_repeats)]
+    prompts: items(Annotated[str, Field(pattern=PROMPT_ID_PATTERN)], f"a list of prompt ids: {PROMPT_ID_ALLOWED}") \
+        | None = None
+    fillers: items(Text, "a non-empty list of filler prompt texts (the other rows of a padded batch)")
+    exact: Annotated[items(Variation, "a list of variations expected bit-exact here (an error check each)", 0),
+                     rule(_repeats)]
+    rederive: Variation | None = Field(None, description="null or one variation the checks recompute on their own")
+
+
+SECTIONS["equivalence"] = EquivalenceConfig
+
+
 # ---------------------------------------------------------------- one line per error
 def parse(cls: type[Section], data: Any, key: str) -> Any:
     """data as a `cls`; the first problem as one UserError line naming `key.field=value`."""
