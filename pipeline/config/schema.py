@@ -317,12 +317,12 @@ class EquivalenceConfig(Section):
     """`equivalence`: which variations of the recorded forward pass the matrix re-runs, for which prompts."""
 
     variations: Annotated[items(Variation, "a non-empty list of " + ", ".join(VARIATIONS)), rule(_repeats)]
-    prompts: items(Annotated[str, Field(pattern=PROMPT_ID_PATTERN)], f"a list of prompt ids: {PROMPT_ID_ALLOWED}") \
-        | None = None
+    prompts: items(Annotated[str, Field(pattern=PROMPT_ID_PATTERN, description=f"a prompt id: {PROMPT_ID_ALLOWED}")],
+                   "null or a list of the run's prompt ids") | None = None
     fillers: items(Text, "a non-empty list of filler prompt texts (the other rows of a padded batch)")
     exact: Annotated[items(Variation, "a list of variations expected bit-exact here (an error check each)", 0),
                      rule(_repeats)]
-    rederive: Variation | None = Field(None, description="null or one variation the checks recompute on their own")
+    rederive: Variation | None = Field(None, description="null or one of " + ", ".join(VARIATIONS))
 
 
 SECTIONS["equivalence"] = EquivalenceConfig

@@ -136,6 +136,7 @@ class Matrix:
 def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_prompt: str | None,
            trust_remote_code: bool) -> Matrix:
     """Every chosen prompt's matrix into `stage`."""
+    pids = chosen(cfg, report_prompt, stage.prompt_ids(paths.CAPTURE))    # an id the run lacks: before any load
     source = read_json(stage.use(paths.SOURCE))
     snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
     s = setup(cap, snapshot, trust_remote_code)
@@ -143,7 +144,7 @@ def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_p
     fillers, pad_id = fillers_and_pad(snapshot, cfg, trust_remote_code)
     stage.model = {**provenance.model_record(source), "trust_remote_code": trust_remote_code}
     ran, matrices = {}, {}
-    for pid in chosen(cfg, report_prompt, stage.prompt_ids(paths.CAPTURE)):
+    for pid in pids:
         with stage.timed(pid):
             rec = recorded(stage.use(paths.CAPTURE, pid), read_json(stage.use(paths.FORWARD_FACTS, pid)))
             rows = []
