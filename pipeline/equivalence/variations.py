@@ -33,6 +33,7 @@ from pipeline import kernels
 from pipeline.config.schema import VARIATIONS  # noqa: F401 (re-exported)
 from pipeline.equivalence import worker
 from pipeline.model import capture, loader
+from pipeline.numerics import compare
 from pipeline.tools import divergence
 
 
@@ -118,7 +119,7 @@ def residual(rec: Recorded, hidden: tuple[torch.Tensor, ...]) -> tuple[str | Non
     (HF's last hidden state is after the final norm), each [T, H] of the prompt's rows."""
     names = [capture.act_name("resid_pre", i) for i in range(len(hidden) - 1)] + [capture.act_name("final_norm_out")]
     for name, h in zip(names, hidden):
-        if not divergence._same_bits(rec.tensors[name][0], h):
+        if not compare.same_bits(rec.tensors[name][0], h):
             return name, f"residual stream only ({len(names)} tensors; run_capture needs eager, one sequence)"
     return None, f"residual stream equal bit for bit ({len(names)} tensors)"
 

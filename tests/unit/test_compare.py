@@ -93,3 +93,11 @@ def test_the_check_figures_agree_with_compare_and_catch_a_wrong_one():
     for key, wrong in (("kl_mean", stored["kl_mean"] * 1.001), ("kept_jaccard", 0.5),
                        ("top1_changed", [9]), ("kept_variant", stored["kept_variant"] + 1)):
         assert checks.disagreement({**stored, key: wrong}, mine)[0] > checks.TOLERANCE, key
+
+
+def test_left_padding_as_generate_builds_it():
+    from pipeline.equivalence.variations import left_padded
+    ids, mask, pos = left_padded([[5, 6], [1, 2, 3, 4]], pad_id=0)
+    assert ids.tolist() == [[0, 0, 5, 6], [1, 2, 3, 4]]                 # LEFT: the pads come first
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert pos.tolist() == [[1, 1, 0, 1], [0, 1, 2, 3]]                 # the prompt's own positions start at 0
