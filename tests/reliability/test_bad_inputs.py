@@ -248,6 +248,9 @@ def range_cases() -> list[Case]:
         _r("equivalence.variations", ["sdpa", "sdpa"]),
         _r("equivalence.exact", ["threads_2"], "name", shown="threads_2"),
         _r("equivalence.rederive", "kv", "name"),
+        _r("equivalence.rederive", "kernels", "name"),                       # no forward the check can write out
+        _r("equivalence.rederive", "sdpa", "range", equivalence__variations=["float32"]),
+        _r("equivalence.exact", ["sdpa"], "range", shown="sdpa", equivalence__variations=["float32"]),
         _r("equivalence.fillers", []),
         _r("equivalence.fillers", [""], shown=""),
         _r("equivalence.prompts", ["../x"], "name", shown="../x"),
