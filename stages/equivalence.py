@@ -28,7 +28,9 @@ def main() -> None:
     from pipeline.checks import verdicts
     from pipeline.equivalence import matrix
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        results = checks.record(run, matrix.record(run, cap, cfg, report_prompt, model_cfg.trust_remote_code), cfg)
+        m = matrix.record(run, cap, cfg, report_prompt, model_cfg.trust_remote_code)
+        results = checks.record(run, m, cfg)
+        run.facts = {**m.facts(), **verdicts.summary(results)}      # after the tables (see Matrix.facts)
     print(checks.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails
         print(f"nexttoken {STAGE}: error checks failed: {failed} "

@@ -136,7 +136,6 @@ def record(stage: StageRun, matrix, cfg: EquivalenceConfig) -> list[Check]:
     results = rederived(matrix, cfg)
     for pid, (_, rows) in matrix.prompts.items():
         results += [replace(c, prompt_id=pid) for c in row_checks(rows, cfg.exact)]
-    stage.facts = {**stage.facts, **summary(results)}
     stage.write_parquet(paths.EQUIVALENCE_CHECKS[1], to_table(results))
     return results
 

@@ -32,7 +32,8 @@ SCHEMA = pa.schema([("variation", pa.string()), ("compared", pa.string()), ("n_p
                     ("top1_changed", pa.list_(pa.int32())), ("kept_recorded", pa.int32()),
                     ("kept_variant", pa.int32()), ("kept_jaccard", pa.float64()),
                     ("kl_mean", pa.float64()), ("kl_max", pa.float64()), ("bit_identical", pa.bool_()),
-                    ("first_differing_tensor", pa.string()), ("note", pa.string()), ("seconds", pa.float64())])
+                    ("first_differing_tensor", pa.string()), ("note", pa.string())])
+# No timing column: the same run gives the same bytes; each variation's seconds are in the manifest's facts.
 DTYPE_OF = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -51,10 +52,10 @@ def recorded(capture_path: Path, facts: dict) -> v.Recorded:
     return v.Recorded(facts["input_ids"], facts["logit_positions"], tensors, divergence.capture_order(capture_path))
 
 
-def row(name: str, compared: str, rec_logits: torch.Tensor, var: v.Variant, positions: list[int], seconds: float):
+def row(name: str, compared: str, rec_logits: torch.Tensor, var: v.Variant, positions: list[int]) -> dict:
     figures = compare.compare(rec_logits, var.logits, positions) if var.logits is not None else compare.empty(var.note)
     return {"variation": name, "compared": compared, "n_positions": len(positions), **figures,
-            "first_differing_tensor": var.first_differing_tensor, "note": var.note, "seconds": round(seconds, 3)}
+            "first_differing_tensor": var.first_differing_tensor, "note": var.note}
 
 
 def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fillers, pad_id: int):
@@ -70,8 +71,9 @@ def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fil
         if name in make:
             start = time.perf_counter()
             var = make[name]()
-            yield row(name, "logits at the prompt positions", rec.logits, var, rec.positions,
-                      time.perf_counter() - start), var.ran_with
+            seconds = round(time.perf_counter() - start, 3)
+            yield row(name, "logits at the prompt positions", rec.logits, var, rec.positions), \
+                {**var.ran_with, "seconds": seconds}
 
 
 def step_runs(steps_path: Path, step_logits_path: Path) -> dict[tuple[str, bool], list[tuple[int, int, np.ndarray]]]:
@@ -106,7 +108,7 @@ def kv_rows(runs: dict) -> list[dict]:
                         f"stored step logits of steps {shared[0][0]}-{shared[-1][0]} (the shared prefix), "
                         "kv_cache=true vs false; no recompute", {"kv_cache": True})
         rec = torch.from_numpy(np.stack([a for _, a, _ in shared]))
-        out.append(row(f"kv_cache_{branch}", "step logits", rec, var, [s for s, _, _ in shared], 0.0))
+        out.append(row(f"kv_cache_{branch}", "step logits", rec, var, [s for s, _, _ in shared]))
     return out
 
 
@@ -131,6 +133,12 @@ class Matrix:
     fillers: list[list[int]]
     pad_id: int
     prompts: dict[str, tuple[v.Recorded, list[dict]]]
+    ran_with: dict[str, dict]          # variation -> what it ran with and its seconds (the manifest's facts)
+
+    def facts(self) -> dict:
+        """For the manifest only, set after every table is written: Parquet metadata carries a stage's facts,
+        and the seconds would make the same run's tables differ byte for byte."""
+        return {"recorded": v.ran_with(self.setup), "variations": self.ran_with, "prompts": sorted(self.prompts)}
 
 
 def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_prompt: str | None,
@@ -156,5 +164,4 @@ def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_p
             stage.write_parquet(paths.EQUIVALENCE[1], pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names}
                                                                             for r in rows], SCHEMA), prompt_id=pid)
             matrices[pid] = (rec, rows)
-    stage.facts = {"recorded": v.ran_with(s), "variations": ran, "prompts": sorted(matrices)}
-    return Matrix(s, fillers, pad_id, matrices)
+    return Matrix(s, fillers, pad_id, matrices, ran)

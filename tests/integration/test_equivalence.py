@@ -124,13 +124,24 @@ def test_the_rederive_check_recomputes_the_row_and_fails_on_a_wrong_one(matrix_w
     cfg = type("Cfg", (), {"rederive": "float32"})()
 
     def verdict(row):
-        return checks.rederived(m.Matrix(s, [[1]], 0, {"p": (recorded, [row])}), cfg)[0]
+        return checks.rederived(m.Matrix(s, [[1]], 0, {"p": (recorded, [row])}, {}), cfg)[0]
 
     good = verdict(rows["float32"])
     assert good.passed and good.measured <= checks.TOLERANCE, good
     assert not verdict({**rows["float32"], "kl_mean": rows["float32"]["kl_mean"] * 1.001}).passed
     assert not verdict({**rows["float32"], "top1_changed": [3]}).passed
     assert not verdict({**rows["float32"], "max_abs_diff": rows["float32"]["max_abs_diff"] + 1e-6}).passed
+
+
+def test_the_same_run_gives_the_same_bytes(matrix_ws, tmp_path):
+    """No timing in the tables (the seconds are manifest facts): a second run writes the same files."""
+    again = copy_ws(matrix_ws, tmp_path / "again")
+    run_module("stages.equivalence", again, check=True)
+    (pid,) = paths.prompt_ids(paths.EQUIVALENCE, matrix_ws)
+    for path in (paths.partition(paths.EQUIVALENCE, pid), paths.artifact(paths.EQUIVALENCE_CHECKS)):
+        assert (again / path).read_bytes() == (matrix_ws / path).read_bytes(), path
+    facts = json.loads((again / "artifacts/equivalence/manifest.json").read_text())["facts"]
+    assert facts["variations"]["float32"]["seconds"] > 0 and facts["checks"] == 6
 
 
 def test_an_exact_variation_that_is_not_exact_is_an_error():
