@@ -4,7 +4,8 @@ Sections (`--only NAME` runs one):
   capture    run_capture vs a hook-free forward, same model and prompt        (target <= 1.10)
   logits_io  logits.parquet write + read vs pandas to_parquet + read_parquet   (target <= 0.5; size <= 0.6)
              of the same long table; numpy save + load and the size vs bf16 as information
-  chain      the stages in one process, model loaded once, vs bench/baseline_script.py (<= 1.2)
+  chain      the stages in one process, model loaded once, vs bench/baseline_script.py (<= 1.2);
+             then the equivalence stage once, its time / the forward stage's (information)
   nnsight    capture vs nnsight (and TransformerLens when installed): time and peak memory (<= 1.0)
   dvc        `dvc repro` in a temp clone vs the same stages in one process, tiny_qwen2 and this
              workspace's model: the price of isolation                             (target <= 1.3)
@@ -203,6 +204,13 @@ def bench_chain(ws: Workspace, plan: Plan, res: Results, tmp: Path) -> None:
               statistics.median((c["total_s"] - c["stage_s"].get("checks", 0.0)) / b
                                 for c, b in zip(runs, times["baseline"])), None,
               "the same without the checks stage (the outputs alone)", f"information; checks took {checks_s:.1f} s")
+    # The equivalence matrix's cost, once, on the chain's last outputs: it re-runs the forward pass per variation
+    # (the `kernels` row in a subprocess, with its own torch import and model load).
+    matrix_s = run_chain(scratch, ("equivalence",), preloaded(ws))["stage_s"]["equivalence"]
+    res.sections["chain"]["equivalence_s"] = matrix_s
+    res.ratio("equivalence_vs_forward", matrix_s / last["stage_s"]["forward"], None,
+              "the equivalence stage (every configured variation) / the forward stage, in one process",
+              f"information; equivalence took {matrix_s:.1f} s")
 
 
 def bench_nnsight(ws: Workspace, plan: Plan, res: Results) -> None:

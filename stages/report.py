@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import prompt_set, registry, schema
-from pipeline.report import overview, pages, plots, render, set_plots
+from pipeline.report import equivalence, overview, pages, plots, render, set_plots
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
@@ -29,7 +29,8 @@ def main() -> None:
         across = set_plots.draw(prompts, run.out, font)
         files = pages.write(run.use, run.out, inputs, ids, lambda pid: render.load(run.use, pid, prompts=prompts))
         run.facts["explorer_pages"] = len(files)
-        text = render.render(inputs, figures, font, prompts, across)
+        text = render.render(inputs, figures, font, prompts, across) \
+            + equivalence.markdown(equivalence.load(run.use, chosen), chosen)
         run.out(paths.REPORT[1]).write_text(text, encoding="utf-8")
 
 

@@ -33,6 +33,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
                "sampling", "checks"),
     "report": ("report",),  # which prompt to detail; everything it shows comes from the artifacts
 }
+# The equivalence stage: the forward pass as recorded (capture), re-run under each variation.
+PARAMS["equivalence"] = ("model.name", "model.trust_remote_code", "capture", "report.prompt_id", "equivalence")
 
 
 def reads_prompt(stage: str) -> bool:

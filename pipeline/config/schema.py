@@ -310,6 +310,38 @@ SECTIONS: dict[str, type[Section]] = {"model": ModelConfig, "prompt": PromptConf
                                       "report": ReportConfig}
 
 
+# ---------------------------------------------------------------- equivalence (its own stage)
+# In the order the matrix shows them (pipeline/equivalence/variations.py runs them). kv_cache: the
+# trajectories stage's stored step logits, one row per branch.
+VARIATIONS = ("sdpa", "batch_2", "batch_8", "float32", "float16", "threads_1", "kernels", "kv_cache")
+Variation = Literal[VARIATIONS]
+REDERIVABLE = VARIATIONS[:6]     # a forward in this process the check can write out (not kernels, kv_cache)
+
+
+class EquivalenceConfig(Section):
+    """`equivalence`: which variations of the recorded forward pass the matrix re-runs, for which prompts."""
+
+    variations: Annotated[items(Variation, "a non-empty list of " + ", ".join(VARIATIONS)), rule(_repeats)]
+    prompts: items(Annotated[str, Field(pattern=PROMPT_ID_PATTERN, description=f"a prompt id: {PROMPT_ID_ALLOWED}")],
+                   "null or a list of the run's prompt ids") | None = None
+    fillers: items(Text, "a non-empty list of filler prompt texts (the other rows of a padded batch)")
+    exact: Annotated[items(Variation, "a list of variations expected bit-exact here (an error check each)", 0),
+                     rule(_repeats)]
+    rederive: Literal[REDERIVABLE] | None = Field(None, description="null or one of " + ", ".join(REDERIVABLE))
+
+    @model_validator(mode="after")
+    def _among_variations(self):
+        listed = "listed in equivalence.variations: " + ", ".join(self.variations)
+        if self.rederive is not None and self.rederive not in self.variations:
+            raise RuleError("rederive", self.rederive, "null or a variation " + listed)
+        if extra := [v for v in self.exact if v not in self.variations]:
+            raise RuleError("exact", extra[0], "variations " + listed)
+        return self
+
+
+SECTIONS["equivalence"] = EquivalenceConfig
+
+
 # ---------------------------------------------------------------- one line per error
 def parse(cls: type[Section], data: Any, key: str) -> Any:
     """data as a `cls`; the first problem as one UserError line naming `key.field=value`."""

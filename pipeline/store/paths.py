@@ -23,6 +23,8 @@ STAGING = ".nexttoken/staging"   # stage outputs are built here, then moved into
 
 # validate comes first: it refuses a bad params.yaml before DVC touches any other stage's outputs.
 STAGES = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
+# equivalence: after forward and trajectories (its kv_cache rows read their step logits), before the report.
+STAGES = STAGES[:STAGES.index("checks")] + ("equivalence",) + STAGES[STAGES.index("checks"):]
 
 # (stage, file name) of every data file a later stage or a user reads.
 SOURCE = ("prepare_model", "source.json")
@@ -52,6 +54,10 @@ EXPLORER_SHOT = ("report", "explorer.png")       # a screenshot of it, where a b
 # One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
 PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,
                         PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES})
+# The equivalence stage: per prompt, one row per variation; its own checks table (set-level).
+EQUIVALENCE = ("equivalence", "equivalence.parquet")
+EQUIVALENCE_CHECKS = ("equivalence", "checks.parquet")
+PER_PROMPT = PER_PROMPT | {EQUIVALENCE}
 PARTITION_KEY = "prompt_id"
 
 

@@ -24,6 +24,7 @@ TARGETS = {"capture_vs_plain": 1.10, "parquet_vs_pandas": 0.5, "parquet_size_vs_
            "chain_own_work_cpu_exponent[tiny_qwen2]": 1.1, "chain_max_extra_memory_exponent[tiny_qwen2]": 1.1}
 INFORMATION = ("plain_all_vs_plain_last", "parquet_size_vs_bf16", "parquet_vs_numpy", "parquet_vs_npz_compressed",
                "parquet_uncompressed_vs_numpy", "chain_vs_baseline_cpu_time", "chain_without_checks_vs_baseline",
+               "equivalence_vs_forward",
                "chain_cpu_exponent[tiny_qwen2]", "plain_forward_cpu_exponent[tiny_qwen2]")
 
 

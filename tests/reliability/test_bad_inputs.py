@@ -242,6 +242,20 @@ def range_cases() -> list[Case]:
         _r("report.prompt_id", "a b", "name"),
         _r("report.prompt_id", "../x", "name"),
         _r("report.nope", 1, "key"),
+        # equivalence (whether a prompt id is one of the run's: the equivalence stage, against the artifacts)
+        _r("equivalence.variations", []),
+        _r("equivalence.variations", ["bf8"], "name", shown="bf8"),
+        _r("equivalence.variations", ["sdpa", "sdpa"]),
+        _r("equivalence.exact", ["threads_2"], "name", shown="threads_2"),
+        _r("equivalence.rederive", "kv", "name"),
+        _r("equivalence.rederive", "kernels", "name"),                       # no forward the check can write out
+        _r("equivalence.rederive", "sdpa", "range", equivalence__variations=["float32"]),
+        _r("equivalence.exact", ["sdpa"], "range", shown="sdpa", equivalence__variations=["float32"]),
+        _r("equivalence.fillers", []),
+        _r("equivalence.fillers", [""], shown=""),
+        _r("equivalence.prompts", ["../x"], "name", shown="../x"),
+        _r("equivalence.nope", 1, "key"),
+        _missing("equivalence.fillers"),
     ]
 
 
@@ -471,7 +485,8 @@ def test_matrix_covers_every_key_of_every_section():
     keys = {k for s in schema.SECTIONS for k, _ in _leaves(BASE[s], s)}
     covered = {k for c in MATRIX if c.change for k in c.change}
     assert keys - covered == set()
-    assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks", "report"}
+    assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks", "report",
+                                    "equivalence"}
 
 
 def test_base_is_the_composition_of_conf(tmp_path):
@@ -693,6 +708,9 @@ SUBPROCESS = [
     Run("stage report: report.prompt_id=nope (not a prompt of the run)", ("stage", "report"),
         ("nexttoken report: error: report.prompt_id='nope' is not allowed: null or one of the run's prompt ids: "
          "temperature_question",), params={"report.prompt_id": "nope"}),
+    Run("stage equivalence: equivalence.prompts=[nope] (not a prompt of the run)", ("stage", "equivalence"),
+        ("nexttoken equivalence: error: equivalence.prompts='nope' is not allowed: null or a list of the run's "
+         "prompt ids: temperature_question",), params={"equivalence.prompts": ["nope"]}),
     Run("stage prepare_model: model.source.architecture.vocab_size=1000", ("stage", "prepare_model"),
         ("model.source.architecture.vocab_size=1000 is not allowed: an integer >= 151669",),
         params={"model.source.architecture.vocab_size": 1000}),

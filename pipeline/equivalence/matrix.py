@@ -1,0 +1,167 @@
+"""The equivalence stage's work: per chosen prompt, every configured variation against the record.
+
+Per prompt, one partition `artifacts/equivalence/equivalence/prompt_id=<id>/equivalence.parquet`: one
+row per variation (the kv_cache variation one row per trajectory branch, `kv_cache_<branch>`), its
+figures from `numerics.compare`; the manifest's facts say what each variation ran with. The checks
+on those rows (`pipeline.checks.equivalence`) go to the stage's own checks.parquet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.config import prompt_set
+from pipeline.config.schema import CaptureConfig, EquivalenceConfig
+from pipeline.equivalence import variations as v
+from pipeline.errors import bad_value
+from pipeline.model import capture, loader
+from pipeline.numerics import compare
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
+from pipeline.tools import divergence
+
+SCHEMA = pa.schema([("variation", pa.string()), ("compared", pa.string()), ("n_positions", pa.int32()),
+                    ("max_abs_diff", pa.float64()), ("mean_abs_diff", pa.float64()),
+                    ("top1_changed", pa.list_(pa.int32())), ("kept_recorded", pa.int32()),
+                    ("kept_variant", pa.int32()), ("kept_jaccard", pa.float64()),
+                    ("kl_mean", pa.float64()), ("kl_max", pa.float64()), ("bit_identical", pa.bool_()),
+                    ("first_differing_tensor", pa.string()), ("note", pa.string())])
+# No timing column: the same run gives the same bytes; each variation's seconds are in the manifest's facts.
+DTYPE_OF = {"float32": torch.float32, "float16": torch.float16}
+
+
+def chosen(cfg: EquivalenceConfig, report_prompt: str | None, ids: list[str]) -> list[str]:
+    """equivalence.prompts, or (null) the prompt the report details: one line for an id the run lacks."""
+    if cfg.prompts is None:
+        return [prompt_set.detailed(report_prompt, ids)]
+    for pid in cfg.prompts:
+        if pid not in ids:
+            raise bad_value("equivalence.prompts", pid, "null or a list of the run's prompt ids: " + ", ".join(ids))
+    return list(cfg.prompts)
+
+
+def recorded(capture_path: Path, facts: dict) -> v.Recorded:
+    tensors = read_safetensors(capture_path)
+    return v.Recorded(facts["input_ids"], facts["logit_positions"], tensors, divergence.capture_order(capture_path))
+
+
+def row(name: str, compared: str, rec_logits: torch.Tensor, var: v.Variant, positions: list[int]) -> dict:
+    figures = compare.compare(rec_logits, var.logits, positions) if var.logits is not None else compare.empty(var.note)
+    return {"variation": name, "compared": compared, "n_positions": len(positions), **figures,
+            "first_differing_tensor": var.first_differing_tensor, "note": var.note}
+
+
+def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fillers, pad_id: int):
+    """(row, ran_with) per configured forward variation, in the configured order."""
+    make = {"sdpa": lambda: v.sdpa_variant(rec, s),
+            "batch_2": lambda: v.batch_variant(rec, s, model, fillers, 2, pad_id),
+            "batch_8": lambda: v.batch_variant(rec, s, model, fillers, 8, pad_id),
+            "float32": lambda: v.dtype_variant(rec, s, torch.float32),
+            "float16": lambda: v.dtype_variant(rec, s, torch.float16),
+            "threads_1": lambda: v.threads_variant(rec, s, model),
+            "kernels": lambda: v.kernels_variant(rec, s)}
+    for name in cfg.variations:
+        if name in make:
+            start = time.perf_counter()
+            var = make[name]()
+            seconds = round(time.perf_counter() - start, 3)
+            yield row(name, "logits at the prompt positions", rec.logits, var, rec.positions), \
+                {**var.ran_with, "seconds": seconds}
+
+
+def step_runs(steps_path: Path, step_logits_path: Path) -> dict[tuple[str, bool], list[tuple[int, int, np.ndarray]]]:
+    """(branch, kv_cache) -> [(step, token_id, float32 logits row)], from the trajectories stage's files."""
+    tokens = {(r["branch"], r["kv_cache"], r["step"]): r["token_id"]
+              for r in read_parquet(steps_path, columns=["branch", "kv_cache", "step", "token_id"]).to_pylist()}
+    out: dict = {}
+    pf = pq.ParquetFile(step_logits_path)
+    for g in range(pf.num_row_groups):
+        t = pf.read_row_group(g, columns=["branch", "kv_cache", "step", "token_id", "logit"])
+        key = (t["branch"][0].as_py(), t["kv_cache"][0].as_py(), t["step"][0].as_py())
+        logits = np.empty(len(t), np.float32)
+        logits[t["token_id"].to_numpy()] = t["logit"].to_numpy()
+        out.setdefault(key[:2], []).append((key[2], tokens[key], logits))
+    return {k: sorted(rows, key=lambda r: r[0]) for k, rows in out.items()}
+
+
+def kv_rows(runs: dict) -> list[dict]:
+    """Per branch run with and without the cache: the stored step logits, compared while both runs share
+    their prefix (steps up to the first differing token; after it the two see other inputs)."""
+    out = []
+    for branch in sorted({b for b, _ in runs}):
+        full, cached = runs.get((branch, False)), runs.get((branch, True))
+        if not full or not cached:
+            continue
+        shared = []
+        for (s, tok_a, a), (_, tok_b, b) in zip(full, cached):
+            shared.append((s, a, b))
+            if tok_a != tok_b:
+                break
+        var = v.Variant(torch.from_numpy(np.stack([b for _, _, b in shared])), None,
+                        f"stored step logits of steps {shared[0][0]}-{shared[-1][0]} (the shared prefix), "
+                        "kv_cache=true vs false; no recompute", {"kv_cache": True})
+        rec = torch.from_numpy(np.stack([a for _, a, _ in shared]))
+        out.append(row(f"kv_cache_{branch}", "step logits", rec, var, [s for s, _, _ in shared]))
+    return out
+
+
+def setup(cap: CaptureConfig, snapshot: Path, trust_remote_code: bool) -> v.Setup:
+    spec = capture.CaptureSpec(attention_layers=cap.attention_layers, positions=cap.positions)
+    return v.Setup(snapshot, loader.resolve_dtype(cap.dtype), loader.resolve_device(cap.device),
+                   cap.attn_implementation, spec, cap.kernels, trust_remote_code)
+
+
+def fillers_and_pad(snapshot: Path, cfg: EquivalenceConfig, trust_remote_code: bool) -> tuple[list[list[int]], int]:
+    tok = loader.load_tokenizer(snapshot, trust_remote_code)
+    fillers = [tok(text, add_special_tokens=False)["input_ids"] for text in cfg.fillers]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return fillers, int(pad if pad is not None else 0)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What the checks need: how the record was made, the fillers, and per prompt (record, rows)."""
+
+    setup: v.Setup
+    fillers: list[list[int]]
+    pad_id: int
+    prompts: dict[str, tuple[v.Recorded, list[dict]]]
+    ran_with: dict[str, dict]          # variation -> what it ran with and its seconds (the manifest's facts)
+
+    def facts(self) -> dict:
+        """For the manifest only, set after every table is written: Parquet metadata carries a stage's facts,
+        and the seconds would make the same run's tables differ byte for byte."""
+        return {"recorded": v.ran_with(self.setup), "variations": self.ran_with, "prompts": sorted(self.prompts)}
+
+
+def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_prompt: str | None,
+           trust_remote_code: bool) -> Matrix:
+    """Every chosen prompt's matrix into `stage`."""
+    pids = chosen(cfg, report_prompt, stage.prompt_ids(paths.CAPTURE))    # an id the run lacks: before any load
+    source = read_json(stage.use(paths.SOURCE))
+    snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
+    s = setup(cap, snapshot, trust_remote_code)
+    model = loader.load_model(s.snapshot, s.dtype, s.device, s.attn, trust_remote_code)
+    fillers, pad_id = fillers_and_pad(snapshot, cfg, trust_remote_code)
+    stage.model = {**provenance.model_record(source), "trust_remote_code": trust_remote_code}
+    ran, matrices = {}, {}
+    for pid in pids:
+        with stage.timed(pid):
+            rec = recorded(stage.use(paths.CAPTURE, pid), read_json(stage.use(paths.FORWARD_FACTS, pid)))
+            rows = []
+            for r, with_ in forward_rows(rec, s, cfg, model, fillers, pad_id):
+                rows.append(r)
+                ran[r["variation"]] = with_
+            if "kv_cache" in cfg.variations:
+                rows += kv_rows(step_runs(stage.use(paths.STEPS, pid), stage.use(paths.STEP_LOGITS, pid)))
+            stage.write_parquet(paths.EQUIVALENCE[1], pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names}
+                                                                            for r in rows], SCHEMA), prompt_id=pid)
+            matrices[pid] = (rec, rows)
+    return Matrix(s, fillers, pad_id, matrices, ran)

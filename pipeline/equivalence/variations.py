@@ -1,0 +1,187 @@
+"""The forward pass of one prompt re-run under one variation, beside the recorded capture.
+
+Each function returns a `Variant`: the logits at the recorded positions ([P, V], the variant's own
+dtype), the first captured tensor that differs from the record where one can be said, and what the
+pass ran with (device, dtype, attention, threads, kernel path) for the manifest.
+
+- `sdpa`: the model with attention_implementation="sdpa". run_capture needs eager, so the first
+  differing tensor is looked for in the residual stream (HF hidden_states: blocks.i.resid_pre and,
+  last, final_norm_out).
+- `batch_2`, `batch_8`: the prompt first in a batch of n with LEFT padding beside fixed filler
+  prompts, attention mask and position ids as `generate` builds them; its rows taken back out.
+  Residual stream as for sdpa.
+- `float32`, `float16`: the model loaded in that dtype; a full capture, each tensor rounded to the
+  recorded dtype before it is compared (a cast alone is not a difference).
+- `threads_1`: a full capture with torch.set_num_threads(1), the configured count restored after.
+- `kernels`: the other `capture.kernels` mode, in a subprocess (`pipeline.equivalence.worker`):
+  the pin acts only before torch loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline import kernels
+from pipeline.config.schema import VARIATIONS  # noqa: F401 (re-exported)
+from pipeline.equivalence import worker
+from pipeline.model import capture, loader
+from pipeline.numerics import compare
+from pipeline.tools import divergence
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the forward stage recorded for one prompt."""
+
+    ids: list[int]
+    positions: list[int]                 # the prompt positions the logits rows belong to
+    tensors: dict[str, torch.Tensor]     # the capture (logits [1, P, V] among them)
+    order: list[str]                     # capture names in forward order
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.tensors[capture.act_name("logits")][0]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the record was made (the configured forward pass)."""
+
+    snapshot: Path
+    dtype: torch.dtype
+    device: torch.device
+    attn: str
+    spec: capture.CaptureSpec
+    kernels: str
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class Variant:
+    logits: torch.Tensor | None          # [P, V]; None: not run here (see note)
+    first_differing_tensor: str | None
+    note: str
+    ran_with: dict = field(default_factory=dict)
+
+
+def ran_with(s: Setup, **changes) -> dict:
+    base = {"device": str(s.device), "dtype": str(s.dtype).removeprefix("torch."), "attention": s.attn,
+            "threads": torch.get_num_threads(), "kernels": s.kernels}
+    return {**base, **changes}
+
+
+def _first(rec: Recorded, tensors: dict[str, torch.Tensor], cast: bool) -> tuple[str | None, str]:
+    """The first captured tensor (forward order) whose values differ; cast: rounded to the recorded dtype first."""
+    if cast:
+        tensors = {k: v.to(rec.tensors[k].dtype) if k in rec.tensors and v.is_floating_point() else v
+                   for k, v in tensors.items()}
+    names = [n for n in rec.order if n != "input_ids"]
+    d = divergence.first_diverging_tensor({n: rec.tensors[n] for n in names}, {n: tensors[n] for n in names if n in
+                                          tensors}, names, len(rec.ids))
+    how = "after rounding to the recorded dtype" if cast else "bit for bit"
+    if d is None:
+        return None, f"all {len(names)} captured tensors equal ({how})"
+    return d.name, f"{d.differing} of {d.total} captured tensors differ ({how})"
+
+
+def _captured(rec: Recorded, model, s: Setup, cast: bool) -> tuple[torch.Tensor, str | None, str]:
+    tensors = capture.run_capture(model, torch.tensor([rec.ids]), s.spec)
+    name, note = _first(rec, tensors, cast)
+    return tensors[capture.act_name("logits")][0], name, note
+
+
+def dtype_variant(rec: Recorded, s: Setup, dtype: torch.dtype) -> Variant:
+    model = loader.load_model(s.snapshot, dtype, s.device, s.attn, s.trust_remote_code)
+    logits, name, note = _captured(rec, model, s, cast=True)
+    return Variant(logits, name, note, ran_with(s, dtype=str(dtype).removeprefix("torch.")))
+
+
+def threads_variant(rec: Recorded, s: Setup, model, threads: int = 1) -> Variant:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits, name, note = _captured(rec, model, s, cast=False)
+    finally:
+        torch.set_num_threads(before)
+    return Variant(logits, name, note + f"; configured threads {before}", ran_with(s, threads=threads))
+
+
+def residual(rec: Recorded, hidden: tuple[torch.Tensor, ...]) -> tuple[str | None, str]:
+    """The first residual-stream tensor that differs: hidden[i] = blocks.i.resid_pre, hidden[-1] = final_norm_out
+    (HF's last hidden state is after the final norm), each [T, H] of the prompt's rows."""
+    names = [capture.act_name("resid_pre", i) for i in range(len(hidden) - 1)] + [capture.act_name("final_norm_out")]
+    for name, h in zip(names, hidden):
+        if not compare.same_bits(rec.tensors[name][0], h):
+            return name, f"residual stream only ({len(names)} tensors; run_capture needs eager, one sequence)"
+    return None, f"residual stream equal bit for bit ({len(names)} tensors)"
+
+
+def _plain(model, input_ids, mask=None, position_ids=None):
+    with torch.no_grad():
+        to = (lambda t: None if t is None else t.to(model.device))
+        return model(input_ids=to(input_ids), attention_mask=to(mask), position_ids=to(position_ids),
+                     use_cache=False, output_hidden_states=True)
+
+
+def sdpa_variant(rec: Recorded, s: Setup) -> Variant:
+    model = loader.load_model(s.snapshot, s.dtype, s.device, "sdpa", s.trust_remote_code)
+    out = _plain(model, torch.tensor([rec.ids]))
+    name, note = residual(rec, tuple(h[0].cpu() for h in out.hidden_states))
+    return Variant(out.logits[0, rec.positions].cpu(), name, note, ran_with(s, attention="sdpa"))
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask and position ids of a LEFT-padded batch, the position ids as `generate`
+    derives them from the mask (cumsum - 1, pads at 1)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return ids, mask, position_ids
+
+
+def batch_variant(rec: Recorded, s: Setup, model, fillers: list[list[int]], n: int, pad_id: int) -> Variant:
+    """The prompt as row 0 of a batch of n (fillers cycled for the other rows); its rows taken back out."""
+    rows = [rec.ids] + [fillers[i % len(fillers)] for i in range(n - 1)]
+    ids, mask, position_ids = left_padded(rows, pad_id)
+    out = _plain(model, ids, mask, position_ids)
+    pad = ids.shape[1] - len(rec.ids)
+    name, note = residual(rec, tuple(h[0, pad:].cpu() for h in out.hidden_states))
+    note += f"; left padding {pad} on the prompt's row, batch width {ids.shape[1]}"
+    return Variant(out.logits[0, pad:][rec.positions].cpu(), name, note, ran_with(s, batch=n, padding="left"))
+
+
+def other_kernels(mode: str) -> str:
+    return "native" if mode == "portable" else "portable"
+
+
+def kernels_variant(rec: Recorded, s: Setup) -> Variant:
+    """The capture re-run in a fresh process pinned to the other kernel mode."""
+    mode = other_kernels(s.kernels)
+    env = dict(os.environ)
+    if mode == "native":       # what this process's portable pin set must not reach the child
+        env = {k: v for k, v in env.items() if kernels.PORTABLE_ENV.get(k) != v}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "capture.safetensors"
+        job = {"snapshot": str(s.snapshot), "ids": rec.ids, "dtype": str(s.dtype).removeprefix("torch."),
+               "device": str(s.device), "attn": s.attn, "attention_layers": list(s.spec.attention_layers),
+               "positions": s.spec.positions, "kernels": mode, "trust_remote_code": s.trust_remote_code,
+               "out": str(out)}
+        proc = subprocess.run([sys.executable, "-m", worker.__name__, json.dumps(job)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            return Variant(None, None, f"capture.kernels={mode} could not run here: {reason}", {"kernels": mode})
+        from safetensors.torch import load_file
+        tensors, facts = load_file(str(out)), json.loads(proc.stdout.strip().splitlines()[-1])
+    name, note = _first(rec, tensors, cast=False)
+    return Variant(tensors[capture.act_name("logits")][0], name, note + " (in a subprocess)",
+                   ran_with(s, kernels=mode, threads=facts["threads"], kernel_path=facts["kernel_path"]))
