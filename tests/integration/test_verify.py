@@ -155,7 +155,7 @@ def test_stage_selection():
     assert verify.selected(None) == list(verify.RERUN)
     assert verify.selected(["forward", "probs"]) == ["forward", "logits", "probs"]
     assert verify.selected(["trajectories", "checks"]) == ["trajectories", "checks"]
-    assert verify.selected(["forward", "checks"]) == ["forward", "logits", "probs", "checks"]
+    assert verify.selected(["forward", "checks"]) == ["forward", "logits", "probs", "lens", "checks"]
     with pytest.raises(UserError, match=r"^--stages='tokenize' is not allowed: stages that compute: forward"):
         verify.selected(["tokenize"])
 
