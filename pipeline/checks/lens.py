@@ -9,8 +9,9 @@
   0, ~L/3, ~2L/3, L; the first, middle and last captured positions) numpy recomputes the lens in
   FP64 from the stored residual and the snapshot's weights read from its safetensors files (the
   final norm's formula written out, `ModuleNames.norm_formula`, with eps from config.json; the
-  head matmul; logits_scaling; softcap), sharing no code with the stage. The stage computes in
-  the compute dtype, so the two differ by its rounding; the tolerance is a bound on that, per
+  head matmul; logits_scaling; softcap), sharing no code with the stage (the loaded model only says which
+  of the snapshot's tensors is which, `SnapshotWeights.key_of`: a checkpoint may name them otherwise).
+  The stage computes in the compute dtype, so the two differ by its rounding; the tolerance is a bound on that, per
   logit v (u: the dtype's unit roundoff, 2^-8 bf16, 2^-11 fp16, 2^-24 fp32; h the normed row):
       B_v = 2 * [(4u + H * 2^-24) * sum_j |h_j W_vj| / s + (1 + [s]) * u * |z_v| + 3u * |cap(z_v)| * [cap]]
   (norm output rounded twice and both weights rounded to the dtype: 4u on each term of the dot
@@ -35,7 +36,6 @@ import torch
 from pipeline.checks.rederive import softmax64
 from pipeline.checks.verdicts import Check
 from pipeline.model.capture import act_name, decoder_layers, family
-from pipeline.model.families import ModuleNames
 from pipeline.store import safetensors_io
 from pipeline.store.artifacts import read_parquet
 
@@ -111,6 +111,26 @@ class SnapshotWeights:
     def has(self, name: str) -> bool:
         return name in self.where
 
+    def key_of(self, preferred: str, param: torch.Tensor) -> str | None:
+        """The snapshot's name of a loaded parameter: `preferred` (its module path) when that holds it, else
+        the tensor of the same shape whose values, rounded to the parameter's dtype, are its own (a checkpoint
+        may name it otherwise: GPT-NeoX's head is `embed_out`; a tied head is the input embeddings)."""
+        want = param.detach().cpu()
+        want = want[0] if want.ndim > 1 else want
+
+        def same(name: str) -> bool:
+            f, t = self.where[name]
+            if tuple(t.shape) != tuple(param.shape):
+                return False
+            with open(f, "rb") as fh:
+                fh.seek(t.start)
+                n = t.row_bytes if len(t.shape) > 1 else t.end - t.start
+                raw = np.frombuffer(fh.read(n), safetensors_io.STORED[t.dtype])
+            return torch.equal(torch.from_numpy(safetensors_io.widen(raw, t.dtype).copy()).to(want.dtype), want)
+        if preferred in self.where and same(preferred):
+            return preferred
+        return next((name for name in sorted(self.where) if same(name)), None)
+
     def read(self, name: str) -> np.ndarray:
         f, _ = self.where[name]
         return safetensors_io.read(f, name).astype(np.float64)
@@ -140,12 +160,6 @@ def normed64(x: np.ndarray, formula: str, eps: float, w: np.ndarray, b: np.ndarr
     raise ValueError(f"unknown norm formula {formula!r}")
 
 
-def head_key(names: ModuleNames, weights: SnapshotWeights) -> str:
-    """The LM head's weight in the snapshot; a tied head is stored as the input embeddings."""
-    own = f"{names.lm_head}.weight"
-    return own if weights.has(own) else f"{names.embed}.weight"
-
-
 def numpy_logits(h: np.ndarray, weights: SnapshotWeights, key: str, bias: np.ndarray | None, scaling: float | None,
                  cap: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(z before the softcap, z after it, sum_j |h_j W_vj|) in FP64 for rows h [n, H]: each [n, V]."""
@@ -172,15 +186,20 @@ def numpy_recompute(lens_path: Path, summary_path: Path, tensors: dict, model, s
     names, cfg, num_layers = family(model), _config(snapshot), len(decoder_layers(model))
     layers, where = sampled(num_layers, positions)
     weights = SnapshotWeights(snapshot)
-    norm, key = names.final_norm, head_key(names, weights)
+    norm, head = model.get_submodule(names.final_norm), model.get_submodule(names.lm_head)
+    found = {what: weights.key_of(f"{path}.{what.split('.')[1]}", p) for what, path, p in (
+        ("norm.weight", names.final_norm, norm.weight), ("norm.bias", names.final_norm, getattr(norm, "bias", None)),
+        ("head.weight", names.lm_head, head.weight), ("head.bias", names.lm_head, getattr(head, "bias", None)))
+        if p is not None}
     eps = cfg.get(names.norm_eps)
-    if eps is None:
-        nan = f"config.json has no {names.norm_eps} (the {names.norm_formula} norm's eps)"
-        return [Check("lens_numpy_top1", "lens top-1 vs numpy FP64", math.nan, 0, "error", nan),
-                Check("lens_numpy_recompute", "lens vs numpy FP64", math.nan, 1, "error", nan)]
-    w = weights.read(f"{norm}.weight")
-    b = weights.read(f"{norm}.bias") if weights.has(f"{norm}.bias") else None
-    bias = weights.read(f"{names.lm_head}.bias") if weights.has(f"{names.lm_head}.bias") else None
+    problem = next((f"the snapshot holds no tensor equal to the model's {k}" for k, v in found.items() if v is None),
+                   None if eps is not None else f"config.json has no {names.norm_eps} (the final norm's eps)")
+    if problem:
+        return [Check("lens_numpy_top1", "lens top-1 vs numpy FP64", math.nan, 0, "error", problem),
+                Check("lens_numpy_recompute", "lens vs numpy FP64", math.nan, 1, "error", problem)]
+    w = weights.read(found["norm.weight"])
+    b = weights.read(found["norm.bias"]) if "norm.bias" in found else None
+    bias, key = (weights.read(found["head.bias"]) if "head.bias" in found else None), found["head.weight"]
     scaling = float(cfg[names.logits_scaling]) if names.logits_scaling else None
     cap = cfg.get(names.final_softcap) if names.final_softcap else None
     u, hidden = UNIT_ROUNDOFF[dtype], w.shape[0]

@@ -163,3 +163,33 @@ def test_final_layer_check_passes_on_the_logits_and_fails_on_one_changed_logit_o
             del v[-3:]
     path, t = _lens_file(tmp_path, logits, drop)
     assert not checks.final_layer(path, t["logits"], [0, 1], 1).passed
+
+
+def test_snapshot_weights_are_found_by_value_whatever_the_checkpoint_calls_them(tmp_path):
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(2)
+    head, embed, norm = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g), torch.rand(4, generator=g)
+    save_file({"embed_out.weight": head, "gpt_neox.embed_in.weight": embed, "gpt_neox.final_layer_norm.weight": norm},
+              str(tmp_path / "model.safetensors"))
+    weights = checks.SnapshotWeights(tmp_path)
+    assert weights.key_of("lm_head.weight", head.bfloat16()) == "embed_out.weight"       # GPT-NeoX's saved name
+    assert weights.key_of("gpt_neox.embed_in.weight", embed.bfloat16()) == "gpt_neox.embed_in.weight"
+    assert weights.key_of("lm_head.weight", torch.zeros(6, 4)) is None                    # nothing holds it
+    np.testing.assert_array_equal(weights.read("embed_out.weight"), head.double().numpy())
+    rows = np.concatenate([w for _, w in weights.row_chunks("embed_out.weight")])
+    np.testing.assert_array_equal(rows, head.double().numpy())
+
+
+def test_final_layer_kl_check_fails_on_a_nonzero_or_missing_kl(tmp_path):
+    import pyarrow as pa
+
+    def summary(kl: list[float], positions: list[int]):
+        n = len(kl)
+        t = pa.table({"layer": [1] * n, "position": positions, "entropy": [1.0] * n, "final_top1_id": [0] * n,
+                      "final_top1_rank": [1] * n, "final_top1_prob": [0.5] * n, "kl_final": kl},
+                     schema=lens.SUMMARY_SCHEMA)
+        pq.write_table(t, tmp_path / "s.parquet")
+        return checks.final_layer_kl(tmp_path / "s.parquet", [0, 1], 1)
+    assert summary([0.0, 0.0], [0, 1]).passed
+    assert summary([0.0, 1e-300], [0, 1]).measured == 1e-300
+    assert not summary([0.0], [0]).passed
