@@ -180,12 +180,9 @@ def _config(snapshot: Path) -> dict:
     return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def numpy_recompute(lens_path: Path, summary_path: Path, tensors: dict, model, snapshot: Path,
-                    positions: list[int], dtype: str) -> list[Check]:
-    """lens.parquet / lens_summary.parquet on the sampled layers and positions vs numpy FP64."""
-    names, cfg, num_layers = family(model), _config(snapshot), len(decoder_layers(model))
-    layers, where = sampled(num_layers, positions)
-    weights = SnapshotWeights(snapshot)
+def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
+    """The final norm's and the head's FP64 tensors from the snapshot, the eps, scaling and cap; or a problem."""
+    names, weights = family(model), SnapshotWeights(snapshot)
     norm, head = model.get_submodule(names.final_norm), model.get_submodule(names.lm_head)
     found = {what: weights.key_of(f"{path}.{what.split('.')[1]}", p) for what, path, p in (
         ("norm.weight", names.final_norm, norm.weight), ("norm.bias", names.final_norm, getattr(norm, "bias", None)),
@@ -193,60 +190,75 @@ def numpy_recompute(lens_path: Path, summary_path: Path, tensors: dict, model, s
         if p is not None}
     eps = cfg.get(names.norm_eps)
     problem = next((f"the snapshot holds no tensor equal to the model's {k}" for k, v in found.items() if v is None),
-                   None if eps is not None else f"config.json has no {names.norm_eps} (the final norm's eps)")
+                   "" if eps is not None else f"config.json has no {names.norm_eps} (the final norm's eps)")
     if problem:
-        return [Check("lens_numpy_top1", "lens top-1 vs numpy FP64", math.nan, 0, "error", problem),
-                Check("lens_numpy_recompute", "lens vs numpy FP64", math.nan, 1, "error", problem)]
-    w = weights.read(found["norm.weight"])
-    b = weights.read(found["norm.bias"]) if "norm.bias" in found else None
-    bias, key = (weights.read(found["head.bias"]) if "head.bias" in found else None), found["head.weight"]
-    scaling = float(cfg[names.logits_scaling]) if names.logits_scaling else None
-    cap = cfg.get(names.final_softcap) if names.final_softcap else None
-    u, hidden = UNIT_ROUNDOFF[dtype], w.shape[0]
+        return {}, problem
+    return {"weights": weights, "key": found["head.weight"], "eps": eps, "w": weights.read(found["norm.weight"]),
+            "b": weights.read(found["norm.bias"]) if "norm.bias" in found else None,
+            "bias": weights.read(found["head.bias"]) if "head.bias" in found else None,
+            "scaling": float(cfg[names.logits_scaling]) if names.logits_scaling else None,
+            "cap": cfg.get(names.final_softcap) if names.final_softcap else None}, ""
+
+
+def _ratios(rows, one, z: np.ndarray, bound: np.ndarray, final_row: np.ndarray) -> dict[str, float]:
+    """One sampled point: each stored figure's |difference| from numpy's over its bound (see the module doc)."""
+    ids, row_bound = rows["token_id"].to_numpy(), float(bound.max())
+    p64, pf = softmax64(z, 1.0), softmax64(final_row, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ln_p64, ln_pf = np.log(p64), np.log(pf)
+        entropy = -float(np.sum(np.where(p64 > 0, p64 * ln_p64, 0.0)))
+        kl = float(np.sum(np.where(pf > 0, pf * (ln_pf - ln_p64), 0.0)))
+        f = int(one["final_top1_id"])
+        ratios = {
+            "logit": np.abs(rows["logit"].to_numpy(np.float64) - z[ids]) / bound[ids],
+            "ln prob": np.abs(np.log(rows["prob"].to_numpy(np.float64)) - ln_p64[ids]) / (2 * row_bound),
+            "final top-1 ln prob": np.abs(math.log(one["final_top1_prob"]) - ln_p64[f]) / (2 * row_bound),
+            "KL(final || layer)": abs(one["kl_final"] - kl) / (2 * row_bound),
+            "entropy": abs(one["entropy"] - entropy) / (2 * row_bound * (1 + entropy)),
+        }
+    return {k: float(np.nan_to_num(np.max(v), nan=math.inf)) for k, v in ratios.items()}
+
+
+def numpy_recompute(lens_path: Path, summary_path: Path, tensors: dict, model, snapshot: Path,
+                    positions: list[int], dtype: str) -> list[Check]:
+    """lens.parquet / lens_summary.parquet on the sampled layers and positions vs numpy FP64."""
+    names, num_layers = family(model), len(decoder_layers(model))
+    layers, where = sampled(num_layers, positions)
+    pts, u = f"layers {layers} x positions {where}", UNIT_ROUNDOFF[dtype]
+    what = (f"lens.parquet top-1 vs numpy FP64 ({names.norm_formula} norm from the snapshot's weights, eps from "
+            "config.json, head matmul, scaling, softcap) on the sampled points, equal to within the dtype's bound B "
+            "(points differing)",
+            f"lens.parquet logits and ln p, lens_summary.parquet entropy, KL and final top-1 ln p vs numpy FP64 from "
+            f"the stored residual on {pts}: worst |difference| / its bound (B_v = 2[(4u + H 2^-24) sum|h W_v| + "
+            f"(1..2)u|z_v| + 3u|cap(z_v)|], u = {u:g} for {dtype})")
+    h, problem = _head(model, snapshot, _config(snapshot))
+    if problem:
+        return [Check("lens_numpy_top1", what[0], math.nan, 0, "error", problem),
+                Check("lens_numpy_recompute", what[1], math.nan, 1, "error", problem)]
     resid = [act_name("resid_pre", 0)] + [act_name("resid_post", i) for i in range(num_layers)]
     points = [(layer, p) for layer in layers for p in where]
     x = np.stack([tensors[resid[layer]][0, p].float().numpy().astype(np.float64) for layer, p in points])
-    z_in, z, s = numpy_logits(normed64(x, names.norm_formula, eps, w, b), weights, key, bias, scaling, cap)
-    bound = 2 * ((4 * u + hidden * 2.0**-24) * s + (1 + (scaling is not None)) * u * np.abs(z_in)
-                 + (3 * u * np.abs(z) if cap is not None else 0.0))
+    z_in, z, s = numpy_logits(normed64(x, names.norm_formula, h["eps"], h["w"], h["b"]), h["weights"], h["key"],
+                              h["bias"], h["scaling"], h["cap"])
+    bound = 2 * ((4 * u + h["w"].shape[0] * 2.0**-24) * s + (1 + (h["scaling"] is not None)) * u * np.abs(z_in)
+                 + (3 * u * np.abs(z) if h["cap"] is not None else 0.0))
     lens = read_parquet(lens_path).to_pandas().set_index(["layer", "position"]).sort_index()
     summary = read_parquet(summary_path).to_pandas().set_index(["layer", "position"]).sort_index()
-    final = tensors[act_name("logits")][0]
-    wrong_top1, worst, what = [], 0.0, ""
+    final, wrong_top1, worst = tensors[act_name("logits")][0], [], (0.0, "")
     for i, (layer, p) in enumerate(points):
-        rows, one = lens.loc[(layer, p)], summary.loc[(layer, p)]
-        ids = rows["token_id"].to_numpy()
-        row_bound = float(bound[i].max())
-        top, best = int(ids[np.argmin(rows["rank"].to_numpy())]), int(np.argmax(z[i]))
+        if (layer, p) not in lens.index or (layer, p) not in summary.index:
+            wrong_top1.append(f"layer {layer} position {p}: missing")
+            worst = (math.inf, f"layer {layer} position {p} missing")
+            continue
+        rows, one = lens.loc[[(layer, p)]], summary.loc[(layer, p)]
+        top, best = int(rows["token_id"].to_numpy()[np.argmin(rows["rank"].to_numpy())]), int(np.argmax(z[i]))
         if z[i, best] - z[i, top] > bound[i, best] + bound[i, top]:
             wrong_top1.append(f"layer {layer} position {p}: {top} vs numpy {best}")
-        p64 = softmax64(z[i], 1.0)
-        pf = softmax64(final[positions.index(p)].float().numpy(), 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ln_p64, ln_pf = np.log(p64), np.log(pf)
-            entropy = -float(np.sum(np.where(p64 > 0, p64 * ln_p64, 0.0)))
-            kl = float(np.sum(np.where(pf > 0, pf * (ln_pf - ln_p64), 0.0)))
-            f = int(one["final_top1_id"])
-            ratios = {
-                "logit": np.abs(rows["logit"].to_numpy(np.float64) - z[i, ids]) / bound[i, ids],
-                "ln prob": np.abs(np.log(rows["prob"].to_numpy(np.float64)) - ln_p64[ids]) / (2 * row_bound),
-                "final top-1 ln prob": np.abs(math.log(one["final_top1_prob"]) - ln_p64[f]) / (2 * row_bound),
-                "KL(final || layer)": abs(one["kl_final"] - kl) / (2 * row_bound),
-                "entropy": abs(one["entropy"] - entropy) / (2 * row_bound * (1 + entropy)),
-            }
-        for name, r in ratios.items():
-            r = float(np.nan_to_num(np.max(r), nan=math.inf))
-            if r > worst or (not what and r >= worst):
-                worst, what = r, f"{name} at layer {layer} position {p} (bound 2 max B = {2 * row_bound:.3g})"
-    pts = f"layers {layers} x positions {where}"
-    return [Check("lens_numpy_top1", f"lens.parquet top-1 vs numpy FP64 ({names.norm_formula} norm from the "
-                  "snapshot's weights, eps from config.json, head matmul, scaling, softcap) on the sampled points, "
-                  "equal to within the dtype's bound B (points differing)", len(wrong_top1), 0, "error",
-                  "; ".join(wrong_top1[:3]) or pts),
-            Check("lens_numpy_recompute", f"lens.parquet logits and ln p, lens_summary.parquet entropy, KL and final "
-                  f"top-1 ln p vs numpy FP64 from the stored residual on {pts}: worst |difference| / its bound "
-                  f"(B_v = 2[(4u + H 2^-24) sum|h W_v| + (1..2)u|z_v| + 3u|cap(z_v)|], u = {u:g} for {dtype})",
-                  worst, 1.0, "error", what)]
+        for name, r in _ratios(rows, one, z[i], bound[i], final[positions.index(p)].float().numpy()).items():
+            if r > worst[0] or not worst[1]:
+                worst = (r, f"{name} at layer {layer} position {p} (bound 2 max B = {2 * bound[i].max():.3g})")
+    return [Check("lens_numpy_top1", what[0], len(wrong_top1), 0, "error", "; ".join(wrong_top1[:3]) or pts),
+            Check("lens_numpy_recompute", what[1], worst[0], 1.0, "error", worst[1])]
 
 
 def run(stored, model, snapshot: Path, dtype: str) -> list[Check]:
