@@ -21,6 +21,8 @@ from pipeline.report.plots import Figure, Fonts
 from pipeline.store import paths
 from pipeline.store.artifacts import read_parquet
 
+TICKS = 40      # at most this many labelled positions / layers on the heatmap
+
 
 @dataclass(frozen=True)
 class LensInputs:
@@ -98,8 +100,10 @@ def heatmap(out: Callable[[str], Path], lens: LensInputs, font: Fonts) -> Figure
         ax = fig.add_subplot()
         image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
                           interpolation="nearest")
-        ax.set_xticks(range(len(positions)), [str(p) for p in positions], fontsize=8)
-        ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=8)
+        if len(positions) <= TICKS:         # longer prompts: matplotlib's own ticks (column i is position i)
+            ax.set_xticks(range(len(positions)), [str(p) for p in positions], fontsize=8)
+        if len(layers) <= TICKS:
+            ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=8)
         ax.set_xlabel("prompt position")
         ax.set_ylabel("lens layer (0 = embeddings, L = last block)")
         ax.set_title("Logit lens: probability of the model's final top-1 id at each layer")
