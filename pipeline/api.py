@@ -183,6 +183,14 @@ class Run:
         """steps.parquet: one row per branch, cache mode and step (pandas)."""
         return self._parquet(paths.STEPS, prompt_id)
 
+    def lens(self, prompt_id: str | None = None):
+        """lens.parquet: the logit lens's top-k ids per layer and position, FP64 probabilities (pandas)."""
+        return self._parquet(paths.LENS, prompt_id)
+
+    def lens_summary(self, prompt_id: str | None = None):
+        """lens_summary.parquet: per layer and position, entropy, the final top-1's rank and prob, KL (pandas)."""
+        return self._parquet(paths.LENS_SUMMARY, prompt_id)
+
     @property
     def checks(self):
         """checks.parquet: one row per prompt and check (pandas)."""

@@ -2,7 +2,7 @@
 
 Nothing loads at import time. The two workspace fixtures are built once per session, in
 fresh processes as DVC would run the stages, and are read-only: `tiny_workspace`
-(prepare_model, tokenize) and `tiny_chain` (a copy of it, run through trajectories). A test
+(prepare_model, tokenize) and `tiny_chain` (a copy of it, run through lens). A test
 that runs a stage or changes a file works on its own copy (`copy_ws`); each fixture checks
 at the end of the session that nobody wrote into it, so what a test sees never depends on
 which tests ran before it.
@@ -21,7 +21,7 @@ import pytest
 from pipeline.store import paths, provenance
 
 REPO = Path(__file__).resolve().parents[1]
-CHAIN = ("forward", "logits", "probs", "trajectories")
+CHAIN = ("forward", "logits", "probs", "trajectories", "lens")
 
 # Tests never reach the network, and git commits in temp clones need an identity.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,7 +83,7 @@ def tiny_workspace(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_chain(tiny_workspace, tmp_path_factory) -> Path:
-    """A copy of tiny_workspace with forward -> trajectories run once (read-only)."""
+    """A copy of tiny_workspace with forward -> lens run once (read-only)."""
     ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("tiny_chain") / "ws")
     for stage in CHAIN:
         run_module(f"stages.{stage}", ws, check=True)

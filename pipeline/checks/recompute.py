@@ -22,6 +22,8 @@ from torch import nn
 
 from pipeline.checks.verdicts import max_abs
 from pipeline.model.capture import act_name, decoder_layers, family, text_config
+from pipeline.model.head import lm_head_rows
+from pipeline.model.head import softcap as _softcap
 
 
 def _with_layout_of(ref: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -32,28 +34,6 @@ def _with_layout_of(ref: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def _device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
-
-
-def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    # The same three ops, in the same order, as HF (Gemma final logits / Gemma 2 attention).
-    if cap is None:
-        return x
-    return torch.tanh(x / cap) * cap
-
-
-def lm_head_rows(model: nn.Module, final_norm_out: torch.Tensor, rows: int) -> torch.Tensor:
-    """The model's own lm_head (+ final softcapping, if the family has it) on the last `rows`
-    positions of the stored LM-head input, sliced as HF slices it (`slice_logits_to_keep`), so
-    the matmul has the shape it had in the pass that made the logits."""
-    names, cfg = family(model), text_config(model)
-    lm_head = model.get_submodule(names.lm_head)
-    x = final_norm_out[:, -rows:, :].to(device=_device_of(lm_head))
-    cap = getattr(cfg, names.final_softcap) if names.final_softcap else None
-    with torch.inference_mode():
-        logits = lm_head(x)
-        if names.logits_scaling:        # Granite: logits / logits_scaling, before any softcap
-            logits = logits / getattr(cfg, names.logits_scaling)
-        return _softcap(logits, cap)
 
 
 def lm_head_recompute(model: nn.Module, final_norm_out: torch.Tensor, logits: torch.Tensor) -> float:

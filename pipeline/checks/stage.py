@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.checks import reference, suite, verdicts
+from pipeline.checks import lens, reference, suite, verdicts
 from pipeline.config import prompt_set, schema
 from pipeline.model import loader
 from pipeline.store import paths, provenance
@@ -73,6 +73,7 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
             stored, here = suite.load(use, root, pid), {**cfg, "prompt": _record(prompts, pid)}
             mine = suite.run_all(stored, model, tokenizer, here, device, loader.eos_ids(model),
                                  snapshot / "tokenizer.json")
+            mine += lens.run(stored, model, snapshot, cap.dtype)
             mine += reference.run(stored, model, tokenizer, here, mine, figures[here["prompt"].id])
         results += [replace(c, prompt_id=pid or "") for c in mine]
         missing += [s for s in stored.missing if s not in missing]

@@ -54,6 +54,9 @@ class Stored:
     # probs/prompt_metrics.parquet with what its check needs (tokenize.json's prompt_id,
     # vocab.parquet); None for a run whose probs stage did not record that file (older code)
     probs_prompt_metrics: tuple[Path, str, Path] | None = None
+    # lens/lens.parquet and lens_summary.parquet; None for a run recorded before the lens stage
+    lens: Path | None = None
+    lens_summary: Path | None = None
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -96,12 +99,14 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = Non
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
     loops_item = paths.TRAJECTORY_PROMPT_METRICS
     loops_table = (use(loops_item), own_id) if paths.artifact(loops_item, root).exists() else None  # None: older run
+    lens = paths.manifest_path(paths.LENS[0], root).exists()                                        # False: older run
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(),
                   read_safetensors(use(paths.CAPTURE, prompt_id)), devices, use(paths.LOGITS, prompt_id),
                   optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
-                  loops_table, metrics)
+                  loops_table, metrics, use(paths.LENS, prompt_id) if lens else None,
+                  use(paths.LENS_SUMMARY, prompt_id) if lens else None)
 
 
 def _recorded_outputs(stage: str, root: Path | str) -> set[str]:

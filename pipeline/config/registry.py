@@ -28,6 +28,9 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "probs": ("probs", "sampling.temperature", "sampling.top_k", "sampling.top_p", "capture.kernels"),
     "trajectories": ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
                      "capture.attn_implementation", "capture.kernels", "sampling"),
+    # the model's final norm and LM head, loaded as forward loaded them (same dtype, device, kernels)
+    "lens": ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device", "capture.attn_implementation",
+             "capture.kernels", "lens"),
     "checks": ("model.name", "model.trust_remote_code", "model.tokenizer", "model.reference_figures", "prompt",
                "capture.dtype", "capture.device", "capture.attn_implementation", "capture.kernels", "probs",
                "sampling", "checks"),

@@ -297,6 +297,13 @@ class ChecksConfig(Section):
     kv_cache_atol: float = Field(ge=0.0)
 
 
+class LensConfig(Section):
+    """`lens`: the logit lens (pipeline/model/lens.py); whether top_k fits the model's output size is
+    checked by the lens stage against the model, before any work."""
+
+    top_k: Count      # ids kept per (layer, position), best first
+
+
 class ReportConfig(Section):
     """`report`: which prompt of the run the report details (the overview lists every prompt). Whether the
     id is one of the run's: `prompt_set.for_run` (compose, validate) and the report stage (its artifacts)."""
@@ -307,7 +314,7 @@ class ReportConfig(Section):
 
 SECTIONS: dict[str, type[Section]] = {"model": ModelConfig, "prompt": PromptConfig, "capture": CaptureConfig,
                                       "probs": ProbsConfig, "sampling": SamplingConfig, "checks": ChecksConfig,
-                                      "report": ReportConfig}
+                                      "lens": LensConfig, "report": ReportConfig}
 
 
 # ---------------------------------------------------------------- equivalence (its own stage)

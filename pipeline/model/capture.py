@@ -45,7 +45,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import bad_value
-from pipeline.model.families import FAMILIES, GENERIC, ModuleNames, captured_pieces
+from pipeline.model.families import FAMILIES, GENERIC, GENERIC_NORMS, ModuleNames, captured_pieces
 from pipeline.model.names import ATTN_INTERNALS, GLOBAL_KINDS, LAYER_KINDS, act_name  # noqa: F401 (re-exported)
 
 
@@ -90,7 +90,9 @@ def find_generic(model: nn.Module) -> ModuleNames:
         raise bad_value("model_type", model.config.model_type,
                         f"a decoder whose {', '.join(missing)} can be found (supported families: {sorted(FAMILIES)})")
     softcap = "final_logit_softcapping" if getattr(cfg, "final_logit_softcapping", None) is not None else None
-    return replace(GENERIC, embed=embed, layers=layers, final_norm=norm, lm_head=lm_head, final_softcap=softcap)
+    formula, eps = GENERIC_NORMS.get(model.config.model_type, ("rms", "rms_norm_eps"))
+    return replace(GENERIC, embed=embed, layers=layers, final_norm=norm, lm_head=lm_head, final_softcap=softcap,
+                   norm_formula=formula, norm_eps=eps)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -57,6 +57,11 @@ class ModuleNames:
     residual_multiplier: str | None = None         # resid += out * m (Granite)
     embedding_multiplier: str | None = None        # resid_pre of layer 0 = embed * m (Granite)
     logits_scaling: str | None = None              # logits = lm_head(x) / s (Granite)
+    # The final norm's formula, written out by the lens check (pipeline/checks/lens.py) in numpy:
+    # "rms" x / sqrt(mean(x^2) + eps) * w; "rms_plus_one" the same * (1 + w) (Gemma, Qwen 3.5);
+    # "layer" (x - mean) / sqrt(var + eps) * w + b. `norm_eps`: the config attribute holding eps.
+    norm_formula: str = "rms"
+    norm_eps: str = "rms_norm_eps"
     generic: bool = False                          # found by `find_generic`: residual stream only
     notes: tuple[str, ...] = field(default=())
 
@@ -78,6 +83,7 @@ GEMMA2 = ModuleNames(
     post_attn_norm="post_attention_layernorm",
     attn_softcap="attn_logit_softcapping",
     final_softcap="final_logit_softcapping",
+    norm_formula="rms_plus_one",
     notes=("attention and final logit softcapping; norms before and after attention and MLP",
            "`embed` includes the scale sqrt(hidden_size)"))
 GEMMA3 = replace(
@@ -104,13 +110,14 @@ GPT2 = ModuleNames(
     embed="transformer.wte", pos_embed="transformer.wpe", layers="transformer.h", final_norm="transformer.ln_f",
     rotary=None, ln1="ln_1", attn="attn", attn_out="attn", resid_mid_reader="ln_2", mlp_out="mlp",
     q_proj=None, k_proj=None, v_proj=None, qkv_proj="c_attn", o_proj="c_proj", softmax_fp32=False,
+    norm_formula="layer", norm_eps="layer_norm_epsilon",
     notes=("learned position embeddings (`pos_embed`), no RoPE", "fused c_attn: `attn.qkv` and `attn.value`",
            "eager softmax in the compute dtype"))
 GPT_NEOX = ModuleNames(
     embed="gpt_neox.embed_in", layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
     rotary="gpt_neox.rotary_emb", attn="attention", attn_out="attention",
     q_proj=None, k_proj=None, v_proj=None, qkv_proj="query_key_value", o_proj="dense",
-    parallel_residual="use_parallel_residual",
+    parallel_residual="use_parallel_residual", norm_formula="layer", norm_eps="layer_norm_eps",
     notes=("parallel attention and MLP (use_parallel_residual): no `resid_mid`",
            "fused query_key_value: `attn.qkv` and `attn.value`; partial RoPE"))
 SMOLLM3 = replace(LLAMA_LIKE, notes=("no RoPE on the layers no_rope_layers marks (NoPE)",))
@@ -126,7 +133,7 @@ FAMILIES: dict[str, ModuleNames] = {
     "qwen3": QWEN3,
     "mixtral": replace(LLAMA_LIKE, notes=("mixture of experts: `mlp_out` is the routed experts' sum",)),
     "qwen3_moe": replace(QWEN3, notes=(*QWEN3.notes, "mixture of experts: `mlp_out` is the routed experts' sum")),
-    "gemma": replace(LLAMA_LIKE, notes=("`embed` includes the scale sqrt(hidden_size)",)),
+    "gemma": replace(LLAMA_LIKE, norm_formula="rms_plus_one", notes=("`embed` includes the scale sqrt(hidden_size)",)),
     "gemma2": GEMMA2,
     "gemma3_text": GEMMA3,
     "phi3": PHI3,
@@ -135,13 +142,17 @@ FAMILIES: dict[str, ModuleNames] = {
     "olmo2": OLMO2,
     "granite": GRANITE,
     "smollm3": SMOLLM3,
-    "starcoder2": replace(LLAMA_LIKE, notes=("LayerNorm with bias; q/k/v/o projections with bias",)),
+    "starcoder2": replace(LLAMA_LIKE, norm_formula="layer", norm_eps="norm_epsilon",
+                          notes=("LayerNorm with bias; q/k/v/o projections with bias",)),
 }
 # The newest generation in the pinned transformers, whose decoder layers differ from every entry
 # above (Qwen 3.5: gated attention mixed with linear-attention layers), recorded at the
 # residual-stream level. (gemma4_text is not among them: its config refuses the global
 # num_attention_heads / head_dim reads the memory estimate and the facts make.)
 GENERIC_TESTED = ("qwen3_5_text",)
+# Their final norm's formula and eps attribute (ModuleNames.norm_formula), for the lens check; any
+# other residual-stream model is taken as "rms" with rms_norm_eps (the check names it when not).
+GENERIC_NORMS = {"qwen3_5_text": ("rms_plus_one", "rms_norm_eps")}
 # What `model=tiny model.source.family=X` builds (pipeline/model/tiny.py), each proven by the tests.
 TINY_FAMILIES = (*FAMILIES, *GENERIC_TESTED)
 # Decoders with no attention layers at all: nothing to capture as attention, refused up front.

@@ -20,6 +20,7 @@ import numpy as np
 from pipeline.errors import UserError
 from pipeline.model.names import act_name
 from pipeline.report import conditions as run_conditions
+from pipeline.report import lens as lens_report
 from pipeline.report import overview, plots
 from pipeline.report.markdown import code, exact, figure, name, prob, src, table, yes
 from pipeline.report.plots import Figure, Fonts
@@ -54,6 +55,7 @@ class Inputs:
     probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None for a run made before it
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
     prompt_id: str = ""                # whose partitions these are
+    lens: lens_report.LensInputs | None = None   # lens/ tables, None for a run made before the lens stage
 
     @property
     def top_n(self) -> int:
@@ -118,8 +120,9 @@ def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.Set
         steps=read_parquet(use(paths.STEPS, prompt_id)).to_pylist(),
         trajectories=read_json(use(paths.TRAJECTORIES, prompt_id)),
         prompt_metrics=own(prompts.runs), checks=checks, probs_prompt_metrics=metrics, vocab={},
-        prompt_id=prompt_id)
+        prompt_id=prompt_id, lens=lens_report.load(use, prompt_id, root))
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
+    ids |= lens_report.token_ids(inp.lens)
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
     inp.vocab.update({r["token_id"]: r for r in rows})
@@ -301,7 +304,7 @@ def repetition(rows: list[dict]) -> list[str]:
 
 
 def checks(inp: Inputs) -> list[str]:
-    out = ["## 9. Checks", ""]
+    out = ["## 10. Checks", ""]
     if inp.checks is None:
         return out + [f"`{src(paths.CHECKS)}` is missing: the checks stage has not run (`dvc repro checks`).", ""]
     failed = [c for c in inp.checks if c["verdict"] != "pass"]
@@ -322,7 +325,8 @@ def _measured(x: float | None) -> str:
 
 
 def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figure]:
-    """The three figures at `inp.position`, drawn into `out(...)` paths."""
+    """The three figures at `inp.position` (and the lens heatmap, where the run has a lens), drawn into `out(...)`
+    paths."""
     temps = [t for t in inp.summary["temperatures"] if t["position"] == inp.position]
     labels = {c["token_id"]: plots.token_label(c["token_id"], inp.vocab.get(c["token_id"]), font)
               for c in temps[0]["top"]}
@@ -332,6 +336,8 @@ def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figu
             plots.cumulative_curve(out, inp.position, inp.logits, t_cut,
                                    [c for c in cuts if c["temperature"] == t_cut], font),
             plots.entropy_plot(out, inp.position, inp.logits, temps, font)]
+    if inp.lens is not None:
+        figs.append(lens_report.heatmap(out, inp.lens, font))
     return {f.name: f for f in figs}
 
 
@@ -356,6 +362,7 @@ def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overvi
     if prompts is not None:
         lines += overview.section(prompts, inp.prompt_id, [figure(f) for f in set_figures])
     for part in (run_conditions.conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
-                 temperatures(inp, figures), filters(inp, figures), trajectories(inp), checks(inp)):
+                 temperatures(inp, figures), filters(inp, figures), trajectories(inp),
+                 lens_report.section(inp.lens, lambda i: token_text(inp, i), figures), checks(inp)):
         lines += part
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -22,9 +22,9 @@ PARAMS = "params.yaml"
 STAGING = ".nexttoken/staging"   # stage outputs are built here, then moved into place whole
 
 # validate comes first: it refuses a bad params.yaml before DVC touches any other stage's outputs.
-STAGES = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
 # equivalence: after forward and trajectories (its kv_cache rows read their step logits), before the report.
-STAGES = STAGES[:STAGES.index("checks")] + ("equivalence",) + STAGES[STAGES.index("checks"):]
+STAGES = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "equivalence", "lens",
+          "checks", "report")
 
 # (stage, file name) of every data file a later stage or a user reads.
 SOURCE = ("prepare_model", "source.json")
@@ -45,19 +45,21 @@ TRAJECTORIES = ("trajectories", "trajectories.json")
 TRAJECTORIES_METRICS = ("trajectories", "metrics.json")
 # per (prompt_id, branch, kv_cache): loop, n-grams
 TRAJECTORY_PROMPT_METRICS = ("trajectories", "prompt_metrics.parquet")
+LENS = ("lens", "lens.parquet")                  # per (layer, position): the top lens.top_k ids
+LENS_SUMMARY = ("lens", "lens_summary.parquet")  # per (layer, position): entropy, the final top-1's rank, KL
 CHECKS = ("checks", "checks.parquet")
 METRICS = ("checks", "metrics.json")
 REPORT = ("report", "report.md")
 EXPLORER = ("report", "explorer.html")           # the detailed prompt's page; a set's others: explorer-<id>.html
 EXPLORER_SHOT = ("report", "explorer.png")       # a screenshot of it, where a browser made one (tests, docs)
 
-# One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
-PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,
-                        PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES})
 # The equivalence stage: per prompt, one row per variation; its own checks table (set-level).
 EQUIVALENCE = ("equivalence", "equivalence.parquet")
 EQUIVALENCE_CHECKS = ("equivalence", "checks.parquet")
-PER_PROMPT = PER_PROMPT | {EQUIVALENCE}
+
+# One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
+PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,
+                        PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES, LENS, LENS_SUMMARY, EQUIVALENCE})
 PARTITION_KEY = "prompt_id"
 
 

@@ -50,9 +50,9 @@ from pipeline.tools.rundiff import (
     trajectory_lines_from,
 )
 
-RERUN = ("forward", "logits", "probs", "trajectories", "checks")      # in dvc.yaml's order
-READS = {"forward": (), "logits": ("forward",), "probs": ("logits",), "trajectories": (),
-         "checks": ("forward", "logits", "probs", "trajectories")}     # which re-run stages each one reads
+RERUN = ("forward", "logits", "probs", "trajectories", "lens", "checks")      # in dvc.yaml's order
+READS = {"forward": (), "logits": ("forward",), "probs": ("logits",), "trajectories": (), "lens": ("forward",),
+         "checks": ("forward", "logits", "probs", "trajectories", "lens")}     # which re-run stages each one reads
 LABELS = ("then", "now")
 
 
@@ -165,7 +165,7 @@ def _mirror(root: Path, here: Path, rerun: list[str]) -> None:
 def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
     """Each stage's own function, in order, writing its folder under `here` (one model load)."""
     from pipeline.checks import stage as checks
-    from pipeline.model import forward, loader, logits_table, trajectories
+    from pipeline.model import forward, lens, loader, logits_table, trajectories
     from pipeline.numerics import probs
 
     def section(name: str):
@@ -177,6 +177,7 @@ def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
         "probs": lambda run: probs.record(run, section("probs"), section("sampling")),
         "trajectories": lambda run: trajectories.record(run, section("model"), section("capture"),
                                                         section("sampling")),
+        "lens": lambda run: lens.record(run, section("model"), section("capture"), section("lens")),
         "checks": lambda run: checks.record(run, params),
     }
     with loader.shared_loads():

@@ -78,7 +78,7 @@ def test_compose_check_detects_a_conf_change(clone):
 def test_sampling_change_reruns_only_the_sampling_stages(clone):
     proc = sh(clone, "dvc", "exp", "run", "-S", "model=tiny_qwen2", "-S", "sampling.temperature=0.7")
     out = proc.stdout
-    for skipped in ("prepare_model", "tokenize", "forward", "logits"):
+    for skipped in ("prepare_model", "tokenize", "forward", "logits", "lens"):
         assert f"Stage '{skipped}' didn't change, skipping" in out, out
     for rerun in ("probs", "trajectories"):
         assert f"Running stage '{rerun}'" in out, out

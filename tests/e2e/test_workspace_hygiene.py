@@ -109,7 +109,7 @@ def test_a_new_prompt_file_reruns_validate_alone(clone):
 def test_a_temperature_change_still_skips_forward(clone):
     out = sh(clone, "dvc", "exp", "run", *EXP, "-S", "sampling.temperature=0.5").stdout
     assert "Running stage 'validate'" in out
-    for skipped in ("prepare_model", "tokenize", "forward", "logits"):
+    for skipped in ("prepare_model", "tokenize", "forward", "logits", "lens"):
         assert f"Stage '{skipped}' didn't change, skipping" in out, out
     assert "Running stage 'probs'" in out
     assert not [line for line in porcelain(clone) if line.startswith(("??", " D"))], porcelain(clone)

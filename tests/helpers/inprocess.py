@@ -13,7 +13,8 @@ import importlib
 import os
 from pathlib import Path
 
-CHAIN = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report")
+CHAIN = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "lens", "checks",
+         "report")
 
 
 @contextlib.contextmanager

@@ -67,6 +67,9 @@ def test_reads_equal_the_artifacts_and_the_capture_is_lazy(ws):
     assert sorted(cap.names) == sorted(stored) and (cap["logits"] == stored["logits"]).all()
     assert np.array_equal(run.logits(pid), stored["logits"][0].float().numpy())
     assert list(run.tokens(pid).token_id) == run.prompts.token_ids[0]
+    lens, summary = run.lens(pid), run.lens_summary(pid)            # layer L is the model's own top-1
+    last = summary[summary.layer == summary.layer.max()]
+    assert (last.final_top1_rank == 1).all() and len(lens) == 10 * len(summary)
     with pytest.raises(KeyError, match="'nope' is not in capture.safetensors"):
         cap["nope"]
     with pytest.raises(api.UserError, match="prompt_id='x' is not in this run: one of "):

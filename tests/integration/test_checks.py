@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.checks import recompute, reference, suite, tables, trajectory, verdicts
+from pipeline.checks import lens, recompute, reference, suite, tables, trajectory, verdicts
 from pipeline.config import prompt_set, schema
 from pipeline.model import decode, loader
 from pipeline.numerics import probs
@@ -672,6 +672,9 @@ def test_full_reference_comparison_runs_on_tiny_artifacts(stored, model, tokeniz
     scores = decode.generate_warpers(model, decode.SamplingSettings(top_p=0.9))(
         None, torch.from_numpy(stored.last_row()).reshape(1, -1))
     assert measured["filters"]["top_p_0.9_kept_count"] == int(torch.isfinite(scores).sum())
-    # the same verdicts as the stage's own run (a subprocess) wrote
+    # the same verdicts as the stage's own run (a subprocess) wrote (it adds the lens checks, pipeline.checks.lens)
+    snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", ws),
+                                   json.loads(paths.artifact(paths.SOURCE, ws).read_text()))
+    results += lens.run(stored, model, snapshot, "bfloat16")
     written = {r["name"]: r["verdict"] for r in pq.read_table(ws / "artifacts/checks/checks.parquet").to_pylist()}
     assert {c.name: c.verdict for c in results} == {n: v for n, v in written.items() if not n.startswith("ref_")}

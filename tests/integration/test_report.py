@@ -201,12 +201,12 @@ def test_coordinates_are_the_captured_bf16_values(ws, md):
 
 
 def test_checks_table_shows_every_verdict(md):
-    rows = {r["check"].strip("`"): r for r in tables(section(md, 9))[0]}     # names plainly, no JSON quotes
+    rows = {r["check"].strip("`"): r for r in tables(section(md, 10))[0]}     # names plainly, no JSON quotes
     assert set(rows) == {c["name"] for c in CHECKS}
     assert rows["fp32_sum_T1"]["verdict"] == "**FAIL**" and rows["fp32_sum_T1"]["severity"] == "report"
     assert rows["lm_head_recompute"]["verdict"] == "pass"
     assert rows["kv_cache_parity"]["measured"] == "-"          # NaN is shown as missing, not "nan"
-    assert "3 checks: 2 pass, 1 fail (0 of severity `error`)" in section(md, 9)
+    assert "3 checks: 2 pass, 1 fail (0 of severity `error`)" in section(md, 10)
 
 
 def test_title_names_the_runs_prompt_and_names_are_plain(ws, md):
@@ -241,6 +241,36 @@ def test_shapes_follow_the_capture(ws, md):
     assert rows[-2]["shape"] == str(facts["names"]["logits"]["shape"])
 
 
+def test_without_the_lens_stage_the_report_says_so(ws, tmp_path):
+    """A run recorded before the lens stage: section 9 says so, no heatmap, the rest as before."""
+    for stage in ("prepare_model", "tokenize", *[s for s in CHAIN if s != "lens"], "checks"):
+        (tmp_path / paths.ARTIFACTS).mkdir(exist_ok=True)
+        (tmp_path / paths.ARTIFACTS / stage).symlink_to(paths.stage_dir(stage, ws).resolve())
+    (tmp_path / paths.PARAMS).write_bytes((ws / paths.PARAMS).read_bytes())
+    run_module("stages.report", tmp_path, check=True)
+    md = paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8")
+    assert "`artifacts/lens/lens` is missing: the lens stage has not run" in section(md, 9)
+    assert "plots/lens.png" not in md and "3 checks: 2 pass" in section(md, 10)
+
+
+def test_lens_table_at_the_last_position_and_its_heatmap_data(ws, md):
+    """Section 9: one row per layer at the last position, from lens.parquet / lens_summary.parquet."""
+    import pandas as pd
+    text = section(md, 9)
+    rows = tables(text)[0]
+    lens, summary = pd.read_parquet(part(paths.LENS, ws)), pd.read_parquet(part(paths.LENS_SUMMARY, ws))
+    last = int(summary.position.max())
+    assert [r["layer"] for r in rows] == [str(n) for n in range(3)] and rows[0]["residual"] == "`blocks.0.resid_pre`"
+    for r in rows:
+        top = lens[(lens.layer == int(r["layer"])) & (lens.position == last) & (lens["rank"] == 1)].iloc[0]
+        one = summary[(summary.layer == int(r["layer"])) & (summary.position == last)].iloc[0]
+        assert r["lens top-1"].startswith(f"{int(top.token_id)} ") and r["its probability"] == markdown.prob(top.prob)
+        assert r["rank of the final token"] == str(int(one.final_top1_rank))
+    assert rows[-1]["rank of the final token"] == "1" and rows[-1]["KL(final ‖ layer) (nats)"] == "0"
+    data = (paths.stage_dir("report", ws) / "plots/lens.csv").read_text().splitlines()
+    assert data[0].startswith("layer,position,final_top1_id") and len(data) == 1 + len(summary)
+
+
 # ---------------------------------------------------------------- form
 def test_every_table_cites_an_existing_artifact(ws, md):
     cited = re.findall(r"^source: (.+)$", md, flags=re.M)
@@ -255,7 +285,7 @@ def test_every_table_cites_an_existing_artifact(ws, md):
 
 def test_every_png_named_exists_and_is_a_real_image(ws, md):
     names = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
-    assert sorted(names) == ["plots/cumulative.png", "plots/entropy.png", "plots/temperature_top.png"]
+    assert sorted(names) == ["plots/cumulative.png", "plots/entropy.png", "plots/lens.png", "plots/temperature_top.png"]
     folder = paths.stage_dir("report", ws)
     for name in names:
         data = (folder / name).read_bytes()
@@ -300,7 +330,7 @@ def test_without_checks_the_report_says_so(ws, tmp_path):
         (tmp_path / paths.ARTIFACTS / stage).symlink_to(paths.stage_dir(stage, ws).resolve())
     (tmp_path / paths.PARAMS).write_bytes((ws / paths.PARAMS).read_bytes())     # report.prompt_id
     run_module("stages.report", tmp_path, check=True)
-    text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 9)
+    text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 10)
     assert "`artifacts/checks/checks.parquet` is missing" in text and not tables(text)
 
 

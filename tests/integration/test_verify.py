@@ -72,8 +72,8 @@ def test_a_fresh_run_verifies_identical_and_nothing_changes(native):
     result = verify.verify(native)
     assert result.identical, "\n".join(result.lines)
     files = [ln for ln in result.lines if ln.startswith(("identical", "differs"))]
-    # every output of forward..checks (vocab.parquet is tokenize's, which verify does not re-run)
-    assert len(files) == 15 and all(ln.startswith("identical") for ln in files)
+    # every output of forward..checks (vocab.parquet is tokenize's, which verify does not re-run), lens's two
+    assert len(files) == 17 and all(ln.startswith("identical") for ln in files)
     assert result.lines[1].startswith("kernel path: same (native;")
     assert result.lines[-1].startswith("verdict: IDENTICAL")
     assert snapshot(native) == before and _everything(native) == listed
@@ -155,7 +155,7 @@ def test_stage_selection():
     assert verify.selected(None) == list(verify.RERUN)
     assert verify.selected(["forward", "probs"]) == ["forward", "logits", "probs"]
     assert verify.selected(["trajectories", "checks"]) == ["trajectories", "checks"]
-    assert verify.selected(["forward", "checks"]) == ["forward", "logits", "probs", "checks"]
+    assert verify.selected(["forward", "checks"]) == ["forward", "logits", "probs", "lens", "checks"]
     with pytest.raises(UserError, match=r"^--stages='tokenize' is not allowed: stages that compute: forward"):
         verify.selected(["tokenize"])
 

@@ -31,7 +31,7 @@ import yaml
 
 from pipeline.config import compose, prompt_set, schema
 from pipeline.errors import UserError
-from pipeline.model import capture, loader, trajectories
+from pipeline.model import capture, lens, loader, trajectories
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
 from tests.conftest import REPO, copy_ws, run_module, snapshot
@@ -238,6 +238,10 @@ def range_cases() -> list[Case]:
         _r("checks.kv_cache_atol", math.nan),
         _r("checks.nope", 1, "key"),
         _missing("checks.kv_cache_atol"),
+        # lens (whether top_k fits the model's output size: the lens stage, model_cases)
+        _r("lens.top_k", 0),
+        _r("lens.nope", 1, "key"),
+        _missing("lens.top_k"),
         # report (whether an id is one of the run's is known from the artifacts: the report stage, below)
         _r("report.prompt_id", "a b", "name"),
         _r("report.prompt_id", "../x", "name"),
@@ -346,6 +350,8 @@ def model_cases() -> list[Case]:
         Case("model:sampling.max_new_tokens=32745 (a set's longest prompt, 25 tokens, context 32768)",
              "sampling.max_new_tokens", 32745, "model",
              check=lambda r: trajectories.check_room(25, 32745, 32768, "b_long")),
+        Case("model:lens.top_k=152065 (output size 152064)", "lens.top_k", 152065, "model",
+             check=lambda r: lens.check_top_k(152065, 152064)),
         Case("model:capture.device=cuda:99 (no such GPU)", "capture.device", "cuda:99", "model", check=_device),
         Case("model:capture.device=multi with no GPU", "capture.device", "multi", "model",
              check=lambda r: loader.resolve_device("multi", gpus=0)),
@@ -662,6 +668,9 @@ SUBPROCESS = [
     Run("stage forward: capture.attention_layers=[5] (2 layers)", ("stage", "forward"),
         ("capture.attention_layers=5 is not allowed: integers in [-2, 1]",),
         params={"capture.attention_layers": [0, 5]}),
+    Run("stage lens: lens.top_k=152065 (output size 152064)", ("stage", "lens"),
+        ("lens.top_k=152065 is not allowed: an integer in [1, 152064] (this model's output size)",),
+        params={"lens.top_k": 152065}),
     Run("stage probs: probs.positions=[100] (25 tokens)", ("stage", "probs"),
         ("probs.positions=100 is not allowed: a prompt position in [-25, 24]",), params={"probs.positions": [100]}),
     Run("stage prepare_model: model.source.hub_id=../outside", ("stage", "prepare_model"),

@@ -42,6 +42,7 @@ from transformers.generation.logits_process import (
 from pipeline.checks import stage as checks_stage
 from pipeline.config import schema
 from pipeline.model import capture, decode, loader, tokenization, trajectories
+from pipeline.model import lens as model_lens
 from pipeline.model.capture_file import CapturedLogits
 from pipeline.numerics import probs, sampling
 from pipeline.store import logits_io, paths
@@ -221,22 +222,45 @@ def _no_renormalisation(orig):
     return kept
 
 
+def _lens_without_norm(mp: pytest.MonkeyPatch) -> None:
+    """Ecco's bug: the lens reads each layer's residual straight into the LM head."""
+    patch_everywhere(mp, model_lens, "final_norm", lambda model, resid: resid)
+
+
+def _lens_final_layer_stats(mp: pytest.MonkeyPatch) -> None:
+    """TransformerLens #1076: every layer normalised with the final layer's RMS (tiny_qwen2's RMSNorm)."""
+    orig = model_lens.run
+
+    def run(model, tensors, positions, top_k):
+        last = tensors[capture.act_name("resid_post", len(capture.decoder_layers(model)) - 1)]
+        norm = model.get_submodule(capture.family(model).final_norm)
+        scale = torch.rsqrt(last.float().pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+
+        def normed(model, resid):
+            with torch.inference_mode():
+                return norm.weight * (resid.float() * scale).to(resid.dtype)
+        mp.setattr(model_lens, "final_norm", normed)
+        return orig(model, tensors, positions, top_k)
+    patch_everywhere(mp, model_lens, "run", run)
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
     stages: tuple[str, ...]                    # the stages re-run: the bug's stage and those downstream of it
     apply: Callable[[pytest.MonkeyPatch], None]
+    expect: tuple[str, ...] = ()               # error checks that must be among those failing
 
 
 PROBS, BOTH = ("probs",), ("probs", "trajectories")
 MUTANTS = [
-    Mutant("piece bytes = the byte-level stand-in characters' UTF-8", ("tokenize", "forward", "logits", *BOTH),
+    Mutant("piece bytes = the byte-level stand-in characters' UTF-8", ("tokenize", "forward", "logits", *BOTH, "lens"),
            lambda mp: patch_everywhere(mp, tokenization, "piece_bytes", lambda piece, byte_level: piece.encode())),
-    Mutant("logits = lm_head(last resid_post): no final norm", ("forward", "logits", "probs"),
+    Mutant("logits = lm_head(last resid_post): no final norm", ("forward", "logits", "probs", "lens"),
            lambda mp: wrap(mp, capture, "run_capture", _captured(_no_final_norm))),
-    Mutant("LM head weight viewed [H, V] instead of transposed", ("forward", "logits", "probs"),
+    Mutant("LM head weight viewed [H, V] instead of transposed", ("forward", "logits", "probs", "lens"),
            lambda mp: wrap(mp, capture, "run_capture", _captured(_lm_head_transposed))),
-    Mutant("RoPE positions start at 1 in the prompt pass", ("forward", "logits", "probs"),
+    Mutant("RoPE positions start at 1 in the prompt pass", ("forward", "logits", "probs", "lens"),
            lambda mp: wrap(mp, capture, "_forward", _rope_from_one)),
     Mutant("logits.parquet rows shifted by one position", ("logits", "probs"),
            lambda mp: mp.setattr(CapturedLogits, "rows", _shift_rows(CapturedLogits.rows))),
@@ -276,6 +300,10 @@ MUTANTS = [
                sampling.SamplingSettings(1.0) if b == "greedy" else orig(b, s)))),
     Mutant("step logits recorded one step late", ("trajectories",),
            lambda mp: wrap(mp, trajectories, "step_logit_rows", _previous_step_logits)),
+    Mutant("logit lens without the final norm (Ecco)", ("lens",), _lens_without_norm,
+           ("lens_final_layer_exact", "lens_final_layer_kl", "lens_numpy_recompute")),
+    Mutant("logit lens: the final layer's norm statistics for every layer (TransformerLens #1076)", ("lens",),
+           _lens_final_layer_stats, ("lens_numpy_recompute",)),
 ]
 
 
@@ -326,7 +354,7 @@ def clean(chain_ws, tmp_path_factory, load_once) -> Path:
     (ws / paths.PARAMS).unlink()
     (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
     with pytest.MonkeyPatch.context() as mp:
-        run_stages(ws, ("forward", "logits", "probs", "trajectories"), mp)
+        run_stages(ws, ("forward", "logits", "probs", "trajectories", "lens"), mp)
     return ws
 
 
@@ -346,6 +374,7 @@ def test_mutant_is_killed(mutant, clean, tmp_path):
         failed = error_failures(ws)
     KILLS[mutant.name] = failed
     assert failed, f"mutant survived (no error check failed): {mutant.name}"
+    assert set(mutant.expect) <= set(failed), f"{mutant.name}: {sorted(set(mutant.expect) - set(failed))} passed"
 
 
 def test_mutation_score(capsys):

@@ -1,0 +1,168 @@
+"""The logit lens: every layer's residual stream read through the model's own final norm and LM head.
+
+Layer 0 is `blocks.0.resid_pre`, the residual stream as the first decoder layer receives it: it
+equals `embed` for most families, but GPT-2 adds its position embeddings and Granite scales by
+embedding_multiplier before it, so `embed` alone would not be the stream. Layer i (1..L) is
+`blocks.{i-1}.resid_post`; layer L is the last block's output, whose lens logits are the model's
+own logits bit for bit (the checks stage proves it, `lens_final_layer_exact`).
+
+Each layer's stored residual [1, T, H] goes through the model's final norm module (so each
+position is normalised with its own statistics), then `head.lm_head_rows` (the model's own
+lm_head, Granite's logits_scaling, a final softcap where the family has one), in the compute
+dtype, on the rows the model itself made logits for (every position, or the last with
+capture.positions=last: the norm sees every position, as in the model's pass). Then, per
+position, an FP64 softmax at T = 1 over the full output size. Memory: one layer's [1, T, V]
+logits at a time, one position's FP64 row at a time; never [L, T, V].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from pipeline.config.schema import CaptureConfig, LensConfig, ModelConfig
+from pipeline.errors import bad_value
+from pipeline.model import loader
+from pipeline.model.capture import act_name, decoder_layers, family
+from pipeline.model.head import lm_head_rows
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import StageRun, read_json, read_safetensors
+
+LENS_SCHEMA = pa.schema([pa.field(name, kind, nullable=False) for name, kind in (
+    ("layer", pa.int32()), ("position", pa.int32()), ("rank", pa.int32()), ("token_id", pa.int32()),
+    ("logit", pa.float32()),        # the compute dtype's value (bf16 and fp16 are exact in float32)
+    ("prob", pa.float64()))])       # FP64 softmax at T = 1 over the full output size
+SUMMARY_SCHEMA = pa.schema([
+    pa.field("layer", pa.int32(), nullable=False), pa.field("position", pa.int32(), nullable=False),
+    pa.field("entropy", pa.float64(), nullable=False),          # nats, of the layer's FP64 distribution
+    pa.field("final_top1_id", pa.int32(), nullable=False),      # argmax of the model's own logits there
+    pa.field("final_top1_rank", pa.int32(), nullable=False),    # its rank at this layer (1 = top)
+    pa.field("final_top1_prob", pa.float64(), nullable=False),  # its probability at this layer
+    pa.field("kl_final", pa.float64(), nullable=False),         # KL(final || layer), nats, FP64
+])
+LAYER0 = act_name("resid_pre", 0)
+
+
+def residual_names(num_layers: int) -> list[str]:
+    """The capture name read at each lens layer 0..L."""
+    return [LAYER0] + [act_name("resid_post", i) for i in range(num_layers)]
+
+
+def final_norm(model: nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """The model's own final norm module on a stored residual [1, T, H] (its own statistics per position)."""
+    norm = model.get_submodule(family(model).final_norm)
+    with torch.inference_mode():
+        return norm(resid.to(next(norm.parameters()).device))
+
+
+def layer_logits(model: nn.Module, resid: torch.Tensor, rows: int) -> torch.Tensor:
+    """[1, rows, V] in the compute dtype: final norm, then the LM head as the model applies it."""
+    return lm_head_rows(model, final_norm(model, resid), rows)
+
+
+def top_ids(z: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best ids of an FP64 row, logit descending, equal logits by lower id (the project's rank rule)."""
+    kth = torch.topk(z, k).values[-1]
+    candidates = torch.nonzero(z >= kth).flatten()               # every id tied with the k-th too
+    order = np.lexsort((candidates.numpy(), -z[candidates].numpy()))
+    return candidates[torch.from_numpy(order[:k])]
+
+
+def rank_of(z: torch.Tensor, token: int) -> int:
+    """1-based rank of `token` in an FP64 row under the same rule (ties by lower id)."""
+    v = z[token]
+    return int((z > v).sum()) + int((z[:token] == v).sum()) + 1
+
+
+@dataclass(frozen=True)
+class PositionLens:
+    """One (layer, position): the top-k rows and the summary figures."""
+
+    ids: list[int]
+    logits: list[float]
+    probs: list[float]
+    entropy: float
+    final_top1_id: int
+    final_top1_rank: int
+    final_top1_prob: float
+    kl_final: float
+
+
+def position_lens(row: torch.Tensor, final_row: torch.Tensor, top_k: int) -> PositionLens:
+    """One layer's logits row and the model's own logits row at that position (both the compute dtype)."""
+    z, zf = row.detach().to("cpu", torch.float64), final_row.detach().to("cpu", torch.float64)
+    logq, logp = torch.log_softmax(z, -1), torch.log_softmax(zf, -1)
+    q, p = torch.exp(logq), torch.exp(logp)
+    ids = top_ids(z, top_k)
+    f = int(torch.argmax(zf))                  # the lowest id among the maxima
+    # KL(final || layer) = sum p (ln p - ln q) over p > 0; written as one sum of differences, it is 0
+    # exactly where the two rows are the same bits (layer L).
+    kl = float(torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum())
+    entropy = float(-torch.where(q > 0, q * logq, torch.zeros_like(q)).sum())
+    return PositionLens(ids.tolist(), row.detach().float().cpu()[ids].tolist(), q[ids].tolist(), entropy,
+                        f, rank_of(z, f), float(q[f]), kl)
+
+
+def layers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(lens layer, its [1, R, V] logits), one layer at a time (R: the rows the model made logits for)."""
+    rows = tensors[act_name("logits")].shape[1]
+    for layer, name in enumerate(residual_names(len(decoder_layers(model)))):
+        yield layer, layer_logits(model, tensors[name], rows)
+
+
+def run(model: nn.Module, tensors: dict[str, torch.Tensor], positions: list[int], top_k: int) \
+        -> tuple[pa.Table, pa.Table]:
+    """(lens.parquet, lens_summary.parquet) tables of one prompt's capture; `positions`: the prompt
+    positions of the logits rows (facts.json's logit_positions)."""
+    final = tensors[act_name("logits")][0]
+    if final.shape[0] != len(positions):
+        raise ValueError(f"{final.shape[0]} logits rows for {len(positions)} positions")
+    lens: dict[str, list] = {n: [] for n in LENS_SCHEMA.names}
+    summary: dict[str, list] = {n: [] for n in SUMMARY_SCHEMA.names}
+    for layer, logits in layers(model, tensors):
+        for r, pos in enumerate(positions):
+            one = position_lens(logits[0, r], final[r], top_k)
+            n = len(one.ids)
+            for k, v in (("layer", [layer] * n), ("position", [pos] * n), ("rank", range(1, n + 1)),
+                         ("token_id", one.ids), ("logit", one.logits), ("prob", one.probs)):
+                lens[k].extend(v)
+            for k, v in (("layer", layer), ("position", pos), ("entropy", one.entropy),
+                         ("final_top1_id", one.final_top1_id), ("final_top1_rank", one.final_top1_rank),
+                         ("final_top1_prob", one.final_top1_prob), ("kl_final", one.kl_final)):
+                summary[k].append(v)
+        del logits
+    return pa.table(lens, schema=LENS_SCHEMA), pa.table(summary, schema=SUMMARY_SCHEMA)
+
+
+def check_top_k(top_k: int, output_size: int) -> None:
+    if top_k > output_size:
+        raise bad_value("lens.top_k", top_k, f"an integer in [1, {output_size}] (this model's output size)")
+
+
+def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: LensConfig) -> None:
+    """The lens stage: per prompt, its capture through every layer's lens -> lens.parquet and
+    lens_summary.parquet in its partition; the model loads once for the set (as forward loaded it)."""
+    source = read_json(stage.use(paths.SOURCE))
+    snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
+    pids = stage.prompt_ids(paths.CAPTURE)
+    facts = {pid: read_json(stage.use(paths.FORWARD_FACTS, pid)) for pid in pids}
+    for f in facts.values():
+        check_top_k(cfg.top_k, f["output_size"])          # before the model loads
+    dtype = loader.resolve_dtype(cap.dtype)
+    model = loader.load_model(snapshot, dtype, loader.resolve_device(cap.device), cap.attn_implementation,
+                              model_cfg.trust_remote_code, spread=loader.spread(cap.device, snapshot, dtype))
+    stage.model = {**provenance.model_record(source), "trust_remote_code": model_cfg.trust_remote_code}
+    for pid in pids:
+        with stage.timed(pid):
+            tensors = read_safetensors(stage.use(paths.CAPTURE, pid))
+            table, summary = run(model, tensors, facts[pid]["logit_positions"], cfg.top_k)
+            stage.facts = {"layer0": LAYER0, "num_layers": len(decoder_layers(model)), "top_k": cfg.top_k,
+                           "positions": facts[pid]["logit_positions"], "compute_dtype": cap.dtype,
+                           "output_size": facts[pid]["output_size"]}
+            stage.write_parquet(paths.LENS[1], table, prompt_id=pid)
+            stage.write_parquet(paths.LENS_SUMMARY[1], summary, prompt_id=pid)

@@ -1,0 +1,28 @@
+"""Stage lens: the logit lens of every layer at every captured position -> lens.parquet + lens_summary.parquet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import kernels
+from pipeline.config import registry, schema
+from pipeline.store import paths
+from pipeline.store.artifacts import stage_main, stage_run
+
+STAGE = "lens"
+
+
+def main() -> None:
+    params = schema.read_params(Path(paths.PARAMS))
+    model_cfg = schema.load_section(params, "model")
+    cap = schema.load_section(params, "capture")
+    cfg = schema.load_section(params, "lens")
+    kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
+    from pipeline.model import lens, loader
+    loader.resolve_device(cap.device)                   # a missing GPU fails before any work
+    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+        lens.record(run, model_cfg, cap, cfg)
+
+
+if __name__ == "__main__":
+    stage_main(STAGE, main)
