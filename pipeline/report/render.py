@@ -51,7 +51,7 @@ class Inputs:
     trajectories: dict                 # trajectories/trajectories.json
     prompt_metrics: list[dict]         # trajectories/prompt_metrics.parquet rows (one per run)
     checks: list[dict] | None          # checks/checks.parquet rows, None when not run
-    probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None for a run made before it
+    probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None when probs has not run
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
     prompt_id: str = ""                # whose partitions these are
 
@@ -105,7 +105,7 @@ def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.Set
         c for c in prompts.checks if c[paths.PARTITION_KEY] in (None, "", prompt_id)]
 
     def own(rows: list[dict] | None) -> list[dict] | None:
-        """This prompt's rows of a set-level prompt_metrics table; None for a run made before it."""
+        """This prompt's rows of a set-level prompt_metrics table; None when its stage has not run."""
         return None if rows is None else [r for r in rows if r["prompt_id"] == prompt_id]
     metrics = own(prompts.probs)
     inp = Inputs(
