@@ -28,6 +28,7 @@ from pipeline.store.artifacts import read_json, read_parquet
 
 Use = overview.Use
 N_COORDS = 4                    # the article prints the first 4 coordinates
+ARTICLE_STEPS = 4               # the article's trajectory tables: the first 4 steps (the rest: steps.parquet)
 MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
 SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
 
@@ -270,11 +271,14 @@ def trajectories(inp: Inputs) -> list[str]:
     for t in inp.trajectories.values():
         steps = [s for s in inp.steps if s["branch"] == t["branch"] and s["kv_cache"] == t["kv_cache"]]
         rows = [[s["step"], s["prefix_len"], s["token_id"], code(s["piece"]), code(s["text_so_far"]),
-                 exact(s["logit"]), prob(s["prob"]), s["rank"]] for s in steps]
-        out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: ids {t['token_ids']}, "
-                f"stop: {t['stop_reason']}.", ""]
-        out += table(["step", "prefix length", "id", "piece", "text so far", "logit", "prob", "rank"], rows,
-                     [inp.cite(paths.STEPS), inp.cite(paths.TRAJECTORIES)])
+                 exact(s["logit"]), prob(s["prob"]), s["rank"]] for s in sorted(steps, key=lambda s: s["step"])]
+        out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: {len(t['token_ids'])} new "
+                f"tokens, stop: {t['stop_reason']}, text {code(t['text'])}.", ""]
+        more = f" (the article's table; steps {ARTICLE_STEPS + 1}-{len(rows)}: {inp.cite(paths.STEPS)})" \
+            if len(rows) > ARTICLE_STEPS else ""
+        out += [f"The first {min(len(rows), ARTICLE_STEPS)} steps{more}:", ""]
+        out += table(["step", "prefix length", "id", "piece", "text so far", "logit", "prob", "rank"],
+                     rows[:ARTICLE_STEPS], [inp.cite(paths.STEPS), inp.cite(paths.TRAJECTORIES)])
     for branch in dict.fromkeys(t["branch"] for t in inp.trajectories.values()):
         runs = {t["kv_cache"]: t["token_ids"] for t in inp.trajectories.values() if t["branch"] == branch}
         if len(runs) == 2:
