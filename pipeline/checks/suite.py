@@ -104,7 +104,6 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str) -> Stored:
                   loops_table, metrics)
 
 
-
 def _where(record: dict) -> str:
     device = torch.device(record.get("device") or "cpu")
     if device.type != "cuda":

@@ -106,8 +106,8 @@ class StageRun:
             made.get("bytes") == st.st_size and made.get("mtime_ns") == st.st_mtime_ns
         record = {"path": rel, "bytes": st.st_size,
                   "sha256": made["sha256"] if trusted else provenance.sha256_file(f)}
-        if record["sha256"] == made.get("sha256"):
-            record |= {k: made[k] for k in ("logical_sha256",) if k in made}
+        if record["sha256"] == made.get("sha256") and "logical_sha256" in made:
+            record["logical_sha256"] = made["logical_sha256"]
         return record
 
     def _producer_record(self, rel: str) -> dict[str, Any] | None:
