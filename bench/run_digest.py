@@ -41,7 +41,7 @@ def data_files(repo: Path, item: tuple[str, str]) -> list[Path]:
     one flat file), a set-level item's one file."""
     if item not in paths.PER_PROMPT:
         return [paths.artifact(item, repo)]
-    return [paths.recorded(item, pid, repo) for pid in paths.run_prompt_ids(repo)]
+    return [paths.partition(item, pid, repo) for pid in paths.run_prompt_ids(repo)]
 
 
 def col_digest(col: pa.ChunkedArray) -> str:

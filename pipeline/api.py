@@ -8,6 +8,8 @@ read is first checked against the sha256 that the stage which wrote it recorded 
 naming it. `verify=False` skips the check. Capture tensors are opened lazily with
 `safetensors.safe_open` (memory-mapped: a tensor is read when it is asked for), as TransformerLens'
 ActivationCache is indexed by name.
+A run whose manifests record another `format_version` than this code's is refused in one line
+when it is opened: read it with the nexttoken revision that made it.
 
 The module lives at the top of the library (above `tools`): `pipeline/__init__.py` does not re-export
 it, because the package root is the base layer every module imports (tests/unit/test_layout.py).
@@ -122,7 +124,7 @@ class Run:
         raise ArtifactChanged(f"{rel} is recorded by no stage manifest of {self.label}: not this run's output "
                               f"(read it anyway with verify=False)")
 
-    def _prompt(self, prompt_id: str | None) -> str | None:
+    def _prompt(self, prompt_id: str | None) -> str:
         ids = self.prompt_ids
         if prompt_id is None:
             if len(ids) != 1:
@@ -142,7 +144,7 @@ class Run:
     # ------------------------------------------------------------ the artifacts
     @property
     def prompt_ids(self) -> list[str]:
-        return [p for p in paths.run_prompt_ids(self.root) if p is not None]
+        return paths.run_prompt_ids(self.root)
 
     @property
     def prompts(self):

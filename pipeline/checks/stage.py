@@ -75,14 +75,14 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
                                  snapshot / "tokenizer.json")
             mine += lens.run(stored, model, snapshot, cap.dtype)
             mine += reference.run(stored, model, tokenizer, here, mine, figures[here["prompt"].id])
-        results += [replace(c, prompt_id=pid or "") for c in mine]
+        results += [replace(c, prompt_id=pid) for c in mine]
         missing += [s for s in stored.missing if s not in missing]
     return results, source, {**loader.device_record(model, device), "missing_stages": missing}
 
 
-def _record(prompts: prompt_set.PromptSet, prompt_id: str | None) -> prompt_set.PromptRecord:
-    """The configured prompt a partition holds: a run of one prompt holds that one (also one recorded before
-    partitions, prompt_id None); in a set, the record with that id."""
+def _record(prompts: prompt_set.PromptSet, prompt_id: str) -> prompt_set.PromptRecord:
+    """The configured prompt a partition holds: a run of one prompt holds that one; in a set, the
+    record with that id."""
     return prompts.prompts[0] if len(prompts.prompts) == 1 else prompts.get(prompt_id)
 
 

@@ -49,12 +49,12 @@ class Stored:
     step_logits: Path | None
     token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
     token_special: list[bool] = field(default_factory=list)
-    # trajectories/prompt_metrics.parquet and this prompt's id in it; None for a run made before it
+    # trajectories/prompt_metrics.parquet and this prompt's id in it; None when trajectories did not run
     prompt_metrics: tuple[Path, str] | None = None
     # probs/prompt_metrics.parquet with what its check needs (tokenize.json's prompt_id,
-    # vocab.parquet); None for a run whose probs stage did not record that file (older code)
+    # vocab.parquet); None when probs did not run
     probs_prompt_metrics: tuple[Path, str, Path] | None = None
-    # lens/lens.parquet and lens_summary.parquet; None for a run recorded before the lens stage
+    # lens/lens.parquet and lens_summary.parquet; None when the lens stage did not run
     lens: Path | None = None
     lens_summary: Path | None = None
 
@@ -77,9 +77,9 @@ class Stored:
 OPTIONAL_STAGES = ("probs", "trajectories")   # they refuse non-finite logits; forward and logits record them
 
 
-def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = None) -> Stored:
+def load(use: Callable[..., Path], root: Path | str, prompt_id: str) -> Stored:
     """Read one prompt's artifacts through `use(item, prompt_id)` (StageRun.use: records each one as an
-    input; `paths.lookup`: prompt_id None is a run recorded before partitions).
+    input; `paths.lookup`: reads them as they are).
 
     An OPTIONAL_STAGES stage without an output folder (DVC removes a failed stage's outputs)
     is recorded as missing; any other absent or partial output stays an error (from `use`).
@@ -92,14 +92,14 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = Non
     own_id = read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)).get("prompt_id")
     facts, step_logits = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEP_LOGITS)
     metrics, item = None, paths.PROBS_PROMPT_METRICS     # after this prompt's own inputs: a missing one is named first
-    if paths.artifact(item).as_posix() in _recorded_outputs("probs", root):
+    if paths.stage_dir(item[0], root).exists():
         metrics = (use(item), own_id, use(paths.VOCAB))
     traj = parquet_facts(step_logits) if step_logits else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
     loops_item = paths.TRAJECTORY_PROMPT_METRICS
-    loops_table = (use(loops_item), own_id) if paths.artifact(loops_item, root).exists() else None  # None: older run
-    lens = paths.manifest_path(paths.LENS[0], root).exists()                                        # False: older run
+    loops_table = (use(loops_item), own_id) if paths.stage_dir(loops_item[0], root).exists() else None
+    lens = paths.manifest_path(paths.LENS[0], root).exists()                       # False: the lens stage did not run
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(),
                   read_safetensors(use(paths.CAPTURE, prompt_id)), devices, use(paths.LOGITS, prompt_id),
                   optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
@@ -107,12 +107,6 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str | None = Non
                   tokens["is_special"].to_pylist(),
                   loops_table, metrics, use(paths.LENS, prompt_id) if lens else None,
                   use(paths.LENS_SUMMARY, prompt_id) if lens else None)
-
-
-def _recorded_outputs(stage: str, root: Path | str) -> set[str]:
-    """The outputs `stage`'s manifest lists (none when it has no manifest)."""
-    manifest = paths.manifest_path(stage, root)
-    return {o["path"] for o in read_json(manifest).get("outputs") or []} if manifest.exists() else set()
 
 
 def _where(record: dict) -> str:

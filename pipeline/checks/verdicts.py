@@ -1,7 +1,7 @@
 """One check's result and the checks table: what was compared, the measured number, its tolerance.
 
 A check passes when measured <= tolerance (NaN, i.e. not measurable, fails). Each result
-belongs to one prompt of the run (`prompt_id`; "" for a run recorded before prompt sets). `error` = the
+belongs to one prompt of the run (`prompt_id`; "" for a check of the whole run). `error` = the
 pipeline is broken (the checks stage fails after writing its results); `report` = a
 numerical finding (bf16 KV-cache drift, FP32 sums), shown and never failing the run.
 """
@@ -157,11 +157,6 @@ def failed_line(checks: list[Check]) -> str:
                      for pid, names in failed_errors_by_prompt(checks).items())
 
 
-def stored_rows(table: pa.Table, prompt_ids: Sequence[str | None]) -> dict[tuple[str, str], dict]:
-    """checks.parquet's rows by (prompt_id, name). A table written before the prompt_id column holds one
-    prompt's checks: the run's one prompt (`prompt_ids`, e.g. `paths.run_prompt_ids`; None = "")."""
-    rows = table.to_pylist()
-    if "prompt_id" not in table.column_names:
-        own = (prompt_ids[0] or "") if len(prompt_ids) == 1 else ""
-        rows = [{"prompt_id": own, **r} for r in rows]
-    return {(r["prompt_id"], r["name"]): r for r in rows}
+def stored_rows(table: pa.Table) -> dict[tuple[str, str], dict]:
+    """checks.parquet's rows by (prompt_id, name)."""
+    return {(r["prompt_id"], r["name"]): r for r in table.to_pylist()}

@@ -255,7 +255,7 @@ class CaptureConfig(Section):
         description="eager (attention weights and the layer-0 recompute need it)")
     attention_layers: items(Int, "a list of layer indices (integers; negative counts from the end)", 0)
     positions: Literal["all", "last"]
-    kernels: Literal[KERNEL_MODES] = "native"   # pipeline/kernels.py; runs made before the key: native
+    kernels: Literal[KERNEL_MODES] = "native"   # pipeline/kernels.py
 
 
 class Filter(Section):

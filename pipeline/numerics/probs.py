@@ -215,22 +215,21 @@ def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures:
 
 
 def prompt_id(tokenize_summary: Path) -> str:
-    """The prompt's id as the tokenize stage recorded it (a set of one today)."""
+    """The prompt's id as the tokenize stage recorded it."""
     recorded = read_json(tokenize_summary).get("prompt_id")
     if not isinstance(recorded, str) or not recorded:
-        raise UserError(f"{tokenize_summary} records no prompt_id (written by older code): re-run `dvc repro tokenize`")
+        raise UserError(f"{tokenize_summary} records no prompt_id (edited or corrupt?): re-run `dvc repro tokenize`")
     return recorded
 
 
 # ---------------------------------------------------------------- the stage's outputs
 def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig,
-          tokenize_summary: Path | None = None) -> tuple[dict[tuple[str, str], Any], dict]:
+          tokenize_summary: Path) -> tuple[dict[tuple[str, str], Any], dict]:
     """Every output of the probs stage (artifact item -> table or JSON object) and its facts.
 
     One function for the stage and for `nexttoken audit`, which re-derives a past run's files
-    with these same calls and compares them bit for bit. prompt_metrics.parquet needs the
-    prompt's id from tokenize.json: without `tokenize_summary` (the audit of a run made before
-    the file existed, which did not read it) it is not built.
+    with these same calls and compares them bit for bit. prompt_metrics.parquet takes the
+    prompt's id from its tokenize.json (`tokenize_summary`).
     """
     named = filters(probs_cfg, sampling_cfg)
     facts = parquet_facts(logits_path)
@@ -242,7 +241,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                         "per position: they come from different models; re-run `dvc repro`")
     last_prompt = facts["n_positions"] - 1                     # the next-token distribution's row
     largest = 0.0
-    for pos in sorted(set(positions) | ({last_prompt} if tokenize_summary else set())):   # refuse before any work
+    for pos in sorted(set(positions) | {last_prompt}):   # refuse before any work
         row = logits_io.read_position(logits_path, pos)
         check_finite(pos, row)
         largest = max(largest, largest_logit(row))
@@ -265,11 +264,11 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
                paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
-    if tokenize_summary is not None:   # this prompt as a set of one: its set keys (a set's: `record`)
-        outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
-            prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
-            probs_cfg.temperatures, named, vocab)
-        outputs[paths.PROBS_METRICS] = run_metrics([outputs[paths.PROBS_METRICS]])
+    # this prompt as a set of one: its set keys (a set's: `record`)
+    outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
+        prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
+        probs_cfg.temperatures, named, vocab)
+    outputs[paths.PROBS_METRICS] = run_metrics([outputs[paths.PROBS_METRICS]])
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures),
                      "logits_content_sha256": facts.get("logits_content_sha256")}

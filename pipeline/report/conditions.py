@@ -13,7 +13,7 @@ from pipeline.store import paths
 def kernel_path(record: dict | None) -> str:
     """The forward pass's kernel path: mode, ATen capability, pins; CPU flags, MKL / oneDNN, CUDA."""
     if not record:
-        return "not recorded (a run made before kernel paths were recorded)"
+        return "not recorded (the forward stage's manifest holds none)"
     cuda = record.get("cuda")
     return (f"{kernels.summary(record)}; CPU flags {' '.join(record.get('cpu_flags') or []) or 'unknown'}; "
             f"MKL {record.get('mkl')}, oneDNN {record.get('onednn')}"

@@ -34,10 +34,9 @@ class SetInputs:
     ids: list[str]                             # the run's prompts, sorted
     manifests: dict[str, dict]                 # stage -> manifest.json, for the stages present
     tokenize: dict[str, dict]                  # prompt id -> its tokenize.json
-    probs: list[dict] | None                   # probs/prompt_metrics.parquet rows; None for a run made before it
+    probs: list[dict] | None                   # probs/prompt_metrics.parquet rows; None when probs has not run
     runs: list[dict] | None                    # trajectories/prompt_metrics.parquet rows; None likewise
-    # checks.parquet rows, each with its prompt_id ("" or null: run-wide; `verdicts.stored_rows` attributes a
-    # table made before the column); None when the checks stage has not run
+    # checks.parquet rows, each with its prompt_id ("": run-wide); None when the checks stage has not run
     checks: list[dict] | None
 
     def temperatures(self) -> list[float]:
@@ -54,14 +53,13 @@ class SetInputs:
 
 
 def load(use: Use, ids: list[str], root: Path | str = ".") -> SetInputs:
-    """Read the set-level artifacts the report shows; the optional ones (a stage that has not run, a table
-    made before it existed) are None."""
+    """Read the set-level artifacts the report shows; those of a stage that has not run are None."""
     def table_rows(item: tuple[str, str]) -> list[dict] | None:
         return read_parquet(use(item)).to_pylist() if paths.artifact(item, root).exists() else None
     manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM if paths.manifest_path(s, root).exists()}
     checks = None
     if paths.artifact(paths.CHECKS, root).exists():
-        checks = list(verdicts.stored_rows(read_parquet(use(paths.CHECKS)), ids).values())
+        checks = list(verdicts.stored_rows(read_parquet(use(paths.CHECKS))).values())
     return SetInputs(ids=list(ids), manifests=manifests,
                      tokenize={p: read_json(use(paths.TOKENIZE_SUMMARY, p)) for p in ids},
                      probs=table_rows(paths.PROBS_PROMPT_METRICS), runs=table_rows(paths.TRAJECTORY_PROMPT_METRICS),
@@ -91,8 +89,7 @@ def run_row(runs: list[dict], prompt_id: str, branch: str) -> dict | None:
 
 def check_counts(checks: list[dict] | None, ids: list[str]) -> dict[str, tuple[int, int]] | None:
     """Per prompt (pass, fail) counts of its checks. Rows of no prompt of the run (null or "": checks over the
-    whole run) count for none. None when there are no checks, or none of them is a prompt's (a table made
-    before the prompt_id column, in a run of several prompts, cannot be attributed)."""
+    whole run) count for none. None when there are no checks, or none of them is a prompt's."""
     out = {p: (0, 0) for p in ids}
     if checks is None or not any(c[paths.PARTITION_KEY] in out for c in checks):
         return None

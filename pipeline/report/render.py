@@ -29,6 +29,7 @@ from pipeline.store.artifacts import read_json, read_parquet
 
 Use = overview.Use
 N_COORDS = 4                    # the article prints the first 4 coordinates
+ARTICLE_STEPS = 4               # the article's trajectory tables: the first 4 steps (the rest: steps.parquet)
 MAX_ROWS = 40                   # per-position tables show the first and last rows of longer prompts
 SAFETENSORS_DTYPES = {"I64": "int64", "I32": "int32"}
 
@@ -52,7 +53,7 @@ class Inputs:
     trajectories: dict                 # trajectories/trajectories.json
     prompt_metrics: list[dict]         # trajectories/prompt_metrics.parquet rows (one per run)
     checks: list[dict] | None          # checks/checks.parquet rows, None when not run
-    probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None for a run made before it
+    probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None when probs has not run
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
     prompt_id: str = ""                # whose partitions these are
     lens: lens_report.LensInputs | None = None   # lens/ tables, None for a run made before the lens stage
@@ -107,7 +108,7 @@ def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.Set
         c for c in prompts.checks if c[paths.PARTITION_KEY] in (None, "", prompt_id)]
 
     def own(rows: list[dict] | None) -> list[dict] | None:
-        """This prompt's rows of a set-level prompt_metrics table; None for a run made before it."""
+        """This prompt's rows of a set-level prompt_metrics table; None when its stage has not run."""
         return None if rows is None else [r for r in rows if r["prompt_id"] == prompt_id]
     metrics = own(prompts.probs)
     inp = Inputs(
@@ -277,11 +278,14 @@ def trajectories(inp: Inputs) -> list[str]:
     for t in inp.trajectories.values():
         steps = [s for s in inp.steps if s["branch"] == t["branch"] and s["kv_cache"] == t["kv_cache"]]
         rows = [[s["step"], s["prefix_len"], s["token_id"], code(s["piece"]), code(s["text_so_far"]),
-                 exact(s["logit"]), prob(s["prob"]), s["rank"]] for s in steps]
-        out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: ids {t['token_ids']}, "
-                f"stop: {t['stop_reason']}.", ""]
-        out += table(["step", "prefix length", "id", "piece", "text so far", "logit", "prob", "rank"], rows,
-                     [inp.cite(paths.STEPS), inp.cite(paths.TRAJECTORIES)])
+                 exact(s["logit"]), prob(s["prob"]), s["rank"]] for s in sorted(steps, key=lambda s: s["step"])]
+        out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: {len(t['token_ids'])} new "
+                f"tokens, stop: {t['stop_reason']}, text {code(t['text'])}.", ""]
+        more = f" (the article's table; steps {ARTICLE_STEPS + 1}-{len(rows)}: {inp.cite(paths.STEPS)})" \
+            if len(rows) > ARTICLE_STEPS else ""
+        out += [f"The first {min(len(rows), ARTICLE_STEPS)} steps{more}:", ""]
+        out += table(["step", "prefix length", "id", "piece", "text so far", "logit", "prob", "rank"],
+                     rows[:ARTICLE_STEPS], [inp.cite(paths.STEPS), inp.cite(paths.TRAJECTORIES)])
     for branch in dict.fromkeys(t["branch"] for t in inp.trajectories.values()):
         runs = {t["kv_cache"]: t["token_ids"] for t in inp.trajectories.values() if t["branch"] == branch}
         if len(runs) == 2:

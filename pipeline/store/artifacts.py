@@ -106,8 +106,8 @@ class StageRun:
             made.get("bytes") == st.st_size and made.get("mtime_ns") == st.st_mtime_ns
         record = {"path": rel, "bytes": st.st_size,
                   "sha256": made["sha256"] if trusted else provenance.sha256_file(f)}
-        if record["sha256"] == made.get("sha256"):
-            record |= {k: made[k] for k in ("logical_sha256", "logical_hash_scheme") if k in made}
+        if record["sha256"] == made.get("sha256") and "logical_sha256" in made:
+            record["logical_sha256"] = made["logical_sha256"]
         return record
 
     def _producer_record(self, rel: str) -> dict[str, Any] | None:
@@ -120,13 +120,9 @@ class StageRun:
 
     def _manifest(self, stage: str) -> dict | None:
         if stage not in self._manifests:
-            manifest_file = paths.manifest_path(stage, self.root)
-            self._manifests[stage] = read_json(manifest_file) if manifest_file.exists() else None
-        manifest = self._manifests[stage]
-        if manifest is not None and not isinstance(manifest, dict):
-            raise UserError(f"{paths.manifest_path(stage, self.root)} is not a stage manifest (corrupt?): "
-                            "re-run `dvc repro`")
-        return manifest
+            exists = paths.manifest_path(stage, self.root).exists()
+            self._manifests[stage] = read_manifest(stage, self.root) if exists else None
+        return self._manifests[stage]
 
     def _verify(self, record: dict[str, Any]) -> None:
         """Refuse an input that is not what its stage recorded, or not what other inputs were made from.
@@ -270,7 +266,7 @@ class StageRun:
         for o in outputs:
             o["path"] = _rel(final / o["path"], self.root)
         manifest = {
-            "schema_version": provenance.SCHEMA_VERSION,
+            "format_version": provenance.FORMAT_VERSION,
             "stage": self.stage,
             "config": self.config,
             "config_sha256": provenance.sha256_json(self.config),
@@ -435,4 +431,17 @@ def read_safetensors(path: Path) -> dict:
 
 
 def read_manifest(stage: str, root: Path | str = ".") -> dict[str, Any]:
-    return read_json(paths.manifest_path(stage, root))
+    """A stage's manifest.json, refused in one line unless it is a manifest of this code's format
+    (`provenance.FORMAT_VERSION`): every reader of a run's files reads it through here first."""
+    return check_format(read_json(paths.manifest_path(stage, root)), paths.manifest_path(stage).as_posix())
+
+
+def check_format(manifest: Any, where: str) -> dict[str, Any]:
+    """`manifest` (read from `where`) when it is a stage manifest of this code's format, else one line:
+    a run made by code of another format is read by checking out that code, not by special cases here."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("outputs"), list):
+        raise UserError(f"{where} is not a stage manifest (no `outputs` list; corrupt?): re-run `dvc repro`")
+    if manifest.get("format_version") != provenance.FORMAT_VERSION:
+        raise UserError(provenance.format_refusal(where, manifest.get("format_version"),
+                                                  (manifest.get("git") or {}).get("commit")))
+    return manifest

@@ -113,24 +113,17 @@ def prompt_ids(item: tuple[str, str], root: Path | str = ".") -> list[str]:
                   if d.is_dir() and d.name.startswith(prefix) and (d / item[1]).is_file())
 
 
-def run_prompt_ids(root: Path | str = ".") -> list[str | None]:
-    """The prompts a recorded run holds (its tokenize partitions); [None] for a run recorded
-    before the partition layout, whose per-prompt files sit flat in the stage folders."""
-    ids: list[str | None] = list(prompt_ids(TOKENS, root))
-    return ids or ([None] if (stage_dir(TOKENS[0], root) / TOKENS[1]).is_file() else [])
-
-
-def recorded(item: tuple[str, str], prompt_id: str | None, root: Path | str = ".") -> Path:
-    """A per-prompt file of a recorded run: its partition; prompt_id None (`run_prompt_ids` of a
-    run recorded before partitions): the flat file in the stage folder."""
-    return stage_dir(item[0], root) / item[1] if prompt_id is None else partition(item, prompt_id, root)
+def run_prompt_ids(root: Path | str = ".") -> list[str]:
+    """The prompts a recorded run holds: its tokenize partitions, sorted (none: tokenize has not run)."""
+    return prompt_ids(TOKENS, root)
 
 
 def lookup(root: Path | str = "."):
     """A plain `(item, prompt_id=None) -> Path` lookup over a recorded run, recording nothing (what
-    `StageRun.use` is to a stage); a per-prompt item with prompt_id None is a pre-partition run's flat file."""
+    `StageRun.use` is to a stage): a per-prompt item names its prompt's partition, a set-level one
+    its file (whatever prompt is named)."""
     def find(item: tuple[str, str] | Path, prompt_id: str | None = None) -> Path:
-        return recorded(item, prompt_id, root) if item in PER_PROMPT else locate(item, root)
+        return partition(item, prompt_id, root) if item in PER_PROMPT else locate(item, root)
     return find
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import io
 import json
 import os
 import platform
@@ -26,7 +25,10 @@ from typing import Any
 
 from pipeline import kernels
 
-SCHEMA_VERSION = 1
+# The layout of a run's files (manifest fields, file names, partitions, columns, the logical hash).
+# Every manifest records it; every reader refuses a run of another format (`format_refusal`):
+# auditing a run made by other code means checking out that code. Change the layout, bump this.
+FORMAT_VERSION = 2
 
 # Distributions whose versions decide the numbers (or how they are stored).
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow", "pandas",
@@ -49,43 +51,47 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-# Version of `logical_hash`, recorded beside each logical_sha256 ("logical_hash_scheme"); a
-# record without one was made with scheme 1. Scheme 2 streams Parquet row group by row group.
-LOGICAL_HASH_SCHEME = 2
-LOGICAL_HASH_SCHEMES = (1, 2)
-
-
-def logical_hash(path: Path, scheme: int = LOGICAL_HASH_SCHEME) -> str | None:
+def logical_hash(path: Path) -> str | None:
     """Content hash of a table or tensor file that ignores its metadata and encoding.
 
-    Parquet, scheme 2: the Arrow IPC stream of the table with schema metadata dropped, one
-    record batch per row group, fed to sha256 as it is written (memory: one row group).
-    Parquet, scheme 1 (runs recorded before scheme 2): the same stream with the whole table as
-    one batch, built in memory; kept only to verify those runs.
-    safetensors (both schemes): name, dtype, shape and raw bytes of every tensor, in name order.
+    Parquet: the Arrow IPC stream of the table with schema metadata dropped, one record batch
+    per row group, fed to sha256 as it is written (memory: one row group).
+    safetensors: name, dtype, shape and raw bytes of every tensor, in name order.
     Other files: None (their sha256 is their identity).
     """
     path = Path(path)
-    if scheme not in LOGICAL_HASH_SCHEMES:
-        raise ValueError(f"logical hash scheme {scheme!r}: this code knows {LOGICAL_HASH_SCHEMES}")
     if path.suffix == ".parquet":
-        return _parquet_hash(path) if scheme == 2 else _parquet_hash_scheme1(path)
+        return _parquet_hash(path)
     if path.suffix == ".safetensors":
         return _safetensors_hash(path)
     return None
 
 
-def recorded_scheme(record: dict) -> int:
-    """The logical hash scheme a file record was made with (records before scheme 2 name none)."""
-    return int(record.get("logical_hash_scheme", 1))
-
-
 def logical_matches(path: Path, record: dict) -> bool | None:
-    """Whether `path`'s logical hash, by the scheme its record names, is the recorded one (None:
-    the record has no logical hash). What `nexttoken audit` and `verify` call for every output."""
+    """Whether `path`'s logical hash is the recorded one (None: the record has no logical hash).
+    What `nexttoken audit` and `verify` call for every output."""
     if "logical_sha256" not in record:
         return None
-    return logical_hash(path, recorded_scheme(record)) == record["logical_sha256"]
+    return logical_hash(path) == record["logical_sha256"]
+
+
+def format_refusal(where: str, found: Any, made_by: str | None) -> str:
+    """The one line refusing a run whose manifest `where` records format_version `found` (not
+    FORMAT_VERSION), naming this code (nexttoken version and commit) and the commit that made the run."""
+    here = git_state(Path(__file__).resolve().parents[2])["commit"]
+    version = _version("nexttoken")
+    code = f"nexttoken {version or '(not installed)'}" + (f" at {here[:12]}" if here else "")
+    found = "none" if found is None else repr(found)
+    checkout = f"git checkout {made_by[:12]}" if made_by else "the manifest records no commit"
+    return (f"{where}: format_version {found} is not this code's {FORMAT_VERSION} ({code}): check out the "
+            f"nexttoken revision that made this run to read or audit it ({checkout})")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class _Sha256Sink:
@@ -117,16 +123,6 @@ def _parquet_hash(path: Path) -> str:
                 for batch in table.to_batches():
                     writer.write_batch(batch)
     return sink.hash.hexdigest()
-
-
-def _parquet_hash_scheme1(path: Path) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    table = pq.read_table(path).replace_schema_metadata(None).combine_chunks()
-    sink = io.BytesIO()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
 def _safetensors_hash(path: Path) -> str:
@@ -161,10 +157,7 @@ def model_record(source: dict | None) -> dict:
 def library_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for dist in LIBRARIES:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
+        out[dist] = _version(dist)
     return out
 
 
@@ -311,5 +304,4 @@ def file_record(path: Path, root: Path) -> dict[str, Any]:
     logical = logical_hash(path)
     if logical is not None:
         rec["logical_sha256"] = logical
-        rec["logical_hash_scheme"] = LOGICAL_HASH_SCHEME
     return rec

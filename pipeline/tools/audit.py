@@ -131,12 +131,8 @@ def verify_outputs(root: Path, manifests: dict[str, dict], result: Audit) -> dic
 
 def _logical(path: Path, out: dict, manifest: dict, result: Audit) -> None:
     """The logical hash, and a Parquet file's own record of which run wrote it."""
-    if provenance.recorded_scheme(out) not in provenance.LOGICAL_HASH_SCHEMES:
-        result.warn(f"{out['path']}: logical hash scheme {provenance.recorded_scheme(out)} is newer than this "
-                    f"code's {provenance.LOGICAL_HASH_SCHEMES}: not compared (its sha256 was)")
-    elif provenance.logical_matches(path, out) is False:   # by the scheme the run recorded it with
-        result.find("hashes", f"{out['path']}: logical content hash (scheme {provenance.recorded_scheme(out)}) "
-                              "!= recorded")
+    if provenance.logical_matches(path, out) is False:
+        result.find("hashes", f"{out['path']}: logical content hash != recorded")
     if path.suffix == ".parquet":
         written_by = parquet_facts(path).get("config_sha256")
         if written_by is not None and written_by != manifest.get("config_sha256"):
@@ -210,21 +206,13 @@ def verify_config(params: dict, manifests: dict[str, dict], result: Audit) -> No
         if stage not in registry.PARAMS:
             result.warn(f"config of {stage} not checked: this code has no stage {stage}")
             continue
-        # a key this code reads that the run had neither in params.yaml nor in its record is newer
-        # than the run (capture.kernels, say): not a finding
-        keys = tuple(k for k in registry.PARAMS[stage] if (revisions.dotted(params, k), revisions.dotted(
-            m.get("config"), k)) != (revisions.ABSENT, revisions.ABSENT))
         try:
-            expected = schema.subset(params, keys)
+            expected = schema.subset(params, registry.PARAMS[stage])
         except UserError as e:
             result.find("config", f"{stage}: {e}")
             continue
         for key in diff_keys(expected, m.get("config")):
             was, has = revisions.dotted(m.get("config"), key), revisions.dotted(expected, key)
-            if has == revisions.ABSENT and not any(key == k or key.startswith(k + ".") for k in keys):
-                # recorded by older code of this stage, which read a key this code does not
-                result.warn(f"{stage}: recorded {key}={was!r}, a key this code's {stage} stage no longer reads")
-                continue
             result.find("config", f"{stage}: {key} recorded {was!r}, params.yaml has {has!r}")
     result.notes.append("compared recorded configs with params.yaml")
 
@@ -295,7 +283,7 @@ def rederive_checks(root: Path, params: dict, result: Audit) -> None:
     except UserError as e:
         result.find("re-derive", str(e))
         return
-    stored = {k: r["verdict"] for k, r in verdicts.stored_rows(stored_t, paths.run_prompt_ids(root)).items()}
+    stored = {k: r["verdict"] for k, r in verdicts.stored_rows(stored_t).items()}
     for key in sorted(set(stored) | set(derived)):
         got, want = derived.get(key, ("<absent>", None, "")), stored.get(key, "<absent>")
         if got[0] == want:

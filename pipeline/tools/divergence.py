@@ -21,7 +21,7 @@ from pipeline import kernels
 # ---------------------------------------------------------------- kernel path
 def recorded_kernels(manifests: dict[str, dict]) -> dict | None:
     """A run's kernel path: the forward stage's record (every number derives from its pass),
-    else the first stage's that has one; None for runs made before kernel paths were recorded."""
+    else the first stage's that has one; None when no stage of the run computed with torch."""
     ordered = ([manifests["forward"]] if "forward" in manifests else []) + list(manifests.values())
     return next((m["kernels"] for m in ordered if m.get("kernels")), None)
 
@@ -30,7 +30,7 @@ def kernel_difference_line(then: dict | None, now: dict | None, labels: tuple[st
     """One line: the kernel path is the same, or which fields differ (value in the first -> in the second)."""
     if then is None or now is None:
         missing = " and ".join(lab for lab, r in zip(labels, (then, now)) if r is None)
-        return f"kernel path: not recorded in {missing} (made before kernel paths were recorded)"
+        return f"kernel path: not recorded in {missing} (no stage there computed with torch)"
     diffs = kernels.differences(then, now)
     if not diffs:
         return f"kernel path: same ({kernels.summary(then)})"

@@ -2,10 +2,8 @@
 
 `nexttoken diff` compares two runs prompt by prompt with these, and `nexttoken sweep` lists each
 experiment's prompts from them. The prompt_metrics tables (probs: one row per prompt and
-temperature; trajectories: per prompt, branch and kv_cache) carry a `prompt_id` column.
-checks.parquet does from issue 17 item 5 on (rows unique on (prompt_id, name)); a run recorded
-before that has none, and its rows are its one prompt's (`verdicts.stored_rows`, as the audit
-reads them; a run recorded before partitions, whose one prompt the diff pairs as None: `of_prompt`).
+temperature; trajectories: per prompt, branch and kv_cache) carry a `prompt_id` column, and so
+does checks.parquet (rows unique on (prompt_id, name)).
 """
 
 from __future__ import annotations
@@ -42,25 +40,19 @@ def prompt_metrics(root: Path, item: tuple[str, str]) -> dict[str, dict[tuple, d
 
 def checks(root: Path) -> dict[str, dict[str, dict]] | None:
     """prompt id -> check name -> its checks.parquet row; None when the run has no checks.parquet.
-    Rows by (prompt_id, name) as the audit reads them (`verdicts.stored_rows`: a table without the
-    prompt_id column is the run's single prompt's; "" for a run recorded before partitions)."""
+    Rows by (prompt_id, name) as the audit reads them (`verdicts.stored_rows`)."""
     path = paths.artifact(paths.CHECKS, root)
     if not path.is_file():
         return None
     out: dict[str, dict[str, dict]] = {}
-    for (pid, name), row in verdicts.stored_rows(pq.read_table(path), paths.run_prompt_ids(root)).items():
+    for (pid, name), row in verdicts.stored_rows(pq.read_table(path)).items():
         out.setdefault(pid, {})[name] = row
     return out
 
 
-def of_prompt(by_prompt: dict | None, prompt_id: str | None):
-    """One prompt's entry of a `prompt_metrics` or `checks` mapping; None when it has none. A run
-    recorded before partitions (prompt id None) whose table holds one prompt: that prompt's."""
-    if by_prompt is None:
-        return None
-    if prompt_id is None and len(by_prompt) == 1:
-        return next(iter(by_prompt.values()))
-    return by_prompt.get(prompt_id)
+def of_prompt(by_prompt: dict | None, prompt_id: str):
+    """One prompt's entry of a `prompt_metrics` or `checks` mapping; None when it has none."""
+    return None if by_prompt is None else by_prompt.get(prompt_id)
 
 
 # ---------------------------------------------------------------- two runs, one prompt

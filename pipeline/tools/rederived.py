@@ -32,7 +32,7 @@ class Findings(Protocol):
 
 def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, same_code: bool) -> None:
     """Recompute the probs stage's files from logits.parquet exactly as stages/probs.py does, per
-    prompt (partition; a run recorded before partitions: its flat files).
+    prompt (its partition), then the set files from every prompt's.
 
     same_code: dvc.lock shows the run's code is this code; else metrics.json (DVC's metrics
     view, whose layout follows the code) is compared on the keys both layouts have."""
@@ -40,15 +40,14 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
     prompt_ids = paths.run_prompt_ids(root)
     for pid in prompt_ids:
         try:
-            derived = probs_outputs(root, params, manifest, pid)
+            derived = probs_outputs(root, params, pid)
         except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
             result.find("re-derive", f"probs could not be recomputed from "
-                                     f"{_rel(paths.recorded(paths.LOGITS, pid, root), root)}: {type(e).__name__}: {e}")
+                                     f"{_rel(paths.partition(paths.LOGITS, pid, root), root)}: {type(e).__name__}: {e}")
             failed = True
             continue
         figures.append(derived.pop(paths.PROBS_METRICS))      # set-level: compared once below
-        if paths.PROBS_PROMPT_METRICS in derived:   # set-level: every prompt's rows, compared once below
-            per_prompt.append(derived.pop(paths.PROBS_PROMPT_METRICS))
+        per_prompt.append(derived.pop(paths.PROBS_PROMPT_METRICS))   # set-level: every prompt's rows, likewise
         items = list(derived)
         for item, want in derived.items():
             _compare(paths.lookup(root)(item, pid), want, root, recorded, result, False)
@@ -59,7 +58,7 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
         items.append(paths.PROBS_METRICS)
         _compare(paths.artifact(paths.PROBS_METRICS, root), probs.run_metrics(figures), root, recorded,
                  result, not same_code)
-    if per_prompt:      # a run made before prompt_metrics.parquet has none
+    if per_prompt:
         items.append(paths.PROBS_PROMPT_METRICS)
         _compare(paths.artifact(paths.PROBS_PROMPT_METRICS, root), probs.set_table(per_prompt), root,
                  recorded, result, False)
@@ -69,19 +68,15 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
 
 def rederive_trajectories(root: Path, manifest: dict, result: Findings, same_code: bool) -> None:
     """trajectories' set files (prompt_metrics.parquet, metrics.json) from each prompt's stored
-    trajectories.json, by the stage's `set_files`; a run made before prompt_metrics.parquet: not
-    re-derived (a note says so). same_code: as for `rederive_probs` (metrics.json's layout)."""
+    trajectories.json, by the stage's `set_files`. same_code: as for `rederive_probs` (metrics.json's layout)."""
     recorded = {o["path"] for o in manifest["outputs"]}
-    if _rel(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, root), root) not in recorded:
-        result.notes.append("trajectories' set files: made before prompt_metrics.parquet, not re-derived")
-        return
     from pipeline.model import trajectories  # torch: only when re-deriving
     from pipeline.numerics import probs
     summaries = []
     for pid in paths.run_prompt_ids(root):
         try:
-            summaries.append((probs.prompt_id(paths.recorded(paths.TOKENIZE_SUMMARY, pid, root)),
-                              read_json(paths.recorded(paths.TRAJECTORIES, pid, root))))
+            summaries.append((probs.prompt_id(paths.partition(paths.TOKENIZE_SUMMARY, pid, root)),
+                              read_json(paths.partition(paths.TRAJECTORIES, pid, root))))
         except UserError as e:
             result.find("re-derive", f"trajectories' set files could not be recomputed: {e}")
             return
@@ -101,8 +96,8 @@ def rederive_trajectories(root: Path, manifest: dict, result: Findings, same_cod
 def _compare(path: Path, want: Any, root: Path, recorded: set[str], result: Findings, shared: bool) -> None:
     """A stored file against its re-derivation, bit for bit (shared: on the keys both have)."""
     where = _rel(path, root)
-    if where not in recorded:   # written by newer code than the run's
-        result.warn(f"{where} is re-derivable but the run did not record it: not compared")
+    if where not in recorded:   # one format_version: the stage always writes it
+        result.find("re-derive", f"{where} is not among the outputs the run's manifest records")
         return
     try:
         stored = read_parquet(path) if isinstance(want, pa.Table) else read_json(path)
@@ -126,18 +121,11 @@ def _rel(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix()
 
 
-def probs_outputs(root: Path, params: dict, manifest: dict | None = None, prompt_id: str | None = None) \
-        -> dict[tuple[str, str], Any]:
-    """One prompt's probs tables and JSON, recomputed by the stage's own function from the files
-    the run recorded reading (a run made before vocab.parquet moved to tokenize read it from logits;
-    prompt_id None: a run made before partitions; one made before prompt_metrics.parquet did not read
-    tokenize.json, and that file is not made)."""
+def probs_outputs(root: Path, params: dict, prompt_id: str) -> dict[tuple[str, str], Any]:
+    """One prompt's probs tables and JSON, recomputed by the stage's own function from its stored
+    logits, the run's vocab.parquet and the prompt's tokenize.json (what the stage read)."""
     from pipeline.numerics import probs
-    inputs = [i["path"] for i in (manifest or {}).get("inputs") or []]
-    read = {Path(i).name: root / i for i in inputs}
-    tokenize = paths.recorded(paths.TOKENIZE_SUMMARY, prompt_id, root)
-    outputs, _ = probs.build(paths.recorded(paths.LOGITS, prompt_id, root),
-                             read.get(paths.VOCAB[1], paths.artifact(paths.VOCAB, root)),
+    outputs, _ = probs.build(paths.partition(paths.LOGITS, prompt_id, root), paths.artifact(paths.VOCAB, root),
                              schema.load_section(params, "probs"), schema.load_section(params, "sampling"),
-                             tokenize if manifest is None or _rel(tokenize, root) in inputs else None)
+                             paths.partition(paths.TOKENIZE_SUMMARY, prompt_id, root))
     return outputs

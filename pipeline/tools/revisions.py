@@ -26,7 +26,7 @@ from pipeline.config import schema
 from pipeline.config.registry import ABSENT, dotted  # noqa: F401  (revisions.dotted / ABSENT: the tools' names)
 from pipeline.errors import UserError
 from pipeline.store import paths
-from pipeline.store.artifacts import read_json
+from pipeline.store.artifacts import read_manifest
 
 WORKSPACE = "workspace"
 DVC_YAML = "dvc.yaml"
@@ -213,15 +213,13 @@ def _link(src: Path, dest: Path, root: Path, missing: list[str]) -> None:
 
 # ---------------------------------------------------------------- what a run recorded
 def load_manifests(root: Path) -> dict[str, dict]:
-    """stage -> manifest for every stage that ran, in pipeline order; a corrupt one is an error."""
+    """stage -> manifest for every stage that ran, in pipeline order; a corrupt one, or one of another
+    format_version than this code's, is an error (`artifacts.read_manifest`)."""
     listed = dvc_stages(root)
     stages = [s for s in (listed if listed is not None else paths.STAGES) if s in paths.STAGES]
-    found = {s: read_json(paths.manifest_path(s, root)) for s in stages if paths.manifest_path(s, root).exists()}
+    found = {s: read_manifest(s, root) for s in stages if paths.manifest_path(s, root).exists()}
     if not found:
         raise UserError(f"no runs in {root}: no artifacts/<stage>/manifest.json (run `dvc repro` first)")
-    for stage, manifest in found.items():
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("outputs"), list):
-            raise UserError(f"{paths.manifest_path(stage, root)} is not a stage manifest (no `outputs` list)")
     return found
 
 

@@ -75,10 +75,9 @@ def compare(a: Path, b: Path, head: str) -> list[str]:
     return out + only
 
 
-def prompt_pairs(a: Path, b: Path) -> tuple[list[tuple[str | None, str | None]], list[str]]:
+def prompt_pairs(a: Path, b: Path) -> tuple[list[tuple[str, str]], list[str]]:
     """The prompts compared, (id in A, id in B): those both runs hold, by id; two runs of one prompt
-    each are compared whatever their ids (a run recorded before partitions has the one id None).
-    Then a line per prompt only one run holds."""
+    each are compared whatever their ids. Then a line per prompt only one run holds."""
     ia, ib = paths.run_prompt_ids(a), paths.run_prompt_ids(b)
     if len(ia) == 1 and len(ib) == 1:
         return [(ia[0], ib[0])], []
@@ -125,7 +124,7 @@ def _one(values: list | None) -> str:
 
 
 def _forward_fact(root: Path, key: str, pid: str | None) -> Any:
-    path = paths.recorded(paths.FORWARD_FACTS, pid, root)
+    path = paths.partition(paths.FORWARD_FACTS, pid, root)
     return read_json(path).get(key, "<not recorded>") if path.exists() else "<no forward run>"
 
 
@@ -135,7 +134,7 @@ def kernel_line(a: Path, b: Path) -> str:
 
 
 def capture_line(a: Path, b: Path, ia: str | None, ib: str | None) -> str:
-    pa_, pb = paths.recorded(paths.CAPTURE, ia, a), paths.recorded(paths.CAPTURE, ib, b)
+    pa_, pb = paths.partition(paths.CAPTURE, ia, a), paths.partition(paths.CAPTURE, ib, b)
     if not (pa_.exists() and pb.exists()):
         return "capture: not in both runs"
     ta, tb = read_safetensors(pa_), read_safetensors(pb)
@@ -151,7 +150,7 @@ class Alignment:
     distributions), and only positions counted from the end that both prompts have are compared."""
 
     def __init__(self, a: Path, b: Path, pa_: str | None, pb: str | None):
-        self.files = (lambda item: paths.recorded(item, pa_, a), lambda item: paths.recorded(item, pb, b))
+        self.files = (lambda item: paths.partition(item, pa_, a), lambda item: paths.partition(item, pb, b))
         ia, ib = _token_ids(self.files[0]), _token_ids(self.files[1])
         self.same = ia == ib
         self.lengths = (len(ia or []), len(ib or []))
@@ -282,7 +281,7 @@ def _kept(f: dict | None) -> str:
 
 # ---------------------------------------------------------------- trajectories
 def _runs(root: Path, pid: str | None) -> dict[str, list[dict]]:
-    path = paths.recorded(paths.STEPS, pid, root)
+    path = paths.partition(paths.STEPS, pid, root)
     return runs_from_table(pq.read_table(path)) if path.exists() else {}
 
 

@@ -216,10 +216,12 @@ def prompt_figures(root: Path) -> dict[str, dict]:
     (the one the set aggregates of probs/metrics.json are taken at) when probs.temperatures lists it, else
     at T = 1 or the lowest, the entropy in bits, the sampling filter's kept count, the top-1 probability
     and text; without the KV cache, whether greedy / sampling end in a loop (1.0 or 0.0: the set line
-    holds their rate) and the step where sampling left the greedy path (0: never)."""
+    holds their rate) and the step where sampling left the greedy path (0: never). A run of another
+    format_version than this code's is refused (`revisions.load_manifests`)."""
+    manifests = revisions.load_manifests(root)
     probs_rows = prompt_tables.prompt_metrics(root, paths.PROBS_PROMPT_METRICS) or {}
     runs = prompt_tables.prompt_metrics(root, paths.TRAJECTORY_PROMPT_METRICS) or {}
-    sampling_t = _sampling_temperature(root)
+    sampling_t = _sampling_temperature(manifests)
     out: dict[str, dict] = {}
     for pid in sorted(set(probs_rows) | set(runs)):
         fig: dict[str, Any] = {}
@@ -238,12 +240,11 @@ def prompt_figures(root: Path) -> dict[str, dict]:
     return out
 
 
-def _sampling_temperature(root: Path) -> float | None:
+def _sampling_temperature(manifests: dict[str, dict]) -> float | None:
     """The temperature the run's sampling filter had (greedy 0 is shown at 1, as `probs.sweep_metrics`),
-    from the probs stage's recorded config; None when it is not recorded."""
-    manifest = paths.manifest_path("probs", root)
-    t = (json.loads(manifest.read_text(encoding="utf-8"))["config"].get("sampling") or {}).get("temperature") \
-        if manifest.is_file() else None
+    from the probs stage's recorded config; None when probs has not run."""
+    config = (manifests.get("probs") or {}).get("config") or {}
+    t = (config.get("sampling") or {}).get("temperature")
     return None if t is None else (float(t) if t > 0 else 1.0)
 
 

@@ -9,13 +9,13 @@ and its model snapshot, in a temporary folder: each stage's own library function
 `capture.kernels` (pinned before torch loads). Nothing in the workspace or the DVC cache
 changes.
 
-One line per artifact, `identical` or `differs` (`new`, not compared, for a file only this code
-makes: the run's code did not write it; `identical ... on what both hold` for a JSON file or table
-this code added keys or columns to, equal bit for bit on the rest); when anything differs, one line each: the
+One line per artifact, `identical` or `differs`; when anything differs, one line each: the
 kernel path then vs now, the first diverging captured tensor in forward order (max |Δ| and
 where), the top-1 id per position, the kept counts per filter, the first trajectory step
 whose chosen id differs (both candidates and their probabilities), the checks whose result
 changed. Exit 0 when every artifact is bit-identical, 1 when anything differs, 2 on bad input.
+A run of another `format_version` is refused in one line (`revisions.load_manifests`): its files are
+laid out as other code laid them out, so that code verifies it (check out the commit that made it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pipeline.checks import verdicts
 from pipeline.config import schema
 from pipeline.errors import UserError, bad_value
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_json, read_parquet, read_safetensors, stage_run
+from pipeline.store.artifacts import read_json, read_manifest, read_parquet, read_safetensors, stage_run
 from pipeline.tools import revisions
 from pipeline.tools.divergence import (
     capture_order,
@@ -41,14 +41,7 @@ from pipeline.tools.divergence import (
     recorded_kernels,
     top1_line,
 )
-from pipeline.tools.rundiff import (
-    json_difference,
-    kept_lines_from,
-    runs_from_table,
-    shared_keys,
-    table_difference,
-    trajectory_lines_from,
-)
+from pipeline.tools.rundiff import kept_lines_from, runs_from_table, table_difference, trajectory_lines_from
 
 RERUN = ("forward", "logits", "probs", "trajectories", "lens", "checks")      # in dvc.yaml's order
 READS = {"forward": (), "logits": ("forward",), "probs": ("logits",), "trajectories": (), "lens": ("forward",),
@@ -102,9 +95,6 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
     params = schema.read_params(root / paths.PARAMS)
     cap = schema.load_section(params, "capture", root)
     _snapshot(root, manifests)
-    if paths.run_prompt_ids(root) == [None]:
-        raise UserError(f"{label} was recorded before per-prompt partitions (issue 17): this code re-runs it "
-                        "in the new layout, so nothing would compare; `nexttoken audit` checks it as it is")
     rerun = [s for s in wanted if s in manifests]
     if not rerun:
         raise UserError(f"{label} has none of the stages to re-run ({', '.join(wanted)}): run `dvc repro` first")
@@ -119,14 +109,8 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
         result.lines.append(kernel_difference_line(recorded_kernels(manifests), recorded_kernels(now), LABELS))
         for stage in rerun:
             for name, same in _compare_files(root, here, stage):
-                if same is None:
-                    result.lines.append(f"new       {stage}/{name}: made by this code, the run did not record it "
-                                        "(not compared)")
-                elif isinstance(same, str):
-                    result.lines.append(f"identical {stage}/{name} on what both hold ({same})")
-                else:
-                    result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")
-                if same is False:
+                result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")
+                if not same:
                     result.differing.append(f"{stage}/{name}")
         if result.differing:
             result.lines += explain(root, here, {d.split("/")[0] for d in result.differing})
@@ -186,40 +170,20 @@ def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
                 body[stage](run)
 
 
-def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool | str | None]]:
+def _compare_files(root: Path, here: Path, stage: str) -> list[tuple[str, bool]]:
     """(file name, bit-identical) for every output the stage's manifest lists, stored or re-made
-    (what DVC adds beside them, such as a .gitignore, is not the stage's); None for a file only the
-    re-run made (newer code than the run's, e.g. prompt_metrics.parquet for a run made before it); a
-    string (what only one holds) for a JSON file or table equal bit for bit on the keys or columns both
-    hold, that newer code added to (metrics.json's set keys, checks.parquet's prompt_id)."""
+    (what DVC adds beside them, such as a .gitignore, is not the stage's). Both runs are of one
+    format_version, so a file only one of them holds is a difference."""
     def files(r: Path) -> dict[str, Path]:
-        outputs = read_json(paths.manifest_path(stage, r)).get("outputs") or []
+        outputs = read_manifest(stage, r)["outputs"]
         return {Path(o["path"]).relative_to(paths.stage_dir(stage)).as_posix(): r / o["path"] for o in outputs}
 
-    def compare(name: str) -> bool | str | None:
-        if name not in stored:
-            return None
-        if name not in made or not stored[name].is_file():
+    def compare(name: str) -> bool:
+        if name not in stored or name not in made or not stored[name].is_file():
             return False
-        return _content(stored[name]) == _content(made[name]) or _same_on_shared(stored[name], made[name]) or False
+        return _content(stored[name]) == _content(made[name])
     stored, made = files(root), files(here)
     return [(name, compare(name)) for name in sorted(set(stored) | set(made))]
-
-
-def _same_on_shared(stored: Path, made: Path) -> str | None:
-    """What only one of two files holds, when they are equal on every key (JSON) or column (Parquet)
-    both hold and differ in layout; None when they differ in a value, or are the same layout."""
-    if stored.suffix == ".json":
-        a, b, only = shared_keys(read_json(stored), read_json(made))
-        return "only one holds " + ", ".join(only) if only and json_difference(a, b) is None else None
-    if stored.suffix != ".parquet":
-        return None
-    a, b = read_parquet(stored), read_parquet(made)
-    only = sorted(set(a.column_names) ^ set(b.column_names))
-    both = [c for c in a.column_names if c in b.column_names]
-    if not only or table_difference(a.select(both), b.select(both)) is not None:
-        return None
-    return "only one holds column " + ", ".join(only)
 
 
 def _content(path: Path) -> str:
@@ -262,7 +226,11 @@ def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...], pid:
     """Per table that differs, its first differing value (then vs now)."""
     out = []
     for item in items:
-        diff = table_difference(*(read_parquet(paths.lookup(r)(item, pid)) for r in (root, here)))
+        files = [paths.lookup(r)(item, pid) for r in (root, here)]
+        if missing := [label for label, f in zip(LABELS, files) if not f.is_file()]:
+            out.append(f"{item[0]} {item[1]}: not there {' and '.join(missing)}")
+            continue
+        diff = table_difference(*map(read_parquet, files))
         if diff:
             out.append(f"{item[0]} {item[1]}: " + diff.replace("stored", "then").replace("re-derived", "now"))
     return out
@@ -272,9 +240,8 @@ def probs_lines(root: Path, here: Path, pid: str) -> list[str]:
     """The first value that differs in each table, and the kept counts per filter."""
     summaries = [json.loads(paths.partition(paths.PROBS_SUMMARY, pid, r).read_text(encoding="utf-8"))["filters"]
                  for r in (root, here)]
-    tables = (paths.TABLE, paths.FILTERED) + tuple(   # prompt_metrics.parquet: not in a run made before it
-        item for item in (paths.PROBS_PROMPT_METRICS,) if all(paths.artifact(item, r).is_file() for r in (root, here)))
-    return table_lines(root, here, tables, pid) + kept_lines_from(*summaries, LABELS)
+    return table_lines(root, here, (paths.TABLE, paths.FILTERED, paths.PROBS_PROMPT_METRICS), pid) \
+        + kept_lines_from(*summaries, LABELS)
 
 
 def _same(a, b) -> bool:
@@ -283,7 +250,7 @@ def _same(a, b) -> bool:
 
 def checks_lines(root: Path, here: Path) -> list[str]:
     """Each check whose verdict or measured value changed (per prompt, by name)."""
-    then, now = (verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, r)), paths.run_prompt_ids(r))
+    then, now = (verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, r)))
                  for r in (root, here))
     fields = ("verdict", "measured", "tolerance", "severity", "what", "detail")
     changed = [k for k in sorted(set(then) | set(now))

@@ -4,7 +4,8 @@ An entry is a model and dtype run on the reference prompt with `capture.kernels=
 through the real stages (prepare_model, tokenize, forward, logits, trajectories) in a
 temporary workspace: the logits content sha256 (`logits_content_sha256` of logits.parquet,
 the raw bytes of the captured logits), the sha256 of the greedy and of the sampled token ids
-(`trajectories.json`, full-prefix runs), and the kernel path of the machine that computed
+(`trajectories.json`, full-prefix runs, `STEPS` of them: the article's 4, pinned whatever
+conf/'s `sampling.max_new_tokens` is, so the committed numbers stand), and the kernel path of the machine that computed
 them (the forward manifest's record). Any x86-64 machine with AVX2 + FMA must reproduce them
 bit for bit; a machine whose kernels differ in native mode gives other bits.
 
@@ -33,6 +34,7 @@ ENTRIES = {"tiny_qwen2_bfloat16": ("tiny_qwen2", "bfloat16"),
            "tiny_qwen2_float32": ("tiny_qwen2", "float32"),
            "gemma3_270m_bfloat16": ("gemma3_270m", "bfloat16")}
 STAGES = ("forward", "logits", "trajectories")
+STEPS = 4                   # new tokens per trajectory the fingerprints hash: the article's table
 COMPARED = ("logits_content_sha256", "greedy_ids_sha256", "sample_ids_sha256")
 HEADER = """\
 # Cross-machine fingerprints: capture.kernels=portable (ATen and oneDNN capped at AVX2, MKL CNR
@@ -64,7 +66,8 @@ def compute(base: Path, dest: Path, model: str, dtype: str, kernels: str = "port
     paths.stage_dir("prepare_model", dest).symlink_to(paths.stage_dir("prepare_model", base).resolve(),
                                                       target_is_directory=True)     # read only: never copied
     run_module("pipeline.tools.cli", dest, "compose", ON_CPU, f"model={model}", f"capture.dtype={dtype}",
-               f"capture.kernels={kernels}", check=True)      # CPU kernels are what the fingerprints pin
+               f"capture.kernels={kernels}", f"sampling.max_new_tokens={STEPS}",
+               check=True)      # CPU kernels are what the fingerprints pin
     for stage in STAGES:
         run_module(f"stages.{stage}", dest, check=True, env=env, timeout=1800)
     return entry(dest, model, dtype)

@@ -26,7 +26,7 @@ from pipeline.store import paths, provenance
 from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
 from pipeline.tools import audit, cli, rederived, revisions, rundiff
 from tests.conftest import ON_CPU, copy_ws, run_module
-from tests.helpers.partitions import part, rel
+from tests.helpers.partitions import part
 
 
 @pytest.fixture(scope="module")
@@ -152,26 +152,18 @@ def test_forged_trajectory_set_files_are_caught_by_rederivation(copy):
                for f in found), found
 
 
-def test_a_run_made_before_prompt_metrics_audits_clean(copy):
-    """Its probs stage neither read tokenize.json nor wrote prompt_metrics.parquet, and its checks
-    had no probs_prompt_metrics_* rows: nothing about the file is a finding (or a warning)."""
-    metrics_rel, tok = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix(), rel(paths.TOKENIZE_SUMMARY, copy)
+def test_a_probs_record_without_prompt_metrics_is_a_finding(copy):
+    """One format_version: a run whose probs stage recorded no prompt_metrics.parquet (what earlier code
+    wrote) is not audited as an older layout; the missing file is a finding, named."""
+    metrics_rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
     (copy / metrics_rel).unlink()
     m = manifest(copy, "probs")
     m["outputs"] = [o for o in m["outputs"] if o["path"] != metrics_rel]
-    m["inputs"] = [i for i in m["inputs"] if i["path"] != tok]
     save_manifest(copy, "probs", m)
-    checks = paths.artifact(paths.CHECKS, copy)
-    table = pq.read_table(checks)
-    pq.write_table(table.filter(pc.invert(pc.starts_with(table["name"], "probs_prompt_metrics_"))), checks)
-    m = manifest(copy, "checks")
-    dropped = (metrics_rel, tok, paths.artifact(paths.VOCAB).as_posix())
-    m["inputs"] = [i for i in m["inputs"] if i["path"] not in dropped]
-    save_manifest(copy, "checks", m)
-    rerecord(copy, checks.relative_to(copy).as_posix(), "checks", "outputs")
-    result = audit.audit_folder(copy, "before prompt_metrics")
-    assert result.clean and not any("prompt_metrics" in w for w in result.warnings), result.lines()
-    assert "re-derived table.parquet, filtered.parquet, summary.json, metrics.json from" in "\n".join(result.notes)
+    result = audit.audit_folder(copy, "without prompt_metrics")
+    assert not result.clean
+    assert f"FINDING [re-derive] {metrics_rel} is not among the outputs the run's manifest records" \
+        in result.lines(), result.lines()
 
 
 def test_an_edited_manifest_config_is_named(copy):

@@ -627,8 +627,10 @@ def test_a_wrong_loop_claim_or_token_count_in_prompt_metrics_fails_trajectory_lo
     assert trajectory.loops(rows, steps)[0].passed and len(rows) == 4
     greedy = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"]) if (r["branch"], r["kv_cache"]) ==
               ("greedy", False)]
-    looping = _with_token(_with_token(steps, "greedy", False, 3, greedy[1]), "greedy", False, 4, greedy[1])
-    claim = {"loop": True, "loop_start": 2, "loop_period": 1}       # ids a, b, b, b: period 1 from step 2
+    looping = steps
+    for step in range(3, len(greedy) + 1):                         # every step after the second: b again
+        looping = _with_token(looping, "greedy", False, step, greedy[1])
+    claim = {"loop": True, "loop_start": 2, "loop_period": 1}       # ids a, b, b, ..., b: period 1 from step 2
     right = [{**r, **claim} if (r["branch"], r["kv_cache"]) == ("greedy", False) else r for r in rows]
     assert trajectory.loops(right, looping)[0].passed
     got = trajectory.loops(rows, looping)[0]                                   # the stored "no loop" is now wrong

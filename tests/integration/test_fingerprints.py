@@ -41,7 +41,10 @@ def _check(name: str, got: dict) -> None:
 @pytest.mark.parametrize("name", ["tiny_qwen2_bfloat16", "tiny_qwen2_float32"])
 def test_tiny_fingerprint_reproduces_here(name, tiny_base, tmp_path):
     model, dtype = fingerprints.ENTRIES[name]
-    _check(name, fingerprints.compute(tiny_base, tmp_path / "ws", model, dtype))
+    got = fingerprints.compute(tiny_base, tmp_path / "ws", model, dtype)
+    _check(name, got)
+    # the committed ids are the article's 4 steps, pinned whatever conf/'s max_new_tokens is
+    assert len(got["greedy_token_ids"]) == len(EXPECTED[name]["greedy_token_ids"]) == fingerprints.STEPS
 
 
 def test_the_portable_variables_set_by_hand_are_the_pin(tiny_base, tmp_path):

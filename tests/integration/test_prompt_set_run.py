@@ -70,7 +70,7 @@ def test_the_checks_stage_checks_every_prompt_and_says_which(set_run):
     assert "checks over 2 prompts" in proc.stdout
     table = read_parquet(paths.artifact(paths.CHECKS, ws))
     assert table.column_names[0] == "prompt_id"
-    rows = verdicts.stored_rows(table, [REFERENCE, OTHER])
+    rows = verdicts.stored_rows(table)
     names = {pid: {n for p, n in rows if p == pid} for pid in (REFERENCE, OTHER)}
     # the same suite per prompt; the reference figures only where the prompt is the reference's, and the
     # expected ids where the record gives them
@@ -99,7 +99,7 @@ def test_a_wrong_number_in_one_prompt_fails_the_stage_naming_that_prompt(set_run
     proc = run_module("stages.checks", ws)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"error checks failed: logits_file_exact (prompt {OTHER}) " in proc.stderr, proc.stderr
-    rows = verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, ws)), [REFERENCE, OTHER])
+    rows = verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, ws)))
     failed = sorted(k for k, r in rows.items() if r["verdict"] == "fail" and r["severity"] == "error")
     assert failed == [(OTHER, "logits_file_exact")] and rows[(OTHER, "logits_file_exact")]["measured"] == 0.25
     assert rows[(REFERENCE, "logits_file_exact")]["verdict"] == "pass"

@@ -24,7 +24,8 @@ from pipeline.store import logits_io, paths
 from tests.conftest import CHAIN, REPO, copy_ws, run_module
 from tests.helpers.partitions import part
 
-CHECKS_SCHEMA = pa.schema([("name", pa.string()), ("what", pa.string()), ("measured", pa.float64()),
+CHECKS_SCHEMA = pa.schema([("prompt_id", pa.string()), ("name", pa.string()), ("what", pa.string()),
+                           ("measured", pa.float64()),
                            ("tolerance", pa.float64()), ("verdict", pa.string()), ("severity", pa.string()),
                            ("detail", pa.string())])
 CHECKS = [
@@ -41,7 +42,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def _write_checks(ws: Path) -> None:
     folder = paths.stage_dir("checks", ws)
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(CHECKS, schema=CHECKS_SCHEMA), paths.artifact(paths.CHECKS, ws))
+    rows = [{"prompt_id": paths.run_prompt_ids(ws)[0], **c} for c in CHECKS]     # checks.parquet's layout
+    pq.write_table(pa.Table.from_pylist(rows, schema=CHECKS_SCHEMA), paths.artifact(paths.CHECKS, ws))
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +148,11 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
     assert len(heads) == len(blocks) - 1 == 4             # one table per run, then the repetition table
     for (branch, kv), rows in zip(heads, blocks):
         want = steps[(steps.branch == branch) & (steps.kv_cache == (kv == "on"))].sort_values("step")
+        assert len(want) > render.ARTICLE_STEPS       # conf/'s max_new_tokens: the table is the article's first 4
+        want = want.head(render.ARTICLE_STEPS)
         assert [int(r["id"]) for r in rows] == want["token_id"].tolist()
         assert [unquote(r["text so far"]) for r in rows] == want["text_so_far"].tolist()
+    assert f"steps {render.ARTICLE_STEPS + 1}-" in text and "steps.parquet" in text
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache].sort_values("step")
     logits = logits_io.read_position(part(paths.LOGITS, ws), 24)
     assert greedy["token_id"].iloc[0] == int(np.argmax(logits))   # greedy step 1 = argmax

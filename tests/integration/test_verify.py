@@ -79,8 +79,8 @@ def test_a_fresh_run_verifies_identical_and_nothing_changes(native):
     assert snapshot(native) == before and _everything(native) == listed
 
 
-def test_a_file_the_run_did_not_record_is_new_not_a_difference(native, tmp_path):
-    """A run made before prompt_metrics.parquet: the re-run makes it; it is listed, not compared."""
+def test_a_file_the_run_did_not_record_is_a_difference(native, tmp_path):
+    """One format_version: a file the re-run makes and the run's manifest does not list is a difference."""
     run = copy_ws(native, tmp_path / "old")
     rel = paths.artifact(paths.PROBS_PROMPT_METRICS).as_posix()
     (run / rel).unlink()
@@ -88,9 +88,9 @@ def test_a_file_the_run_did_not_record_is_new_not_a_difference(native, tmp_path)
     m["outputs"] = [o for o in m["outputs"] if o["path"] != rel]
     paths.manifest_path("probs", run).write_text(json.dumps(m, indent=2) + "\n")
     result = verify.verify_folder(run, "old", ["probs"])
-    assert result.identical, "\n".join(result.lines)
-    assert "new       probs/prompt_metrics.parquet: made by this code, the run did not record it (not compared)" \
-        in result.lines
+    assert not result.identical and result.differing == ["probs/prompt_metrics.parquet"], "\n".join(result.lines)
+    assert "differs   probs/prompt_metrics.parquet" in result.lines
+    assert "probs prompt_metrics.parquet: not there then" in result.lines
     assert "identical probs/table/prompt_id=temperature_question/table.parquet" in result.lines
 
 
@@ -164,18 +164,16 @@ def test_recorded_kernels_prefer_the_forward_record():
     assert divergence.recorded_kernels({"probs": {"kernels": {"mode": "x"}}, "forward": {"kernels": {"mode": "y"}}}) \
         == {"mode": "y"}
     assert divergence.recorded_kernels({"forward": {}}) is None
-    assert divergence.kernel_difference_line(None, {"mode": "native"}).endswith("(made before kernel paths were "
-                                                                                 "recorded)")
+    assert divergence.kernel_difference_line(None, {"mode": "native"}).endswith("(no stage there computed with "
+                                                                                 "torch)")
 
 
-def test_audit_of_a_run_made_before_capture_kernels_finds_nothing_about_it():
-    """A key this code reads that the run had neither in params.yaml nor in its record is newer
-    than the run; recorded by one side only, it is still a finding."""
+def test_audit_finds_a_config_key_the_stage_reads_and_did_not_record():
+    """One format_version: every key the stage reads is in its record; one recorded by one side only
+    is a finding (no allowance for a run of older code: that code audits it)."""
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     old = {"probs": {"config": {"probs": {}, "sampling": sampling}}}
     result = audit.Audit("old run")
-    audit.verify_config({"probs": {}, "sampling": sampling, "capture": {"dtype": "bfloat16"}}, old, result)
-    assert result.findings == []
     audit.verify_config({"probs": {}, "sampling": sampling, "capture": {"kernels": "native"}}, old, result)
     assert result.findings == ["FINDING [config] probs: capture recorded '<absent>', params.yaml has "
                                "{'kernels': 'native'}"]

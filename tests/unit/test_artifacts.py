@@ -11,7 +11,7 @@ import yaml
 from pipeline.errors import UserError
 from pipeline.store import artifacts, paths, provenance
 
-MANIFEST_FIELDS = {"schema_version", "stage", "config", "config_sha256", "seeds", "model", "facts", "inputs",
+MANIFEST_FIELDS = {"format_version", "stage", "config", "config_sha256", "seeds", "model", "facts", "inputs",
                    "outputs", "libraries", "hardware", "determinism", "git", "python_executable", "command",
                    "created_at", "duration_s", "prompt_seconds"}
 
@@ -186,7 +186,7 @@ def test_an_input_its_producer_recorded_is_not_read_again(tmp_path, monkeypatch)
     monkeypatch.setattr(provenance, "logical_hash", lambda *a: pytest.fail("an input was parsed"))
     record = _consume(tmp_path)
     assert "t.parquet" not in read     # same size and mtime as recorded: the recorded hashes stand
-    assert record == {k: recorded[k] for k in ("path", "bytes", "sha256", "logical_sha256", "logical_hash_scheme")}
+    assert record == {k: recorded[k] for k in ("path", "bytes", "sha256", "logical_sha256")}
     monkeypatch.setenv(artifacts.HASH_INPUTS_ENV, "1")   # audit-grade: every input hashed in full
     assert _consume(tmp_path)["sha256"] == recorded["sha256"] and read.count("t.parquet") == 1
     assert made.exists()
@@ -204,22 +204,20 @@ def test_an_input_changed_since_its_producer_wrote_it_is_hashed_and_refused(tmp_
         _consume(tmp_path)
 
 
-def test_logical_hash_schemes_stream_and_old_records_still_verify(tmp_path, monkeypatch):
+def test_the_logical_hash_streams_row_groups_and_ignores_metadata(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
     path = _produce(tmp_path, rows_per_group=1)
     assert pq.ParquetFile(path).num_row_groups == 3
-    scheme1 = provenance.logical_hash(path, 1)
-    with monkeypatch.context() as m:                     # scheme 2 never loads the whole table
-        m.setattr(pq, "read_table", lambda *a, **k: pytest.fail("scheme 2 read the whole table"))
-        scheme2 = provenance.logical_hash(path)
-    assert scheme1 != scheme2 and provenance.LOGICAL_HASH_SCHEME == 2
-    new = {"logical_sha256": scheme2, "logical_hash_scheme": 2}
-    old = {"logical_sha256": scheme1}                     # a record made before schemes were named
-    assert provenance.logical_matches(path, new) and provenance.logical_matches(path, old)
-    assert provenance.logical_matches(path, {"logical_sha256": scheme2}) is False   # read as scheme 1
+    with monkeypatch.context() as m:                     # it never loads the whole table
+        m.setattr(pq, "read_table", lambda *a, **k: pytest.fail("the logical hash read the whole table"))
+        logical = provenance.logical_hash(path)
+    record = {"logical_sha256": logical}
+    assert provenance.logical_matches(path, record)
     assert provenance.logical_matches(path, {}) is None
+    pq.write_table(_table().replace_schema_metadata({"other": "facts"}), path, row_group_size=1)
+    assert provenance.logical_matches(path, record)      # other metadata: the same content
     pq.write_table(_table().set_column(1, "b", pa.array([0.5, 1.5, 2.25])), path, row_group_size=1)
-    assert not provenance.logical_matches(path, new) and not provenance.logical_matches(path, old)
+    assert not provenance.logical_matches(path, record)
 
 
 def test_timed_records_each_prompts_seconds_in_the_manifest(tmp_path):

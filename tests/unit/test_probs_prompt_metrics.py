@@ -87,7 +87,7 @@ def test_a_greedy_sampling_filter_keeps_the_argmax_its_mass_at_t1_as_summary_jso
 def test_a_tokenize_json_without_prompt_id_is_one_clear_line(tmp_path):
     path = tmp_path / "tokenize.json"
     path.write_text('{"prompt_name": "x"}')
-    with pytest.raises(UserError, match=r"records no prompt_id \(written by older code\): re-run `dvc repro tokenize`"):
+    with pytest.raises(UserError, match=r"records no prompt_id \(edited or corrupt\?\): re-run `dvc repro tokenize`"):
         probs.prompt_id(path)
     path.write_text('{"prompt_id": "capital_france"}')
     assert probs.prompt_id(path) == "capital_france"

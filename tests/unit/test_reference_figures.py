@@ -83,6 +83,7 @@ OFF_BY_ONE_FIGURE = [
     (("greedy_branch", "token_ids", 3), 34559, "ref_greedy_token_ids"),
     (("greedy_branch", "text"), "温度参数(temperature", "ref_greedy_text"),
     (("max_new_tokens", "stop_reasons", "greedy"), "eos", "ref_max_new_tokens"),
+    (("max_new_tokens", "configured"), 3, "ref_max_new_tokens"),
     (("consistency_checks", "lm_head_recompute_max_abs_diff"), 2 ** -8, "ref_lm_head_recompute"),
     (("consistency_checks", "layer0_future_attention_weight_max"), 1e-3, "ref_layer0_future_attention"),
     (("consistency_checks", "kv_cache_vs_full_prefix", "max_abs_diff"), 0.001, "ref_kv_cache_finding"),
@@ -169,3 +170,18 @@ def test_gather_tokenizer_on_the_real_qwen_tokenizer():
     assert got["byte_split_example"] == {"text": " 就", "ids": [58230, 109], "decodes_alone": [False, False]}
     assert got["pieces"][6] == [9315, " temperature"]
     assert failing(rf.compare({"prompt": REF["prompt"], "tokenize": got}, REF, "tokenizer")) == []
+
+
+def test_a_longer_run_passes_on_its_first_steps_and_configured_may_exceed_the_reference():
+    """max_new_tokens 24 (the default) against the article's 4: configured >= 4 passes, and a branch
+    that ran past step 4 counts as stopping on the limit there (rf._stop_within)."""
+    m = matching(REF)
+    m["max_new_tokens"]["configured"] = 24
+    assert failing(rf.compare(m, REF)) == []
+    n = REF["max_new_tokens"]
+    run = [{"stop_reason": None}] * 23 + [{"stop_reason": "max_new_tokens"}]
+    assert rf._stop_within(run, n) == "max_new_tokens"
+    assert rf._stop_within(run[:3] + [{"stop_reason": "eos"}], n) == "eos"      # EOS at step 4: not the limit
+    assert rf._stop_within([{"stop_reason": "eos"}], n) == "eos"                # EOS before step 4
+    assert rf._stop_within([], n) is None
+

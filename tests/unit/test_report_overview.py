@@ -87,17 +87,17 @@ def test_the_sampling_filter_is_the_nucleus_when_it_is_a_top_p_filter():
     assert code["nucleus_filter"] == "sampling" and code["nucleus"] == 151_000
 
 
-def test_checks_per_prompt_and_from_a_run_recorded_before_the_column():
+def test_checks_per_prompt():
     checks = [{"prompt_id": "code_py", "name": "a", "verdict": "pass"},
               {"prompt_id": "code_py", "name": "b", "verdict": "fail"},
               {"prompt_id": "zh_fact", "name": "a", "verdict": "pass"},
               {"prompt_id": None, "name": "environment", "verdict": "fail"},     # run-wide: no prompt's
               {"prompt_id": "", "name": "kernels", "verdict": "fail"}]
     assert [r["checks"] for r in overview.rows(inputs(checks))] == [(1, 1), (1, 0)]
-    # a table made before the column (one prompt's checks), as overview.load reads it (verdicts.stored_rows)
-    old = pa.Table.from_pylist([{k: v for k, v in c.items() if k != "prompt_id"} for c in checks if c is not checks[2]])
-    assert overview.check_counts(list(verdicts.stored_rows(old, ["only"]).values()), ["only"]) == {"only": (1, 3)}
-    assert overview.check_counts(list(verdicts.stored_rows(old, IDS).values()), IDS) is None   # cannot be attributed
+    # as overview.load reads checks.parquet (verdicts.stored_rows)
+    table = pa.Table.from_pylist([{**c, "prompt_id": c["prompt_id"] or ""} for c in checks])
+    assert overview.check_counts(list(verdicts.stored_rows(table).values()), IDS) == {"code_py": (1, 1),
+                                                                                     "zh_fact": (1, 0)}
     assert overview.check_counts(None, IDS) is None
 
 

@@ -85,23 +85,23 @@ def test_shared_keys_cuts_both_to_the_keys_both_have_and_names_the_rest():
 
 
 # ---------------------------------------------------------------- sets: prompt_metrics and checks per prompt
-def _checks(root: Path, rows: list[tuple], with_prompt_id: bool = True) -> None:
-    """checks.parquet rows (prompt_id, name, verdict); without_prompt_id: as recorded before issue 17 item 5."""
+def _checks(root: Path, rows: list[tuple]) -> None:
+    """checks.parquet rows (prompt_id, name, verdict)."""
     path = paths.artifact(paths.CHECKS, root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    cols = {"name": [r[1] for r in rows], "verdict": [r[2] for r in rows]}
-    pq.write_table(pa.table({"prompt_id": [r[0] for r in rows], **cols} if with_prompt_id else cols), path)
+    pq.write_table(pa.table({"prompt_id": [r[0] for r in rows], "name": [r[1] for r in rows],
+                             "verdict": [r[2] for r in rows]}), path)
 
 
-def test_checks_key_by_prompt_and_name_and_an_older_run_is_its_one_prompt(tmp_path):
+def test_checks_key_by_prompt_and_name(tmp_path):
     from pipeline.tools import prompt_tables
     a, b = _run(tmp_path / "a", [1, 2], [0.0, 1.0, 2.0, 3.0], kept=1, pid="x"), tmp_path / "b"
     for pid in ("x", "y"):
         _run(b, [1, 2], [0.0, 1.0, 2.0, 3.0], kept=1, pid=pid)
-    _checks(a, [(None, "sum", "pass"), (None, "top1", "pass")], with_prompt_id=False)
+    _checks(a, [("x", "sum", "pass"), ("x", "top1", "pass")])
     _checks(b, [("x", "sum", "pass"), ("x", "top1", "fail"), ("y", "sum", "fail"), ("y", "top1", "pass")])
     ca, cb = prompt_tables.checks(a), prompt_tables.checks(b)
-    assert set(ca) == {"x"} and set(cb) == {"x", "y"}               # the older run's rows are its prompt x's
+    assert set(ca) == {"x"} and set(cb) == {"x", "y"}
     assert prompt_tables.check_lines(ca["x"], cb["x"]) == ["checks: 1 of 2 verdict(s) differ (A | B)",
                                                            "  top1: pass | fail"]
     assert prompt_tables.check_lines(cb["y"], cb["y"]) == ["checks: same verdicts (2 checks)"]

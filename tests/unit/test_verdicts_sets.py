@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
 
 from pipeline.checks import verdicts
@@ -26,7 +25,7 @@ def test_failures_are_named_per_prompt_in_run_order():
                check("x", "p3", 1), check("b", "p3")]
     assert verdicts.failed_errors_by_prompt(results) == {"p2": ["x", "y"], "p3": ["x"]}
     assert verdicts.failed_line(results) == "x, y (prompt p2); x (prompt p3)"
-    assert verdicts.failed_line([check("x", "", 1)]) == "x"                  # a run made before prompt sets
+    assert verdicts.failed_line([check("x", "", 1)]) == "x"                  # a check of the whole run
     assert verdicts.failed_line(results[:1]) == ""
     m = verdicts.metrics(results)
     assert (m["failed_error"], m["failed_report"]) == (3, 1)
@@ -35,14 +34,10 @@ def test_failures_are_named_per_prompt_in_run_order():
     assert verdicts.metrics(many)["failing_prompts"] == "p0, p1, p2 +2 more"
 
 
-def test_stored_rows_key_by_prompt_and_give_an_older_table_the_runs_one_prompt():
-    new = verdicts.to_table([check("a", "p1"), check("a", "p2", 1)])
-    rows = verdicts.stored_rows(new, ["p1", "p2"])
-    assert set(rows) == {("p1", "a"), ("p2", "a")} and rows[("p2", "a")]["verdict"] == "fail"
-    old = new.drop_columns(["prompt_id"]).slice(0, 1)          # checks.parquet before the column
-    assert set(verdicts.stored_rows(old, ["only"])) == {("only", "a")}
-    assert set(verdicts.stored_rows(old, [None])) == {("", "a")}            # before partitions too
-    assert verdicts.stored_rows(pa.table({"name": ["a"], "verdict": ["pass"]}), ["p"])[("p", "a")]["verdict"] == "pass"
+def test_stored_rows_key_by_prompt_and_name():
+    rows = verdicts.stored_rows(verdicts.to_table([check("a", "p1"), check("a", "p2", 1), check("b", "p2")]))
+    assert set(rows) == {("p1", "a"), ("p2", "a"), ("p2", "b")} and rows[("p2", "a")]["verdict"] == "fail"
+    assert rows[("p1", "a")]["verdict"] == "pass"
 
 
 def test_reference_figures_apply_once_in_a_set_where_the_prompt_is_the_references():
