@@ -47,11 +47,17 @@ def run_module(module: str, cwd: Path, *args: str, check: bool = False, env: dic
 ON_CPU = "capture.device=cpu"
 
 
+# conf/'s 24 new tokens show gemma3_270m's continuation; the tests' chains decode 4 (the article's steps,
+# every check the same), as each step costs the trajectories and checks stages a full-vocabulary pass.
+TEST_STEPS = "sampling.max_new_tokens=4"
+
+
 def make_workspace(dest: Path, overrides: list[str], device: str = "cpu") -> Path:
-    """A directory with conf/ and a params.yaml composed from it (no git, no DVC), on `device`."""
+    """A directory with conf/ and a params.yaml composed from it (no git, no DVC), on `device`, decoding
+    TEST_STEPS unless `overrides` say otherwise."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(REPO / "conf", dest / "conf", dirs_exist_ok=True)
-    run_module("pipeline.tools.cli", dest, "compose", f"capture.device={device}", *overrides, check=True)
+    run_module("pipeline.tools.cli", dest, "compose", f"capture.device={device}", TEST_STEPS, *overrides, check=True)
     return dest
 
 

@@ -62,14 +62,46 @@ def _vocab_text(use: overview.Use, ids: set[int]) -> dict[int, str]:
     return {r["token_id"]: r["text"] or "" for r in rows}
 
 
-def page(use: overview.Use, inp: Inputs, files: dict[str, str], lens: dict | None = None) -> str:
+LENS_TOP = 5            # candidates per lens cell on hover
+LENS_POSITIONS = 64     # lens grid columns: the last ones
+
+
+def _lens_rows(use: overview.Use, inp: Inputs) -> list[dict]:
+    """lens.parquet's top LENS_TOP rows of the shown positions; none where the lens stage did not run."""
+    if inp.lens is None:
+        return []
+    keep = sorted({r["position"] for r in inp.lens.summary})[-LENS_POSITIONS:]
+    return read_parquet(use(paths.LENS, inp.prompt_id), filters=[("rank", "<=", LENS_TOP),
+                                                               ("position", "in", keep)]).to_pylist()
+
+
+def _lens(inp: Inputs, rows: list[dict], text: dict[int, str]) -> dict | None:
+    """The lens heatmap's cells: per layer and position the top-1 text and FP64 probability, the top 5, and the
+    rank of the model's final top-1 id there."""
+    if inp.lens is None:
+        return None
+    positions = sorted({r["position"] for r in rows})
+    layers = sorted({r["layer"] for r in rows})
+    top: dict[tuple[int, int], list] = {}
+    for r in sorted(rows, key=lambda r: r["rank"]):
+        top.setdefault((r["layer"], r["position"]), []).append([text.get(r["token_id"], ""), r["prob"]])
+    rank = {(s["layer"], s["position"]): s["final_top1_rank"] for s in inp.lens.summary}
+    return {"layers": layers, "positions": positions,
+            "cells": [[{"text": top[(li, p)][0][0], "p": top[(li, p)][0][1], "top5": top[(li, p)],
+                        "final_rank": rank.get((li, p))} for p in positions] for li in layers]}
+
+
+def page(use: overview.Use, inp: Inputs, files: dict[str, str]) -> str:
     """One prompt's page, rendered."""
     positions = _positions(use, inp)
+    lens_rows = _lens_rows(use, inp)
     ids = {int(i) for i in explorer.logit_order(inp.logits)[:explorer.TOP_IDS]}
     ids |= {int(i) for _, row in positions for i in explorer.logit_order(row)[:explorer.TOP_PER_POSITION]}
+    ids |= {r["token_id"] for r in lens_rows}
+    text = _vocab_text(use, ids)
     filters = [f for f in inp.summary["filters"] if f["position"] == inp.position]
     data = explorer.page_data(inp, pages=files, filters=filters, kept=_kept(use, inp), positions=positions,
-                              attention=_attention(use, inp), vocab_text=_vocab_text(use, ids), lens=lens)
+                              attention=_attention(use, inp), vocab_text=text, lens=_lens(inp, lens_rows, text))
     return explorer.render_page(data)
 
 

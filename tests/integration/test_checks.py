@@ -366,14 +366,14 @@ def test_changed_attn_out_fails_layer0_attention_and_the_residual_add(model, sto
     old = float(stored.tensors["blocks.0.attn_out"][0, 3, 5])
     tensors = tensors_with(stored, "blocks.0.attn_out", (0, 3, 5), old + 1.0)
     assert suite.layer0_attention(model, tensors, "error")[-1].measured == pytest.approx(1.0, abs=0.02)
-    adds = by_name(suite.residual_adds(tensors, 2))
+    adds = by_name(suite.residual_adds(model, tensors))
     assert not adds["residual_adds_layer0"].passed and adds["residual_adds_layer1"].passed
     assert "resid_mid" in adds["residual_adds_layer0"].detail
 
 
-def test_changed_mlp_out_of_the_last_layer_fails_its_residual_add(stored):
+def test_changed_mlp_out_of_the_last_layer_fails_its_residual_add(model, stored):
     tensors = tensors_with(stored, "blocks.1.mlp_out", (0, 24, 0), 100.0)
-    adds = by_name(suite.residual_adds(tensors, 2))
+    adds = by_name(suite.residual_adds(model, tensors))
     assert not adds["residual_adds_layer1"].passed and adds["residual_adds_layer0"].passed
 
 

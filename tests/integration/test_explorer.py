@@ -102,6 +102,8 @@ def test_page_is_offline_and_shows_every_panel(run, driver):
         assert driver.find_element("id", panel).is_displayed(), panel
     assert driver.execute_script("return document.querySelectorAll('#tokens .tok').length") == 25
     assert driver.execute_script("return document.querySelectorAll('#attention canvas').length") == 2 * 4
+    # the lens grid: a header row of 25 positions, then layers 2, 1, 0 (embeddings) x 25 positions
+    assert driver.execute_script("return document.querySelectorAll('#lens-grid .cell').length") == 25 + 3 * 25
     shot = page.with_name(paths.EXPLORER_SHOT[1])
     driver.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000
