@@ -200,6 +200,19 @@ def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
             "cap": cfg.get(names.final_softcap) if names.final_softcap else None}, ""
 
 
+# ln of the smallest positive float64: a stored FP64 probability of 0 is right when numpy's ln p is below it
+_LN_TINIEST = math.log(math.ulp(0.0))
+
+
+def _ln_diff(stored: np.ndarray, ln_ref: np.ndarray) -> np.ndarray:
+    """|ln stored - ln_ref|, where a stored 0 (exp underflowed: a far layer, a big vocabulary) counts as exact
+    when numpy's ln p underflows too, and as infinitely off when it does not."""
+    stored = np.asarray(stored, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        diff = np.abs(np.log(stored) - ln_ref)
+    return np.where(stored > 0, diff, np.where(ln_ref < _LN_TINIEST, 0.0, math.inf))
+
+
 def _ratios(rows, one, z: np.ndarray, bound: np.ndarray, final_row: np.ndarray) -> dict[str, float]:
     """One sampled point: each stored figure's |difference| from numpy's over its bound (see the module doc)."""
     ids, row_bound = rows["token_id"].to_numpy(), float(bound.max())
@@ -211,8 +224,8 @@ def _ratios(rows, one, z: np.ndarray, bound: np.ndarray, final_row: np.ndarray) 
         f = int(one["final_top1_id"])
         ratios = {
             "logit": np.abs(rows["logit"].to_numpy(np.float64) - z[ids]) / bound[ids],
-            "ln prob": np.abs(np.log(rows["prob"].to_numpy(np.float64)) - ln_p64[ids]) / (2 * row_bound),
-            "final top-1 ln prob": np.abs(math.log(one["final_top1_prob"]) - ln_p64[f]) / (2 * row_bound),
+            "ln prob": _ln_diff(rows["prob"].to_numpy(np.float64), ln_p64[ids]) / (2 * row_bound),
+            "final top-1 ln prob": _ln_diff(np.array([one["final_top1_prob"]]), ln_p64[[f]]) / (2 * row_bound),
             "KL(final || layer)": abs(one["kl_final"] - kl) / (2 * row_bound),
             "entropy": abs(one["entropy"] - entropy) / (2 * row_bound * (1 + entropy)),
         }

@@ -193,3 +193,12 @@ def test_final_layer_kl_check_fails_on_a_nonzero_or_missing_kl(tmp_path):
     assert summary([0.0, 0.0], [0, 1]).passed
     assert summary([0.0, 1e-300], [0, 1]).measured == 1e-300
     assert not summary([0.0], [0]).passed
+
+
+def test_a_stored_probability_that_underflowed_to_zero_is_judged_by_numpy_s_ln_p():
+    """gemma3_270m's embeddings layer gives the final top-1 id p = exp(-900) = 0.0 in FP64: exact when numpy's
+    ln p underflows too (was a math domain error that stopped the checks stage), infinitely off when not."""
+    from pipeline.checks.lens import _ln_diff
+    assert _ln_diff(np.array([0.0]), np.array([-900.0])).tolist() == [0.0]
+    assert _ln_diff(np.array([0.0]), np.array([-20.0])).tolist() == [float("inf")]
+    assert _ln_diff(np.array([np.exp(-2.0)]), np.array([-2.5])).tolist() == pytest.approx([0.5])
