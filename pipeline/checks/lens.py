@@ -213,12 +213,21 @@ def _ln_diff(stored: np.ndarray, ln_ref: np.ndarray) -> np.ndarray:
     return np.where(stored > 0, diff, np.where(ln_ref < _LN_TINIEST, 0.0, math.inf))
 
 
+def _log_softmax64(row: np.ndarray) -> np.ndarray:
+    """ln softmax(row) in float64: x - max - ln(sum exp(x - max)), finite wherever the logit is."""
+    x = row.astype(np.float64)
+    shifted = x - x[np.isfinite(x)].max()
+    return shifted - math.log(math.fsum(np.exp(shifted).tolist()))
+
+
 def _ratios(rows, one, z: np.ndarray, bound: np.ndarray, final_row: np.ndarray) -> dict[str, float]:
     """One sampled point: each stored figure's |difference| from numpy's over its bound (see the module doc)."""
     ids, row_bound = rows["token_id"].to_numpy(), float(bound.max())
     p64, pf = softmax64(z, 1.0), softmax64(final_row, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ln_p64, ln_pf = np.log(p64), np.log(pf)
+        # ln p as a log-softmax, not ln of p: far layers put ids below float64's range (p = 0, ln p finite),
+        # and KL(final || layer) of such an id is finite, as the lens stage computes it
+        ln_p64, ln_pf = _log_softmax64(z), _log_softmax64(final_row)
         entropy = -float(np.sum(np.where(p64 > 0, p64 * ln_p64, 0.0)))
         kl = float(np.sum(np.where(pf > 0, pf * (ln_pf - ln_p64), 0.0)))
         f = int(one["final_top1_id"])

@@ -202,3 +202,13 @@ def test_a_stored_probability_that_underflowed_to_zero_is_judged_by_numpy_s_ln_p
     assert _ln_diff(np.array([0.0]), np.array([-900.0])).tolist() == [0.0]
     assert _ln_diff(np.array([0.0]), np.array([-20.0])).tolist() == [float("inf")]
     assert _ln_diff(np.array([np.exp(-2.0)]), np.array([-2.5])).tolist() == pytest.approx([0.5])
+
+
+def test_numpy_kl_stays_finite_where_a_layer_s_probabilities_underflow():
+    """A far layer can give the final top-1 id ln p = -900: p is 0.0 in FP64 but KL(final || layer) is finite;
+    numpy's side takes ln p as a log-softmax (ln of the underflowed p gave inf and failed gemma3_270m)."""
+    from pipeline.checks.lens import _log_softmax64
+    row = np.array([0.0, -900.0, 5.0])
+    ln = _log_softmax64(row)
+    assert np.isfinite(ln).all() and ln[1] == pytest.approx(-905.0 - math.log1p(math.exp(-5.0)), rel=1e-12)
+    assert math.fsum(np.exp(ln).tolist()) == pytest.approx(1.0, rel=1e-15)
