@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    repo = clone_worktree(tmp_path_factory.mktemp("clone"))
+    repo = clone_worktree(tmp_path_factory.mktemp("clone"), decode_steps=4)
     sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
     sh(repo, "dvc", "repro")
     sh(repo, "git", "add", "-A")

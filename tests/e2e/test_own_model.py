@@ -50,7 +50,7 @@ def _errors_failing(ws: Path) -> pd.DataFrame:
 def own(tmp_path_factory):
     """A clone that ran `dvc repro` on a tiny Llama folder outside it: (clone, folder)."""
     folder = save_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
-    clone = clone_worktree(tmp_path_factory.mktemp("own") / "repo")
+    clone = clone_worktree(tmp_path_factory.mktemp("own") / "repo", decode_steps=4)
     sh(clone, "nexttoken", "compose", "model=local", f"model.source.path={folder}", "capture.device=cpu")
     sh(clone, "dvc", "repro")
     return clone, folder

@@ -30,7 +30,7 @@ QUEUE_TIMEOUT_S = 1500
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     started = time.monotonic()
-    repo = clone_worktree(tmp_path_factory.mktemp("sweep_clone"))
+    repo = clone_worktree(tmp_path_factory.mktemp("sweep_clone"), decode_steps=4)
     sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
     sh(repo, "dvc", "repro")
     sh(repo, "git", "add", "-A")

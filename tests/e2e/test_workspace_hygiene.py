@@ -27,7 +27,7 @@ EXP = [a for o in BASE for a in ("-S", o)]       # `dvc exp run` composes conf/ 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory) -> tuple[Path, str, list[str]]:
     """A fresh clone's first `dvc repro`: (the clone, DVC's output, `git status --porcelain` right after)."""
-    repo = clone_worktree(tmp_path_factory.mktemp("hygiene"))
+    repo = clone_worktree(tmp_path_factory.mktemp("hygiene"), decode_steps=4)
     (repo / PROMPT).write_text("Once upon a time, a model chose its next token.\n", encoding="utf-8")
     sh(repo, "nexttoken", "compose", *BASE)
     proc = sh(repo, "dvc", "repro")

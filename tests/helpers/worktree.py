@@ -44,14 +44,25 @@ def sh(cwd: Path, *cmd: str, check: bool = True, timeout: int = 1800,
     return proc
 
 
-def clone_worktree(dest: Path, repo: Path = ROOT) -> Path:
-    """Tracked + untracked-not-ignored files of `repo`'s working tree, committed in a new repo at `dest`."""
+def clone_worktree(dest: Path, repo: Path = ROOT, decode_steps: int | None = None) -> Path:
+    """Tracked + untracked-not-ignored files of `repo`'s working tree, committed in a new repo at `dest`.
+
+    decode_steps: conf/'s sampling.max_new_tokens in the clone (params.yaml composed again), as the tests'
+    workspaces decode (tests/conftest.py TEST_STEPS): each step costs the trajectories and checks stages a
+    full-vocabulary pass, and conf/'s 24 are for gemma3_270m's continuation, not for what a test proves."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, capture_output=True,
                            check=True).stdout.decode().split("\0")
     for rel in filter(None, files):
         if (repo / rel).is_file():        # listed but deleted in the working tree: not in the clone
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(repo / rel, dest / rel)
+    if decode_steps is not None:
+        conf = dest / "conf/sampling/reference.yaml"
+        text, n = re.subn(r"^max_new_tokens: \d+", f"max_new_tokens: {decode_steps}", conf.read_text(), flags=re.M)
+        if n != 1:
+            raise ValueError(f"{conf}: no max_new_tokens line to set")
+        conf.write_text(text)
+        sh(dest, sys.executable, "-m", "pipeline.tools.cli", "compose")
     sh(dest, "git", "init", "-q")
     sh(dest, "git", "add", "-A")
     sh(dest, "git", *IDENTITY, "commit", "-qm", "clone of the working tree")

@@ -38,7 +38,7 @@ sh = functools.partial(worktree.sh, timeout=1200)
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    repo = clone_worktree(tmp_path_factory.mktemp("faults_clone"))
+    repo = clone_worktree(tmp_path_factory.mktemp("faults_clone"), decode_steps=4)
     sh(repo, "nexttoken", "compose", "model=tiny_qwen2", ON_CPU)    # as chain_ws, which it is compared with
     sh(repo, "dvc", "repro", *TARGETS)
     sh(repo, "git", "add", "-A")
