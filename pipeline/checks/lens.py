@@ -285,7 +285,7 @@ def numpy_recompute(lens_path: Path, summary_path: Path, tensors: dict, model, s
 
 def run(stored, model, snapshot: Path, dtype: str) -> list[Check]:
     """Every lens check on one prompt (`stored`: suite.Stored with its lens paths); none for a run
-    recorded before the lens stage (no lens folder)."""
+    where the lens stage did not run (no lens folder)."""
     if stored.lens is None:
         return []
     tensors, positions = stored.tensors, stored.logit_positions

@@ -3,7 +3,7 @@
 From lens.parquet and lens_summary.parquet only (nothing recomputed): per layer, the lens's top-1
 id and its FP64 probability, and the rank and probability of the model's final top-1 id; the
 heatmap colours each (layer, position) by that final id's probability, its CSV beside it.
-A run recorded before the lens stage has no lens folder: the section says so.
+A run where the lens stage did not run has no lens folder: the section says so.
 """
 
 from __future__ import annotations

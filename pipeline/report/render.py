@@ -56,7 +56,7 @@ class Inputs:
     probs_prompt_metrics: list[dict] | None   # probs/prompt_metrics.parquet rows, None when probs has not run
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
     prompt_id: str = ""                # whose partitions these are
-    lens: lens_report.LensInputs | None = None   # lens/ tables, None for a run made before the lens stage
+    lens: lens_report.LensInputs | None = None   # lens/ tables, None where the lens stage did not run
 
     @property
     def top_n(self) -> int:
