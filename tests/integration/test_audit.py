@@ -25,7 +25,7 @@ from pipeline.errors import UserError
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
 from pipeline.tools import audit, cli, rederived, revisions, rundiff
-from tests.conftest import ON_CPU, copy_ws, run_module
+from tests.conftest import ON_CPU, TEST_STEPS, copy_ws, run_module
 from tests.helpers.partitions import part
 
 
@@ -42,7 +42,8 @@ def other_prompt_run(tiny_workspace, tmp_path_factory) -> Path:
     """A second run, tokenized for another prompt: a source of plausible but wrong artifacts."""
     ws = tmp_path_factory.mktemp("audit_other") / "ws"
     shutil.copytree(tiny_workspace, ws)
-    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", ON_CPU, "prompt.text=Hello world", check=True)
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "model=tiny_qwen2", ON_CPU, "prompt.text=Hello world",
+               check=True)
     run_module("stages.tokenize", ws, check=True)
     return ws
 

@@ -14,7 +14,7 @@ from pipeline.config.prompt_set import PromptRecord
 from pipeline.errors import UserError
 from pipeline.model import tokenization
 from pipeline.store import paths
-from tests.conftest import make_workspace, run_module
+from tests.conftest import TEST_STEPS, make_workspace, run_module
 from tests.helpers.inprocess import run_chain
 from tests.helpers.partitions import part
 
@@ -56,7 +56,7 @@ def test_a_set_with_messages_records(tmp_path):
              {"id": "chat", "messages": [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Capital of France?"}]}]
     (ws / "prompts/mixed.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", "capture.device=cpu",
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "model=tiny_qwen2", "capture.device=cpu",
                "--prompt-set", "prompts/mixed.jsonl", check=True)
     run_chain(ws)
     chat = json.loads(paths.partition(paths.TOKENIZE_SUMMARY, "chat", ws).read_text())

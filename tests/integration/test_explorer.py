@@ -19,7 +19,7 @@ import pytest
 from pipeline.numerics.probs import prob_column
 from pipeline.store import paths
 from pipeline.tools import screenshot
-from tests.conftest import copy_ws
+from tests.conftest import TEST_STEPS, copy_ws
 from tests.helpers.inprocess import run_chain
 from tests.helpers.partitions import part
 
@@ -173,7 +173,7 @@ def test_a_set_s_pages_link_to_each_other(tiny_workspace, tmp_path, driver):
     (ws / "prompts").mkdir(exist_ok=True)
     (ws / "prompts/three.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in
                                                     (("a", "One two"), ("b", "Three four five"), ("c", "Six"))))
-    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", "capture.device=cpu",
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "model=tiny_qwen2", "capture.device=cpu",
                "--prompt-set", "prompts/three.jsonl", check=True)
     run_chain(ws, ("validate", "tokenize", "forward", "logits", "probs", "trajectories", "checks", "report"))
     report = ws / "artifacts/report"

@@ -15,7 +15,7 @@ from pipeline.checks import suite
 from pipeline.model import loader
 from pipeline.store import paths
 from pipeline.store.artifacts import read_json, read_safetensors
-from tests.conftest import REPO, copy_ws, make_workspace, run_module
+from tests.conftest import REPO, TEST_STEPS, copy_ws, make_workspace, run_module
 from tests.helpers.inprocess import cwd, run_chain
 from tests.helpers.partitions import part
 
@@ -65,7 +65,7 @@ def test_tiny_qwen2_lens(tiny_chain):
 
 def test_positions_last_has_one_position_from_a_full_length_final_norm(tiny_workspace, tmp_path):
     ws = copy_ws(tiny_workspace, tmp_path / "ws")
-    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", "capture.device=cpu",
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "model=tiny_qwen2", "capture.device=cpu",
                "capture.positions=last", "lens.top_k=3", check=True)
     run_chain(ws, ("forward", "lens"))
     capture = read_safetensors(part(paths.CAPTURE, ws))

@@ -17,7 +17,7 @@ import pytest
 from pipeline.checks import verdicts
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import read_parquet
-from tests.conftest import CHAIN, REPO, copy_ws, run_module
+from tests.conftest import CHAIN, REPO, TEST_STEPS, copy_ws, run_module
 from tests.integration.test_checks import rewrite
 
 REFERENCE, OTHER = "temperature_question", "capital_france"
@@ -39,7 +39,7 @@ def set_run(tiny_workspace, tmp_path_factory):
                                            encoding="utf-8")
     # the user's command of issue 27, `nexttoken compose model=tiny_qwen2 prompt.set=prompts/mine.jsonl && dvc repro`:
     # the set replaces conf/'s default text (no prompt=concepts, no prompt.text=null)
-    run_module("pipeline.tools.cli", ws, "compose", "capture.device=cpu", "model=tiny_qwen2",
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "capture.device=cpu", "model=tiny_qwen2",
                "prompt.set=prompts/pair.jsonl", check=True)
     for stage in ("tokenize", *CHAIN):
         run_module(f"stages.{stage}", ws, check=True)

@@ -49,6 +49,10 @@ def _write_checks(ws: Path) -> None:
 @pytest.fixture(scope="module")
 def ws(tiny_chain, tmp_path_factory) -> Path:
     ws = copy_ws(tiny_chain, tmp_path_factory.mktemp("report_ws") / "ws")
+    # more steps than the article's 4 (conf/ decodes 24, the session chain TEST_STEPS): the report shows 4 of them
+    run_module("pipeline.tools.cli", ws, "compose", "capture.device=cpu", "model=tiny_qwen2",
+               "sampling.max_new_tokens=6", check=True)
+    run_module("stages.trajectories", ws, check=True)
     _write_checks(ws)
     run_module("stages.report", ws, check=True)
     return ws

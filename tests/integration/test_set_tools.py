@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.store import paths
 from pipeline.tools import rundiff, sweep
-from tests.conftest import CHAIN, ON_CPU, REPO, copy_ws, run_module
+from tests.conftest import CHAIN, ON_CPU, REPO, TEST_STEPS, copy_ws, run_module
 
 REF, LOOP = "temperature_question", "loop"
 
@@ -35,7 +35,7 @@ def set_run(tiny_workspace, tiny_chain, tmp_path_factory):
     (ws / "prompts/pair.jsonl").write_text("\n".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) for i, t in
                                                      ((REF, ref_text), (LOOP, "1. 1. 1. 1. 1. 1. 1."))) + "\n",
                                            encoding="utf-8")
-    run_module("pipeline.tools.cli", ws, "compose", ON_CPU, "model=tiny_qwen2", "prompt=concepts",
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, ON_CPU, "model=tiny_qwen2", "prompt=concepts",
                "prompt.set=prompts/pair.jsonl", check=True)
     for stage in ("tokenize", *CHAIN):
         run_module(f"stages.{stage}", ws, check=True)

@@ -191,12 +191,12 @@ def test_trajectories_match_generate(ws):
     ids = pq.read_table(part(paths.TOKENS, ws))["token_id"].to_pylist()
     sample = steps[(steps.branch == "sample") & ~steps.kv_cache]["token_id"].tolist()
     greedy = steps[(steps.branch == "greedy") & ~steps.kv_cache]["token_id"].tolist()
-    n = yaml.safe_load((ws / paths.PARAMS).read_text())["sampling"]["max_new_tokens"]   # conf/'s: 24
+    n = yaml.safe_load((ws / paths.PARAMS).read_text())["sampling"]["max_new_tokens"]   # the tests' TEST_STEPS
     ref = decode.generate_reference(model, ids, SamplingSettings(1.0, 0, 1.0), n, 20261002, kv_cache=False)
     assert sample == ref.ids
     assert greedy == decode.generate_reference(model, ids, SamplingSettings(0.0, 0, 1.0), n, 0, kv_cache=False).ids
     assert steps.sort_values(["branch", "kv_cache", "step"])["prefix_len"].tolist()[:n] == list(range(25, 25 + n))
-    assert steps.groupby(["branch", "kv_cache"]).size().eq(n).all() and n > 4
+    assert steps.groupby(["branch", "kv_cache"]).size().eq(n).all()
 
 
 def test_step_one_is_the_lm_head_on_the_captured_input_one_row(ws):

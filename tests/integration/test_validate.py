@@ -14,7 +14,7 @@ import yaml
 
 from pipeline.config import registry, schema
 from pipeline.store import paths
-from tests.conftest import ON_CPU, make_workspace, run_module, snapshot
+from tests.conftest import ON_CPU, TEST_STEPS, make_workspace, run_module, snapshot
 
 # The stage run as DVC runs it, then a look at what it imported.
 NO_TORCH = ("import runpy, sys; runpy.run_module('stages.validate', run_name='__main__', "
@@ -25,8 +25,8 @@ def test_validate_writes_each_stage_s_resolved_config_without_importing_torch(tm
     ws = make_workspace(tmp_path / "ws", ["model=tiny_qwen2"])
     (ws / "prompts").mkdir()
     (ws / "prompts/story.txt").write_text("Once upon a time\n", encoding="utf-8")
-    run_module("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", ON_CPU, "prompt.file=prompts/story.txt",
-               "prompt.text=null", check=True)
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "model=tiny_qwen2", ON_CPU,
+               "prompt.file=prompts/story.txt", "prompt.text=null", check=True)
     code = NO_TORCH + "; assert 'torch' not in sys.modules, 'validate imported torch'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ws, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -492,7 +492,7 @@ def test_matrix_covers_every_key_of_every_section():
     covered = {k for c in MATRIX if c.change for k in c.change}
     assert keys - covered == set()
     assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks", "report",
-                                    "equivalence"}
+                                    "equivalence", "lens"}
 
 
 def test_base_is_the_composition_of_conf(tmp_path):
@@ -637,7 +637,7 @@ SUBPROCESS = [
         ("nexttoken", "compose", "model=tiny_qwen2", "--prompt", "bell\x07"),
         ("--prompt='bell\\x07' is not allowed: U+0007 at character 4",)),
     Run("compose --prompt and a prompt.text override", ("nexttoken", "compose", "--prompt", "a", "prompt.text=b"),
-        ("--prompt / --prompt-file set the prompt, and so does 'prompt.text=b'",)),
+        ("--prompt / --prompt-file / --prompt-set set the prompt, and so does 'prompt.text=b'",)),
     Run("compose =3 (no key)", ("nexttoken", "compose", "=3"), ("override='=3' is not allowed: key=value",)),
     Run("audit --rev of a revision that does not exist", ("nexttoken", "audit", "--rev", "no-such-rev"),
         ("no-such-rev",)),

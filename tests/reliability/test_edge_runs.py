@@ -24,7 +24,7 @@ from pipeline.store.artifacts import parquet_facts
 from tests.helpers.partitions import part
 from tests.reliability.conftest import link_copy, one_thread, rewrite_weights, run_stage_here
 
-CHAIN = ("forward", "logits", "probs", "trajectories", "checks")
+CHAIN = ("forward", "logits", "probs", "trajectories", "lens", "checks")
 
 
 def run_chain(ws, monkeypatch) -> list[dict]:
