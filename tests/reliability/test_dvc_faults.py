@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 SEEDS = (1, 2)   # two experiments that re-run the trajectories stage (sampling.seed) and nothing else
 # The data stages (prepare_model .. trajectories): checks and report re-verify and render them,
 # at a cost these tests do not need.
-TARGETS = ("probs", "trajectories")
+TARGETS = ("probs", "trajectories", "lens")     # what the session chain (chain_ws) holds
 sh = functools.partial(worktree.sh, timeout=1200)
 
 
