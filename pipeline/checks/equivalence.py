@@ -57,7 +57,7 @@ def plain_logits(snapshot, ids: list[int], variation: str, dtype: torch.dtype, a
     from transformers import AutoModelForCausalLM
     if variation in ("float32", "float16"):
         dtype = getattr(torch, variation)
-    model = AutoModelForCausalLM.from_pretrained(snapshot, dtype=dtype, local_files_only=True,
+    model = AutoModelForCausalLM.from_pretrained(snapshot, dtype=dtype, local_files_only=True, use_safetensors=True,
                                                  attn_implementation="sdpa" if variation == "sdpa" else attn).eval()
     batch = [ids]
     if variation.startswith("batch_"):

@@ -159,7 +159,7 @@ class SourceConfig(Section):
     path: Text | None = None
     # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`):
     # the folder for kind=local (an edited weight re-runs the chain), the model's conf file otherwise
-    files: Text
+    files: Text | None = None
 
     @model_validator(mode="after")
     def _kind_needs(self):
