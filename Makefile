@@ -27,7 +27,7 @@ repro: setup
 
 # The test suite: ruff (lint), then unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone).
 test: setup
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray]'
 	$(RUN) ruff check .
 	$(RUN) python -m pytest -q
 
@@ -39,7 +39,7 @@ test-fast: setup
 # Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
 # ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.
 bench: setup
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray]'
 	$(RUN) python -m bench
 
 # The one-shot GPU check (bench/gpu_check.py): tiny_qwen2 through capture, recomputes, tables and

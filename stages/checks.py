@@ -28,7 +28,7 @@ def main() -> None:
     from pipeline.checks import stage, verdicts
     stage.sections(params)                             # a bad name fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        results = stage.record(run, params)
+        results = stage.record(run, params, schema.load_section(params, "executor"))
     print(stage.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails
         print(f"nexttoken {STAGE}: error checks failed: {failed} "

@@ -20,7 +20,7 @@ def main() -> None:
     from pipeline.model import forward
     plan = forward.plan(cap, paths.stage_dir("prepare_model"))   # every check before any load or write
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        forward.record(run, plan, model_cfg.trust_remote_code)
+        forward.record(run, plan, model_cfg.trust_remote_code, schema.load_section(params, "executor"))
 
 
 if __name__ == "__main__":

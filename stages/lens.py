@@ -21,7 +21,7 @@ def main() -> None:
     from pipeline.model import lens, loader
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        lens.record(run, model_cfg, cap, cfg)
+        lens.record(run, model_cfg, cap, cfg, schema.load_section(params, "executor"))
 
 
 if __name__ == "__main__":

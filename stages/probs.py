@@ -19,7 +19,7 @@ def main() -> None:
     from pipeline.numerics import probs
     probs.filters(probs_cfg, sampling)                  # a bad value fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        probs.record(run, probs_cfg, sampling)
+        probs.record(run, probs_cfg, sampling, schema.load_section(params, "executor"))
 
 
 if __name__ == "__main__":

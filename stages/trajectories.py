@@ -21,7 +21,7 @@ def main() -> None:
     from pipeline.model import loader, trajectories
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        trajectories.record(run, model_cfg, cap, sampling)
+        trajectories.record(run, model_cfg, cap, sampling, schema.load_section(params, "executor"))
 
 
 if __name__ == "__main__":

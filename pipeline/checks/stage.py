@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.checks import lens, reference, suite, verdicts
@@ -47,37 +47,85 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
 def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
             timed: Callable[[str | None], AbstractContextManager] = lambda prompt_id: nullcontext()) \
         -> tuple[list[verdicts.Check], dict, dict]:
-    """Every check on the run in `root` -> (results, source.json, facts), written nowhere.
+    """Every check on the run in `root` -> (results, source.json, facts), written nowhere, in this process.
 
     `use(item, prompt_id=None)` resolves an input item (StageRun.use records it; `nexttoken audit`
     passes `paths.lookup` to re-run a past run's checks with these same calls). Every prompt of the
     run (its tokenize partitions) is checked in turn, inside `timed(prompt_id)` (StageRun.timed); one
     model load.
     """
-    cfg, prompts, figures = sections(params, root)
-    cap, model_cfg = cfg["capture"], cfg["model"]
-    device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
+    work, source, prompt_ids = prepare(params, use, root)
+    work.setup()
+    reader = _Reader(use)
+    done = []
+    for pid in prompt_ids:
+        with timed(pid):
+            done.append(work.run(reader, pid))
+    return finish(done, source)
+
+
+def prepare(params: dict, use: Callable[..., Path], root: Path | str) -> tuple[ChecksWork, dict, list[str]]:
+    """The set-level inputs recorded and the sections validated (a bad value fails here, before any load)
+    -> the per-prompt work, source.json, the run's prompt ids."""
+    cfg, _, _ = sections(params, root)
     for given in (cfg["prompt"].file, cfg["prompt"].set):
         if given is not None:
             use(Path(given))                           # its sha256 goes into the manifest, as tokenize's
     source = read_json(use(paths.SOURCE))
-    snapshot = loader.snapshot_dir(use(paths.stage_dir("prepare_model")), source)
-    model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
-                              spread=loader.spread(cap.device, snapshot, dtype))
-    tokenizer = loader.load_tokenizer(snapshot, model_cfg.trust_remote_code)
-    results, missing, prompt_ids = [], [], paths.run_prompt_ids(root)
+    use(paths.stage_dir("prepare_model"))
+    prompt_ids = paths.run_prompt_ids(root)
     if not prompt_ids:
         use(paths.dataset(paths.TOKENS))               # missing: one line naming it
-    for pid in prompt_ids:                             # the model loads once for the set
-        with timed(pid):
-            stored, here = suite.load(use, root, pid), {**cfg, "prompt": _record(prompts, pid)}
-            mine = suite.run_all(stored, model, tokenizer, here, device, loader.eos_ids(model),
-                                 snapshot / "tokenizer.json")
-            mine += lens.run(stored, model, snapshot, cap.dtype)
-            mine += reference.run(stored, model, tokenizer, here, mine, figures[here["prompt"].id])
-        results += [replace(c, prompt_id=pid) for c in mine]
-        missing += [s for s in stored.missing if s not in missing]
-    return results, source, {**loader.device_record(model, device), "missing_stages": missing}
+    return ChecksWork(params, str(Path(root).resolve()), source), source, prompt_ids
+
+
+def finish(done: list[tuple[list[verdicts.Check], list[str], dict]], source: dict) \
+        -> tuple[list[verdicts.Check], dict, dict]:
+    results, missing = [], []
+    for checks, gone, _ in done:
+        results += checks
+        missing += [s for s in gone if s not in missing]
+    device = done[0][2] if done else {}
+    return results, source, {**device, "missing_stages": missing}
+
+
+class _Reader:
+    """`use` as the work's `out.use` (compute: the audit and verify call the work here, writing nothing)."""
+
+    def __init__(self, use: Callable[..., Path]):
+        self.use = use
+
+
+@dataclass
+class ChecksWork:
+    """One prompt's checks (`pipeline.executor.PromptWork`) -> (its checks, the stages it found missing, the
+    device record). The model and tokenizer load in `setup`; nothing is written per prompt."""
+    params: dict
+    root: str
+    source: dict
+    stage: str = "checks"
+
+    def setup(self) -> None:
+        cfg, prompts, figures = sections(self.params, self.root)
+        cap, model_cfg = cfg["capture"], cfg["model"]
+        self._cfg, self._prompts, self._figures = cfg, prompts, figures
+        self._device = loader.resolve_device(cap.device)
+        self._snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", self.root), self.source)
+        self._model = loader.load_captured(self._snapshot, cap, model_cfg.trust_remote_code)
+        self._tokenizer = loader.load_tokenizer(self._snapshot, model_cfg.trust_remote_code)
+
+    def run(self, out, pid: str) -> tuple[list[verdicts.Check], list[str], dict]:
+        cfg, model, tokenizer = self._cfg, self._model, self._tokenizer
+        stored, here = suite.load(out.use, self.root, pid), {**cfg, "prompt": _record(self._prompts, pid)}
+        mine = suite.run_all(stored, model, tokenizer, here, self._device, loader.eos_ids(model),
+                             self._snapshot / "tokenizer.json")
+        mine += lens.run(stored, model, self._snapshot, cfg["capture"].dtype)
+        mine += reference.run(stored, model, tokenizer, here, mine, self._figures[here["prompt"].id])
+        where = loader.device_record(model, self._device)
+        return [replace(c, prompt_id=pid) for c in mine], list(stored.missing), where
+
+    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 def _record(prompts: prompt_set.PromptSet, prompt_id: str) -> prompt_set.PromptRecord:
@@ -86,10 +134,14 @@ def _record(prompts: prompt_set.PromptSet, prompt_id: str) -> prompt_set.PromptR
     return prompts.prompts[0] if len(prompts.prompts) == 1 else prompts.get(prompt_id)
 
 
-def record(stage: StageRun, params: dict) -> list[verdicts.Check]:
-    """Run every check on the run in stage.root and write checks.parquet + metrics.json into `stage`."""
-    results, source, facts = compute(params, stage.use, stage.root, stage.timed)
+def record(stage: StageRun, params: dict, executor=None) -> list[verdicts.Check]:
+    """Run every check on the run in stage.root and write checks.parquet + metrics.json into `stage`; the
+    per-prompt checks run here or on Ray workers (`executor`, `pipeline.executor`)."""
+    from pipeline.executor import run as ex
+    work, source, prompt_ids = prepare(params, stage.use, stage.root)
     stage.model = provenance.model_record(source)
+    done = ex.run_prompts(stage, work, prompt_ids, executor or ex.SERIAL) if prompt_ids else []
+    results, source, facts = finish(done, source)
     stage.facts = {**facts, **verdicts.summary(results)}
     stage.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
     stage.write_json(paths.METRICS[1], verdicts.metrics(results))

@@ -349,6 +349,33 @@ class EquivalenceConfig(Section):
 SECTIONS["equivalence"] = EquivalenceConfig
 
 
+# ---------------------------------------------------------------- executor (where, not what)
+class ExecutorConfig(Section):
+    """`executor`: where the model stages' per-prompt work runs (pipeline/executor). Not part of any stage's
+    recorded config: it changes where the numbers are computed, not one byte of them (a set gives the same
+    files under serial and ray), so changing it alone re-runs nothing (`dvc repro --force` to re-run)."""
+
+    kind: Literal["serial", "ray"] = "serial"
+    address: str | None = Field(None, min_length=1, description="null (a local Ray for the stage), 'auto' or "
+                                "a cluster address such as ray://HOST:10001")
+    workers: int = Field(2, ge=1, le=4096)
+    cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+    gpus_per_worker: float = Field(0.0, ge=0, le=64)
+    torch_threads: int | None = Field(None, ge=1, le=1024, description="null (the stage process's own count, as "
+                                      "a serial run) or an integer in [1, 1024]")
+    max_retries: int = Field(2, ge=0, le=100)
+    prompt_timeout_s: float = Field(600.0, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _serial_takes_no_cluster(self):
+        if self.kind == "serial" and self.address is not None:
+            raise RuleError("address", self.address, "null with executor.kind=serial (set executor.kind=ray)")
+        return self
+
+
+SECTIONS["executor"] = ExecutorConfig
+
+
 # ---------------------------------------------------------------- one line per error
 def parse(cls: type[Section], data: Any, key: str) -> Any:
     """data as a `cls`; the first problem as one UserError line naming `key.field=value`."""

@@ -99,23 +99,44 @@ def run(p: ForwardPlan, ids: list[int], tokenizer_len: int, trust_remote_code: b
     return ForwardResult({**tensors, "input_ids": input_ids}, facts)
 
 
-def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool) -> None:
+def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool, executor=None) -> None:
     """The forward stage: per prompt, one captured pass over its stored tokens -> capture.safetensors +
-    facts.json in its partition; the model loads once for the set."""
+    facts.json in its partition; the model loads once for the set (once per worker on Ray:
+    `pipeline.executor`; `executor` None runs here)."""
+    from pipeline.executor import run as ex
     stage.use(paths.stage_dir("prepare_model"))
-    prompts = {}
-    for pid in stage.prompt_ids(paths.TOKENS):
+    longest = 0
+    pids = stage.prompt_ids(paths.TOKENS)
+    for pid in pids:                                    # every prompt refused or not before the model loads
         ids = read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
-        prompts[pid] = (ids, read_json(stage.use(paths.TOKENIZE_SUMMARY, pid))["tokenizer_len"])
-        check_tokens(*prompts[pid])
-    model = load(p, max(len(ids) for ids, _ in prompts.values()), trust_remote_code)
+        check_tokens(ids, read_json(stage.use(paths.TOKENIZE_SUMMARY, pid))["tokenizer_len"])
+        longest = max(longest, len(ids))
+    memory.guard(memory.estimate(p.snapshot, p.dtype, longest, p.spec, trust_remote_code), p.device, p.spread)
     stage.model = {**p.model_record, "trust_remote_code": trust_remote_code}
-    for pid, (ids, tokenizer_len) in prompts.items():
-        with stage.timed(pid):
-            result = run(p, ids, tokenizer_len, trust_remote_code=trust_remote_code, model=model)
-            stage.facts = result.facts
-            save_capture(result, stage.out(paths.CAPTURE[1], pid))
-            stage.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
+    ex.run_prompts(stage, ForwardWork(p, trust_remote_code, longest), pids, executor or ex.SERIAL)
+
+
+@dataclass
+class ForwardWork:
+    """One prompt's captured pass (`pipeline.executor.PromptWork`): the model loads in `setup`."""
+    plan: ForwardPlan
+    trust_remote_code: bool
+    longest: int
+    stage: str = "forward"
+
+    def setup(self) -> None:
+        self._model = load(self.plan, self.longest, self.trust_remote_code)
+
+    def run(self, out, pid: str) -> None:
+        ids = read_parquet(out.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
+        tokenizer_len = read_json(out.use(paths.TOKENIZE_SUMMARY, pid))["tokenizer_len"]
+        result = run(self.plan, ids, tokenizer_len, trust_remote_code=self.trust_remote_code, model=self._model)
+        out.facts = result.facts
+        save_capture(result, out.out(paths.CAPTURE[1], pid))
+        out.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
+
+    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
+        return {k: v for k, v in self.__dict__.items() if k != "_model"}
 
 
 def logit_positions(positions: str, n: int) -> list[int]:

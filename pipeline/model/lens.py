@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -144,25 +145,41 @@ def check_top_k(top_k: int, output_size: int) -> None:
         raise bad_value("lens.top_k", top_k, f"an integer in [1, {output_size}] (this model's output size)")
 
 
-def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: LensConfig) -> None:
+def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: LensConfig, executor=None) -> None:
     """The lens stage: per prompt, its capture through every layer's lens -> lens.parquet and
-    lens_summary.parquet in its partition; the model loads once for the set (as forward loaded it)."""
+    lens_summary.parquet in its partition; the model loads once for the set (as forward loaded it; once
+    per worker on Ray: `pipeline.executor`)."""
+    from pipeline.executor import run as ex
     source = read_json(stage.use(paths.SOURCE))
     snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
     pids = stage.prompt_ids(paths.CAPTURE)
-    facts = {pid: read_json(stage.use(paths.FORWARD_FACTS, pid)) for pid in pids}
-    for f in facts.values():
-        check_top_k(cfg.top_k, f["output_size"])          # before the model loads
-    dtype = loader.resolve_dtype(cap.dtype)
-    model = loader.load_model(snapshot, dtype, loader.resolve_device(cap.device), cap.attn_implementation,
-                              model_cfg.trust_remote_code, spread=loader.spread(cap.device, snapshot, dtype))
-    stage.model = {**provenance.model_record(source), "trust_remote_code": model_cfg.trust_remote_code}
     for pid in pids:
-        with stage.timed(pid):
-            tensors = read_safetensors(stage.use(paths.CAPTURE, pid))
-            table, summary = run(model, tensors, facts[pid]["logit_positions"], cfg.top_k)
-            stage.facts = {"layer0": LAYER0, "num_layers": len(decoder_layers(model)), "top_k": cfg.top_k,
-                           "positions": facts[pid]["logit_positions"], "compute_dtype": cap.dtype,
-                           "output_size": facts[pid]["output_size"]}
-            stage.write_parquet(paths.LENS[1], table, prompt_id=pid)
-            stage.write_parquet(paths.LENS_SUMMARY[1], summary, prompt_id=pid)
+        check_top_k(cfg.top_k, read_json(stage.use(paths.FORWARD_FACTS, pid))["output_size"])   # before any load
+    stage.model = {**provenance.model_record(source), "trust_remote_code": model_cfg.trust_remote_code}
+    ex.run_prompts(stage, LensWork(snapshot, cap, cfg, model_cfg.trust_remote_code), pids, executor or ex.SERIAL)
+
+
+@dataclass
+class LensWork:
+    """One prompt's lens (`pipeline.executor.PromptWork`): the model loads in `setup`."""
+    snapshot: Path
+    cap: CaptureConfig
+    cfg: LensConfig
+    trust_remote_code: bool
+    stage: str = "lens"
+
+    def setup(self) -> None:
+        self._model = loader.load_captured(self.snapshot, self.cap, self.trust_remote_code)
+
+    def run(self, out, pid: str) -> None:
+        facts, cap, top_k = read_json(out.use(paths.FORWARD_FACTS, pid)), self.cap, self.cfg.top_k
+        tensors = read_safetensors(out.use(paths.CAPTURE, pid))
+        table, summary = run(self._model, tensors, facts["logit_positions"], top_k)
+        out.facts = {"layer0": LAYER0, "num_layers": len(decoder_layers(self._model)), "top_k": top_k,
+                     "positions": facts["logit_positions"], "compute_dtype": cap.dtype,
+                     "output_size": facts["output_size"]}
+        out.write_parquet(paths.LENS[1], table, prompt_id=pid)
+        out.write_parquet(paths.LENS_SUMMARY[1], summary, prompt_id=pid)
+
+    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
+        return {k: v for k, v in self.__dict__.items() if k != "_model"}

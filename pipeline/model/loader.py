@@ -85,6 +85,14 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device, attn_
                   trust_remote_code, spread), load)
 
 
+def load_captured(snapshot: Path, cap, trust_remote_code: bool):
+    """The model as `capture` (dtype, device, attention, spread) configures it: what forward loaded, for
+    the stages after it (trajectories, lens, checks)."""
+    dtype = resolve_dtype(cap.dtype)
+    return load_model(snapshot, dtype, resolve_device(cap.device), cap.attn_implementation, trust_remote_code,
+                      spread=spread(cap.device, snapshot, dtype))
+
+
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import unicodedata
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -190,40 +191,59 @@ def prompt_metrics(prompt_id: str, summary_by_run: dict) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=PROMPT_METRICS_SCHEMA)
 
 
-def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig) -> None:
+def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig,
+           executor=None) -> None:
     """The trajectories stage: per prompt, every run on its stored ids -> steps, step logits, summary
-    in its partition; the model loads once for the set."""
-    device, dtype = loader.resolve_device(cap.device), loader.resolve_dtype(cap.dtype)
+    in its partition; the model loads once for the set (once per worker on Ray: `pipeline.executor`)."""
+    from pipeline.executor import run as ex
     source = read_json(stage.use(paths.SOURCE))
     stage.use(paths.stage_dir("prepare_model"))
     snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", stage.root), source)
-    prompts = {pid: read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
-               for pid in stage.prompt_ids(paths.TOKENS)}
-    longest = max(prompts, key=lambda pid: len(prompts[pid]))     # every prompt fits before the model loads
-    check_room(len(prompts[longest]), sampling.max_new_tokens, loader.max_positions(snapshot),
-               longest if len(prompts) > 1 else None)
-    model = loader.load_model(snapshot, dtype, device, cap.attn_implementation, model_cfg.trust_remote_code,
-                              spread=loader.spread(cap.device, snapshot, dtype))
-    tokenizer = loader.load_tokenizer(snapshot)
+    pids = stage.prompt_ids(paths.TOKENS)
+    lengths = {pid: read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"]).num_rows for pid in pids}
+    longest = max(lengths, key=lambda pid: lengths[pid])     # every prompt fits before the model loads
+    check_room(lengths[longest], sampling.max_new_tokens, loader.max_positions(snapshot),
+               longest if len(lengths) > 1 else None)
     stage.model = provenance.model_record(source)
     stage.seeds["sample"] = sampling.seed
-    summaries = []
-    for pid, ids in prompts.items():
-        with stage.timed(pid):
-            prompt_id = probs.prompt_id(stage.use(paths.TOKENIZE_SUMMARY, pid))
-            runs = run_all(model, ids, sampling, loader.eos_ids(model))
-            stage.facts = {**loader.device_record(model, device), "compute_dtype": cap.dtype, "prompt_len": len(ids)}
-            stage.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
-                                compression="zstd")
-            rows, keys = step_logit_rows(runs)
-            logits_io.write_logits(stage.out(paths.STEP_LOGITS[1], pid), rows, stage.parquet_metadata(),
-                                   extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
-            summary_by_run = summary(runs, tokenizer)
-            stage.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
-            summaries.append((prompt_id, summary_by_run))
+    work = TrajectoriesWork(snapshot, cap, sampling, model_cfg.trust_remote_code)
+    summaries = ex.run_prompts(stage, work, pids, executor or ex.SERIAL)
     files = set_files(summaries)
     stage.write_json(paths.TRAJECTORIES_METRICS[1], files[paths.TRAJECTORIES_METRICS])
     stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], files[paths.TRAJECTORY_PROMPT_METRICS])
+
+
+@dataclass
+class TrajectoriesWork:
+    """One prompt's runs (`pipeline.executor.PromptWork`) -> (its id, trajectories.json's content)."""
+    snapshot: Path
+    cap: CaptureConfig
+    sampling: SamplingConfig
+    trust_remote_code: bool
+    stage: str = "trajectories"
+
+    def setup(self) -> None:
+        self._model = loader.load_captured(self.snapshot, self.cap, self.trust_remote_code)
+        self._tokenizer = loader.load_tokenizer(self.snapshot)
+
+    def run(self, out, pid: str) -> tuple[str, dict]:
+        model, tokenizer, sampling = self._model, self._tokenizer, self.sampling
+        ids = read_parquet(out.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
+        prompt_id = probs.prompt_id(out.use(paths.TOKENIZE_SUMMARY, pid))
+        runs = run_all(model, ids, sampling, loader.eos_ids(model))
+        out.facts = {**loader.device_record(model, loader.resolve_device(self.cap.device)),
+                     "compute_dtype": self.cap.dtype, "prompt_len": len(ids)}
+        out.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
+                          compression="zstd")
+        rows, keys = step_logit_rows(runs)
+        logits_io.write_logits(out.out(paths.STEP_LOGITS[1], pid), rows, out.parquet_metadata(),
+                               extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
+        summary_by_run = summary(runs, tokenizer)
+        out.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
+        return prompt_id, summary_by_run
+
+    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
+        return {k: v for k, v in self.__dict__.items() if k not in ("_model", "_tokenizer")}
 
 
 def set_files(summaries: list[tuple[str, dict]]) -> dict[tuple[str, str], Any]:

@@ -274,24 +274,39 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                      "logits_content_sha256": facts.get("logits_content_sha256")}
 
 
-def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig) -> None:
-    """The probs stage's whole body (python -m stages.probs; `nexttoken verify` in one process), per prompt."""
-    vocab, per_prompt, figures = stage.use(paths.VOCAB), [], []
-    for pid in stage.prompt_ids(paths.LOGITS):
-        with stage.timed(pid):
-            outputs, facts = build(stage.use(paths.LOGITS, pid), vocab, probs_cfg, sampling_cfg,
-                                   stage.use(paths.TOKENIZE_SUMMARY, pid))
-            stage.model = facts["model"]
-            stage.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
-            stage.write_parquet(paths.TABLE[1], outputs[paths.TABLE], prompt_id=pid, compression="zstd",
-                                row_group_size=facts["rows_per_position"])      # one row group per position
-            stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
-            stage.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
-            per_prompt.append(outputs[paths.PROBS_PROMPT_METRICS])
-            figures.append(outputs[paths.PROBS_METRICS])
+def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig, executor=None) -> None:
+    """The probs stage's whole body (python -m stages.probs; `nexttoken verify` in one process), per prompt
+    (on Ray workers with `executor.kind=ray`: `pipeline.executor`)."""
+    from pipeline.executor import run as ex
+    stage.use(paths.VOCAB)
+    pids = stage.prompt_ids(paths.LOGITS)
+    done = ex.run_prompts(stage, ProbsWork(probs_cfg, sampling_cfg), pids, executor or ex.SERIAL)
+    per_prompt, figures = [table for table, _ in done], [f for _, f in done]
     # set-level: the last prompt's sweep figures, then the set's aggregates over every prompt's figures
     stage.write_json(paths.PROBS_METRICS[1], run_metrics(figures))
     stage.write_parquet(paths.PROBS_PROMPT_METRICS[1], set_table(per_prompt), compression="zstd")   # one row group
+
+
+@dataclass
+class ProbsWork:
+    """One prompt's tables (`pipeline.executor.PromptWork`) -> (its prompt_metrics rows, its sweep figures)."""
+    probs_cfg: ProbsConfig
+    sampling_cfg: SamplingConfig
+    stage: str = "probs"
+
+    def setup(self) -> None:
+        pass
+
+    def run(self, out, pid: str) -> tuple[pa.Table, dict]:
+        outputs, facts = build(out.use(paths.LOGITS, pid), out.use(paths.VOCAB), self.probs_cfg, self.sampling_cfg,
+                               out.use(paths.TOKENIZE_SUMMARY, pid))
+        out.model = facts["model"]
+        out.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
+        out.write_parquet(paths.TABLE[1], outputs[paths.TABLE], prompt_id=pid, compression="zstd",
+                          row_group_size=facts["rows_per_position"])      # one row group per position
+        out.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
+        out.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
+        return outputs[paths.PROBS_PROMPT_METRICS], outputs[paths.PROBS_METRICS]
 
 
 def set_table(per_prompt: list[pa.Table]) -> pa.Table:

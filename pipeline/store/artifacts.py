@@ -38,7 +38,51 @@ KEPT_ON_SWAP = (".gitignore",)
 HASH_INPUTS_ENV = "NEXTTOKEN_HASH_INPUTS"   # set: every stage input is hashed in full, none trusted
 
 
-class StageRun:
+class Writer:
+    """What a stage's per-prompt work writes through: files under `out()`'s folder, Parquet files whose
+    schema metadata carries the run's key facts. `StageRun` writes into its staging folder;
+    `pipeline.executor`'s worker context into a private folder whose bytes the stage writes after it.
+    The bytes depend only on the stage, its config, the model record and the facts, never on where
+    the work ran (a set gives the same bytes under either executor)."""
+
+    stage: str
+    config: dict[str, Any]
+    model: dict[str, Any] | None
+    facts: dict[str, Any]
+    staging: Path
+
+    def out(self, name: str, prompt_id: str | None = None) -> Path:
+        """A path in the staging folder, for writers that need a file name; with a prompt id,
+        inside that prompt's partition (`paths.partition_rel`)."""
+        p = self.staging / (name if prompt_id is None else paths.partition_rel(name, prompt_id))
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def write_json(self, name: str, obj: Any, prompt_id: str | None = None) -> Path:
+        p = self.out(name, prompt_id)
+        p.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
+        return p
+
+    def write_parquet(self, name: str, table, facts: dict[str, Any] | None = None, prompt_id: str | None = None,
+                      **kwargs) -> Path:
+        """A Parquet file whose schema metadata carries the key facts of this run (in its
+        prompt's partition when given one)."""
+        import pyarrow.parquet as pq
+        meta = {**(table.schema.metadata or {}), **self.parquet_metadata(facts)}
+        p = self.out(name, prompt_id)
+        pq.write_table(table.replace_schema_metadata(meta), p, **kwargs)
+        return p
+
+    def parquet_metadata(self, extra: dict[str, Any] | None = None) -> dict[bytes, bytes]:
+        """Schema metadata for a Parquet file: this run's key facts under b"nexttoken"."""
+        facts = {"stage": self.stage, "config_sha256": provenance.sha256_json(self.config)}
+        if self.model:
+            facts["model"] = provenance.model_record(self.model)
+        facts = {**facts, **self.facts, **(extra or {})}
+        return {PARQUET_META_KEY: provenance.canonical_json(facts).encode()}
+
+
+class StageRun(Writer):
     """One run of one stage: records inputs, collects outputs, writes the manifest."""
 
     def __init__(self, stage: str, root: Path, config: dict[str, Any]):
@@ -54,10 +98,12 @@ class StageRun:
         self.model: dict[str, Any] | None = None
         self.facts: dict[str, Any] = {}
         self._inputs: list[dict[str, Any]] = []
+        self._listed: dict[str, str] = {}                         # path -> sha256 of each input listed
         self._recorded: dict[str, tuple[str, str | None]] = {}   # path -> (sha256, stage recording it)
         self._manifests: dict[str, dict | None] = {}
         self._prompt_seconds: dict[str, float] = {}
         self._prompt_facts: dict[str, dict[str, Any]] = {}
+        self.executor: dict[str, Any] | None = None     # where the per-prompt work ran (`pipeline.executor`)
         self._started = time.time()
         self.staging = self.root / paths.STAGING / f"{stage}-{os.getpid()}"
         _remove_stale_staging(self.staging.parent, stage)
@@ -79,7 +125,9 @@ class StageRun:
         for f in files:
             record = self._input_record(f)
             self._verify(record)
-            self._inputs.append(record)
+            if self._listed.get(record["path"]) != record["sha256"]:     # read twice (a set-level file): once
+                self._inputs.append(record)
+                self._listed[record["path"]] = record["sha256"]
         return path
 
     def prompt_ids(self, item: tuple[str, str]) -> list[str]:
@@ -215,6 +263,13 @@ class StageRun:
             if self.facts is not facts:
                 self._prompt_facts[key] = self.facts
 
+    def prompt_done(self, prompt_id: str, seconds: float, facts: dict[str, Any] | None) -> None:
+        """A prompt's work done elsewhere (a Ray worker): its seconds there and the facts it set, as
+        `timed` records them for work done here."""
+        self._prompt_seconds[prompt_id] = self._prompt_seconds.get(prompt_id, 0.0) + seconds
+        if facts is not None:
+            self.facts = self._prompt_facts[prompt_id] = facts
+
     def _set_facts(self) -> dict[str, Any]:
         """The manifest's `facts` and, for a set whose prompts' facts differ, `prompt_facts`: `facts` holds
         what every prompt shares (a single prompt: all its facts), `prompt_facts` each prompt's own values
@@ -226,36 +281,6 @@ class StageRun:
         shared = {k: v for k, v in first.items() if all(k in f and f[k] == v for f in per.values())}
         own = {pid: {k: v for k, v in f.items() if k not in shared} for pid, f in per.items()}
         return {"facts": shared, **({"prompt_facts": own} if any(own.values()) else {})}
-
-    def out(self, name: str, prompt_id: str | None = None) -> Path:
-        """A path in the staging folder, for writers that need a file name; with a prompt id,
-        inside that prompt's partition (`paths.partition_rel`)."""
-        p = self.staging / (name if prompt_id is None else paths.partition_rel(name, prompt_id))
-        p.parent.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def write_json(self, name: str, obj: Any, prompt_id: str | None = None) -> Path:
-        p = self.out(name, prompt_id)
-        p.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
-        return p
-
-    def write_parquet(self, name: str, table, facts: dict[str, Any] | None = None, prompt_id: str | None = None,
-                      **kwargs) -> Path:
-        """A Parquet file whose schema metadata carries the key facts of this run (in its
-        prompt's partition when given one)."""
-        import pyarrow.parquet as pq
-        meta = {**(table.schema.metadata or {}), **self.parquet_metadata(facts)}
-        p = self.out(name, prompt_id)
-        pq.write_table(table.replace_schema_metadata(meta), p, **kwargs)
-        return p
-
-    def parquet_metadata(self, extra: dict[str, Any] | None = None) -> dict[bytes, bytes]:
-        """Schema metadata for a Parquet file: this run's key facts under b"nexttoken"."""
-        facts = {"stage": self.stage, "config_sha256": provenance.sha256_json(self.config)}
-        if self.model:
-            facts["model"] = provenance.model_record(self.model)
-        facts = {**facts, **self.facts, **(extra or {})}
-        return {PARQUET_META_KEY: provenance.canonical_json(facts).encode()}
 
     # ------------------------------------------------------------ commit
     def commit(self) -> Path:
@@ -273,6 +298,7 @@ class StageRun:
             "seeds": self.seeds,
             "model": self.model,
             **self._set_facts(),
+            **({"executor": self.executor} if self.executor else {}),
             "inputs": self._inputs,
             "outputs": outputs,
             **provenance.environment(self.root, self.with_torch and "torch" in sys.modules),

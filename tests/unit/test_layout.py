@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "pipeline"
 # Lowest first: a module may import its own package and the layers below it, never above.
-LAYERS = ("base", "config", "store", "numerics", "model", "checks", "report", "tools", "equivalence",
+LAYERS = ("base", "config", "store", "executor", "numerics", "model", "checks", "report", "tools", "equivalence",
           "api")   # api: pipeline/api.py; equivalence re-runs the model and reads tools.divergence
 # shared by every layer
 BASE = ("pipeline", "pipeline.errors", "pipeline.progress", "pipeline.atomic", "pipeline.kernels")

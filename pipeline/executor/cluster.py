@@ -1,0 +1,186 @@
+"""`executor.kind=ray`: a stage's per-prompt work on Ray actors, one model load per actor.
+
+- `executor.address`: null starts a local Ray for the stage (on 127.0.0.1, no dashboard, no usage
+  report) and stops it after; `auto` or `ray://HOST:PORT` (or a GCS address) joins a cluster,
+  which stays up. Every node must see the repository at the same path (shared storage): workers
+  read their inputs from `artifacts/` there, and return their outputs as bytes.
+- `executor.workers` actors, each with `cpus_per_worker` CPUs and `gpus_per_worker` GPUs, running
+  `torch_threads` threads (null: the stage process's own count, which a serial run uses: reductions
+  split by thread, so another count can change bits; set it to `cpus_per_worker` for speed where the
+  equivalence stage's `threads_1` row shows the count changes nothing). Ray sets OMP_NUM_THREADS itself when it is
+  unset, and a cluster's workers do not inherit the driver's environment: the thread counts and
+  the kernel pins (`capture.kernels`, `pipeline.kernels.PIN_VARS`) go to every actor explicitly in
+  its `runtime_env`, and the actor pins them again before it unpickles the work (which imports torch).
+- `executor.max_retries`: an actor that dies (a killed worker, a lost node) is restarted and its
+  prompt retried this many times; then the stage fails in one line naming the prompt. Every wait is
+  bounded (`executor.prompt_timeout_s`).
+- At most two prompts per actor are in flight and results are taken in the run's order, so the
+  stage holds a bounded number of results whatever the size of the set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from pipeline import kernels
+from pipeline.errors import UserError
+from pipeline.executor.work import PromptResult, accept, run_one
+from pipeline.store.artifacts import StageRun
+
+IN_FLIGHT_PER_WORKER = 2
+LOCAL_OBJECT_STORE = 256 * 1024 ** 2     # bytes: a prompt's results are small; Ray's default takes 30 % of RAM
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+# a local Ray on loopback only: without it Ray resolves its node address by the default route
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class Worker:
+    """One Ray actor: the kernel pins, then the work (unpickled here, after the pins), its `setup`
+    (the model load) once; then prompts."""
+
+    def __init__(self, root: str, work_bytes: bytes, pin_mode: str, threads: int):
+        os.environ.update(QUIET_ENV)
+        os.chdir(root)              # the repository, at the same path on every node: paths are relative to it
+        kernels.pin(pin_mode)                            # the runtime_env set them already: a no-op check
+        self.work = pickle.loads(work_bytes)             # imports the stage's model code (torch)
+        import torch
+        torch.set_num_threads(threads)
+        self.where = _where(pin_mode)
+        self.work.setup()
+
+    def run(self, root: str, config: dict, model: dict | None, prompt_id: str) -> PromptResult:
+        result = run_one(self.work, Path(root), config, model, prompt_id)
+        result.where = self.where
+        return result
+
+    def ready(self) -> dict:
+        return self.where
+
+
+def _where(pin_mode: str) -> dict[str, Any]:
+    """Where an actor runs: node, process, device and kernel path (the manifest's per-prompt record)."""
+    import platform
+
+    import ray
+    import torch
+
+    from pipeline.store import provenance
+    ctx = ray.get_runtime_context()
+    gpus = ray.get_gpu_ids()
+    device = f"cuda ({torch.cuda.get_device_name(0)})" if gpus and torch.cuda.is_available() else "cpu"
+    path = provenance.kernel_path()
+    return {"node": platform.node(), "node_id": ctx.get_node_id(), "worker_pid": os.getpid(), "device": device,
+            "kernel_mode": pin_mode, "aten_cpu_capability": path["aten_cpu_capability"],
+            "torch_threads": path["torch_threads"],
+            "kernel_path": kernels.summary(path), "cpu_flags": path["cpu_flags"]}
+
+
+def worker_env(pin_mode: str, threads: int) -> dict[str, str]:
+    """The environment every actor gets: the pinning variables as the stage pinned them, the thread
+    counts, no usage report."""
+    env = {k: v for k in kernels.PIN_VARS if (v := os.environ.get(k)) is not None}
+    if pin_mode != "portable":                # portable fixes its own thread count
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    return {**env, **QUIET_ENV}
+
+
+def _own_threads() -> int:
+    """The thread count this stage process computes with, which a serial run uses: reductions split by
+    thread (the lens' FP64 sums, say), so another count can change bits."""
+    import torch
+    return torch.get_num_threads()
+
+
+def _start(cfg) -> bool:
+    """Connect to Ray (start a local one for a null address) -> whether this stage started it."""
+    import ray
+    if ray.is_initialized():
+        return False
+    common = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
+              "configure_logging": True, "namespace": "nexttoken"}
+    try:
+        if cfg.address is None:
+            # "local": a new instance, never a cluster found through RAY_ADDRESS or Ray's address file
+            ray.init(address="local", num_cpus=cfg.workers * cfg.cpus_per_worker,
+                     num_gpus=cfg.workers * cfg.gpus_per_worker, object_store_memory=LOCAL_OBJECT_STORE,
+                     _node_ip_address="127.0.0.1", **common)
+        else:
+            ray.init(address=cfg.address, **common)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = "a local Ray" if cfg.address is None else f"the Ray cluster at executor.address={cfg.address!r}"
+        raise UserError(f"could not start or join {where}: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return True
+
+
+def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
+    os.environ.update(QUIET_ENV)
+    if cfg.address is None:
+        os.environ.update(LOOPBACK_ENV)              # read when ray is imported
+    import ray
+    import ray.exceptions as rex
+
+    pin_mode = kernels.pinned_mode() or "native"
+    threads = cfg.torch_threads or _own_threads()
+    started = _start(cfg)
+    actors: list = []
+    try:
+        actor_cls = ray.remote(Worker).options(
+            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker, max_restarts=cfg.max_retries,
+            max_task_retries=cfg.max_retries, runtime_env={"env_vars": worker_env(pin_mode, threads)})
+        blob = pickle.dumps(work)                       # paths and configs: small, re-sent on a restart
+        n = max(1, min(cfg.workers, len(prompt_ids)))
+        actors = [actor_cls.remote(str(stage.root), blob, pin_mode, threads) for _ in range(n)]
+        where = _ready(actors, cfg.prompt_timeout_s)
+        stage.executor = {"kind": "ray", "address": cfg.address, "workers": n, "cpus_per_worker": cfg.cpus_per_worker,
+                          "gpus_per_worker": cfg.gpus_per_worker, "torch_threads": threads,
+                          "max_retries": cfg.max_retries, "ray_version": ray.__version__,
+                          "nodes": sorted({w["node"] for w in where}), "prompts": {}}
+        values, pending, queue = [], deque(), deque(prompt_ids)
+        root, config = str(stage.root), stage.config
+        while queue or pending:
+            while queue and len(pending) < IN_FLIGHT_PER_WORKER * n:
+                pid = queue.popleft()
+                actor = actors[(len(prompt_ids) - len(queue) - 1) % n]
+                pending.append((pid, actor.run.remote(root, config, stage.model, pid)))
+            pid, ref = pending.popleft()                # the run's order: the set-level files depend on it
+            try:
+                result = ray.get(ref, timeout=cfg.prompt_timeout_s)
+            except rex.GetTimeoutError:
+                raise UserError(f"stage {stage.stage}: prompt {pid} did not finish within executor.prompt_timeout_s="
+                                f"{cfg.prompt_timeout_s} s on Ray") from None
+            except (rex.RayActorError, rex.ActorDiedError, rex.WorkerCrashedError, rex.NodeDiedError) as e:
+                raise UserError(f"stage {stage.stage}: prompt {pid} failed on Ray after executor.max_retries="
+                                f"{cfg.max_retries} retries: its worker died ({type(e).__name__})") from None
+            values.append(accept(stage, result))
+            stage.executor["prompts"][pid] = result.where
+        return values
+    finally:
+        for a in actors:
+            with contextlib.suppress(Exception):       # already gone: nothing to stop
+                ray.kill(a, no_restart=True)
+        if started:
+            ray.shutdown()
+
+
+def _ready(actors: list, timeout_s: float) -> list[dict]:
+    """Every actor constructed (its model loaded) within the bound, or one line saying which failed."""
+    import ray
+    import ray.exceptions as rex
+    start = time.monotonic()
+    try:
+        return ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
+    except rex.GetTimeoutError:
+        raise UserError(f"the Ray workers were not ready within executor.prompt_timeout_s={timeout_s} s "
+                        f"({time.monotonic() - start:.0f} s): does the cluster have the CPUs and GPUs asked for?") \
+            from None
+    except rex.RayActorError as e:
+        cause = str(e).strip().splitlines()
+        raise UserError("a Ray worker failed to start: " + next((c for c in reversed(cause) if c.strip()), "?")) \
+            from None

@@ -1,0 +1,54 @@
+"""Faults in Ray workers, for the executor's tests: a local cluster of two nodes on 127.0.0.1 whose
+processes run `tests/helpers/ray_fault_site/sitecustomize.py`, and the plan file that tells them
+which prompt to kill or pause (`plan`). The hook belongs to the tests: no production code reads it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+ENV = "NEXTTOKEN_TEST_RAY_FAULT"
+SITE = Path(__file__).resolve().parent / "ray_fault_site"
+# Ray on loopback only: no usage report, and node addresses resolved to 127.0.0.1 (otherwise Ray
+# picks the address of the interface with the default route)
+LOCAL = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024 ** 2}
+
+
+def env(plan_file: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    base = dict(os.environ if base is None else base)
+    return {**base, **LOCAL, ENV: str(plan_file),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), base.get("PYTHONPATH")]))}
+
+
+@contextlib.contextmanager
+def cluster(plan_file: Path, nodes: int = 2):
+    """A local Ray cluster (`ray.cluster_utils.Cluster`) of `nodes` one-CPU nodes, this process connected."""
+    saved = dict(os.environ)
+    os.environ.update(env(plan_file))             # the raylets (and so their workers) inherit it
+    import ray  # after: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER on import
+    from ray.cluster_utils import Cluster
+    try:
+        c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+        for _ in range(nodes - 1):
+            c.add_node(**NODE)
+        ray.init(address=c.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def plan(plan_file: Path, stage: str | None, prompt: str | None = None, mode: str = "kill-once",
+         marker: Path | None = None) -> None:
+    """Set the fault (stage None: none)."""
+    if stage is None:
+        plan_file.unlink(missing_ok=True)
+        return
+    plan_file.write_text(json.dumps({"stage": stage, "prompt": prompt, "mode": mode, "marker": str(marker)}))
