@@ -35,6 +35,7 @@ SCHEMA = pa.schema([("variation", pa.string()), ("compared", pa.string()), ("n_p
                     ("max_abs_diff", pa.float64()), ("mean_abs_diff", pa.float64()),
                     ("top1_changed", pa.list_(pa.int32())), ("kept_recorded", pa.int32()),
                     ("kept_variant", pa.int32()), ("kept_jaccard", pa.float64()),
+                    ("kept_recorded_ids", pa.list_(pa.int32())), ("kept_variant_ids", pa.list_(pa.int32())),
                     ("kl_mean", pa.float64()), ("kl_max", pa.float64()), ("kl_last", pa.float64()),
                     ("bit_identical", pa.bool_()),
                     ("first_differing_tensor", pa.string()), ("note", pa.string())])

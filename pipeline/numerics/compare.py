@@ -18,7 +18,7 @@ from pipeline.numerics.sampling import SamplingSettings, warpers
 
 TOP_P = 0.9
 FIGURES = ("max_abs_diff", "mean_abs_diff", "top1_changed", "kept_recorded", "kept_variant", "kept_jaccard",
-           "kl_mean", "kl_max", "kl_last", "bit_identical")
+           "kept_recorded_ids", "kept_variant_ids", "kl_mean", "kl_max", "kl_last", "bit_identical")
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -71,6 +71,8 @@ def compare(recorded: torch.Tensor, variant: torch.Tensor, positions: list[int],
         "kept_recorded": int(a.size),
         "kept_variant": int(b.size),
         "kept_jaccard": jaccard(a, b),
+        "kept_recorded_ids": [int(i) for i in a],      # the two sets themselves, ascending ids (the explorer's)
+        "kept_variant_ids": [int(i) for i in b],
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
         "kl_last": float(kl[-1]),          # the next token's (the last position's), beside the kept sets
@@ -81,5 +83,6 @@ def compare(recorded: torch.Tensor, variant: torch.Tensor, positions: list[int],
 def empty(reason: str) -> dict:
     """A variation that could not run here: NaN figures, the reason in `note`."""
     return {"max_abs_diff": math.nan, "mean_abs_diff": math.nan, "top1_changed": [], "kept_recorded": -1,
-            "kept_variant": -1, "kept_jaccard": math.nan, "kl_mean": math.nan,
+            "kept_variant": -1, "kept_recorded_ids": [], "kept_variant_ids": [], "kept_jaccard": math.nan,
+            "kl_mean": math.nan,
             "kl_max": math.nan, "kl_last": math.nan, "bit_identical": False, "note": reason}

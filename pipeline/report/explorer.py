@@ -116,7 +116,10 @@ def equivalence_data(recorded: np.ndarray, position: int, rows: list[dict] | Non
             encoding, data = variant_encoding(recorded, row)
             top = logit_order(row)[:EQ_TOP]
             item.update(shown=True, dtype=stored[0], encoding=encoding, logits=data,
-                        text={str(int(i)): vocab_text.get(int(i), "") for i in top})
+                        text={str(int(i)): vocab_text.get(int(i), "") for i in top},
+                        kept={"recorded": [int(i) for i in r.get("kept_recorded_ids") or []],
+                              "variant": [int(i) for i in r.get("kept_variant_ids") or []]}
+                        if r.get("kept_recorded_ids") is not None and r["compared"] != "step logits" else None)
         out.append(item)
     return {"position": position, "top": EQ_TOP, "variations": out}
 
@@ -255,8 +258,9 @@ filtering)</th><th></th></tr></thead><tbody></tbody></table></section>
 <table id="eq-figures"><tbody>
 <tr><th>KL(record &#8214; variant), FP64, this position</th><td id="eq-kl"></td></tr>
 <tr><th>top-1 (record &#8594; variant)</th><td id="eq-top1"></td></tr>
-<tr><th>top-p kept (record &#8594; variant), FP64</th><td><span id="eq-kept-recorded"></span> &#8594;
-<span id="eq-kept-variant"></span>, Jaccard <b id="eq-jaccard"></b></td></tr>
+<tr><th>top-p kept (record &#8594; variant)</th><td><span id="eq-kept-recorded"></span> &#8594;
+<span id="eq-kept-variant"></span>, Jaccard <b id="eq-jaccard"></b> <span id="eq-kept-source" class="note"></span>
+</td></tr>
 <tr><th>max / mean |&#916; logit|, this position</th><td><span id="eq-max-diff"></span> / <span id="eq-mean-diff">
 </span></td></tr></tbody></table>
 <p class="note" id="eq-row"></p>
@@ -530,7 +534,7 @@ function storedRow(v) {
 }
 function eqClear(why) {
   for (const id of ["eq-kl", "eq-top1", "eq-kept-recorded", "eq-kept-variant", "eq-jaccard", "eq-max-diff",
-                    "eq-mean-diff"]) $(id).textContent = "";
+                    "eq-mean-diff", "eq-kept-source"]) $(id).textContent = "";
   $("eq-candidates").tBodies[0].replaceChildren();
   $("eq-status").textContent = why;
 }
@@ -553,6 +557,8 @@ function updateEquivalence() {
   $("eq-row").textContent = storedRow(v);
   if (!v.shown) { eqClear(`${v.name}: not shown: ${v.why}`); return; }
   if (!(T > 0) || !(topP > 0 && topP <= 1)) { eqClear("(invalid setting)"); return; }
+  if (v.encoding === "nan") { eqClear(`${v.name}: every logit is NaN at position ${EQ.position} (${v.dtype}): ` +
+    "no distribution to compare"); return; }
   const V = variant(idx);
   const p = softmax64(T), q = softmax64(T, V.L), lp = logSoftmax64(T, LOGITS), lq = logSoftmax64(T, V.L);
   let kl = 0, maxd = 0, sumd = 0;
@@ -560,7 +566,13 @@ function updateEquivalence() {
     if (p[i] > 0) kl += p[i] * (lp[i] - lq[i]);
     const d = Math.abs(LOGITS[i] - V.L[i]); if (!(d <= maxd)) maxd = d; sumd += d;
   }
-  const kr = keptFP64(p, 0, topP), kv = keptFP64(q, 0, topP, V.order, V.L);
+  // at the row's own setting the sets are the row's (transformers' float32 warper, which breaks ties at the
+  // boundary its own way); elsewhere the FP64 nucleus
+  const rows = T === 1 && topP === 0.9 && v.kept;
+  const kr = rows ? v.kept.recorded : keptFP64(p, 0, topP);
+  const kv = rows ? v.kept.variant : keptFP64(q, 0, topP, V.order, V.L);
+  $("eq-kept-source").textContent = rows ? "(the row's sets: transformers' float32 warper at T = 1, top-p 0.9)"
+    : "(computed here: the FP64 nucleus)";
   const inR = new Uint8Array(N), inV = new Uint8Array(N);
   kr.forEach((i) => { inR[i] = 1; }); kv.forEach((i) => { inV[i] = 1; });
   let both = 0; for (const i of kv) both += inR[i];

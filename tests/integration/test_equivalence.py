@@ -185,7 +185,8 @@ def _next_token_figures(rec: np.ndarray, var: np.ndarray, positions: list[int]) 
     return {"max_abs_diff": float(np.abs(a - b).max()), "mean_abs_diff": float(np.abs(a - b).mean()),
             "top1_changed": [p for p, x, y in zip(positions, a.argmax(-1), b.argmax(-1)) if x != y],
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "kl_last": float(kl[-1]),
-            "kept_recorded": len(ka), "kept_variant": len(kb), "kept_jaccard": len(ka & kb) / len(ka | kb)}
+            "kept_recorded": len(ka), "kept_variant": len(kb), "kept_jaccard": len(ka & kb) / len(ka | kb),
+            "kept_recorded_ids": sorted(ka), "kept_variant_ids": sorted(kb)}
 
 
 def _reproduces(row: dict, mine: dict):
@@ -193,6 +194,8 @@ def _reproduces(row: dict, mine: dict):
     assert row["kl_last"] == pytest.approx(mine["kl_last"], rel=1e-9, abs=1e-15)
     assert (row["kept_recorded"], row["kept_variant"], row["kept_jaccard"]) == \
         (mine["kept_recorded"], mine["kept_variant"], mine["kept_jaccard"])
+    assert (list(row["kept_recorded_ids"]), list(row["kept_variant_ids"])) == \
+        (mine["kept_recorded_ids"], mine["kept_variant_ids"])
 
 
 def test_the_stored_variant_logits_reproduce_every_row(matrix_ws):
