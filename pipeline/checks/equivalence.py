@@ -95,7 +95,9 @@ def figures(recorded: np.ndarray, variant: np.ndarray, positions: list[int]) -> 
     return {"max_abs_diff": d.max(), "mean_abs_diff": d.mean(),
             "top1_changed": [p for p, x, y in zip(positions, recorded.argmax(-1), variant.argmax(-1)) if x != y],
             "kept_recorded": a.size, "kept_variant": b.size,
-            "kept_jaccard": np.intersect1d(a, b).size / np.union1d(a, b).size, "kl_mean": kl.mean(), "kl_max": kl.max()}
+            "kept_recorded_ids": a.tolist(), "kept_variant_ids": b.tolist(),
+            "kept_jaccard": np.intersect1d(a, b).size / np.union1d(a, b).size, "kl_mean": kl.mean(), "kl_max": kl.max(),
+            "kl_last": kl[-1]}
 
 
 def disagreement(stored: dict, mine: dict) -> tuple[float, str]:

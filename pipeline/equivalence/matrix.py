@@ -2,8 +2,12 @@
 
 Per prompt, one partition `artifacts/equivalence/equivalence/prompt_id=<id>/equivalence.parquet`: one
 row per variation (the kv_cache variation one row per trajectory branch, `kv_cache_<branch>`), its
-figures from `numerics.compare`; the manifest's facts say what each variation ran with. The checks
-on those rows (`pipeline.checks.equivalence`) go to the stage's own checks.parquet.
+figures from `numerics.compare`; the manifest's facts say what each variation ran with. Beside it
+`variant_logits/prompt_id=<id>/variant_logits.parquet`: each forward variation's own logits at the
+recorded positions, the rows its figures were computed from (`pipeline.store.variant_logits`), what
+the explorer's Equivalence tab compares with the record. The kv_cache rows' step logits are the
+trajectories' step_logits.parquet already and are not copied. The checks on those rows
+(`pipeline.checks.equivalence`) go to the stage's own checks.parquet.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pipeline.equivalence import variations as v
 from pipeline.errors import bad_value
 from pipeline.model import capture, loader
 from pipeline.numerics import compare
-from pipeline.store import paths, provenance
+from pipeline.store import paths, provenance, variant_logits
 from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
 from pipeline.tools import divergence
 
@@ -31,7 +35,9 @@ SCHEMA = pa.schema([("variation", pa.string()), ("compared", pa.string()), ("n_p
                     ("max_abs_diff", pa.float64()), ("mean_abs_diff", pa.float64()),
                     ("top1_changed", pa.list_(pa.int32())), ("kept_recorded", pa.int32()),
                     ("kept_variant", pa.int32()), ("kept_jaccard", pa.float64()),
-                    ("kl_mean", pa.float64()), ("kl_max", pa.float64()), ("bit_identical", pa.bool_()),
+                    ("kept_recorded_ids", pa.list_(pa.int32())), ("kept_variant_ids", pa.list_(pa.int32())),
+                    ("kl_mean", pa.float64()), ("kl_max", pa.float64()), ("kl_last", pa.float64()),
+                    ("bit_identical", pa.bool_()),
                     ("first_differing_tensor", pa.string()), ("note", pa.string())])
 # No timing column: the same run gives the same bytes; each variation's seconds are in the manifest's facts.
 DTYPE_OF = {"float32": torch.float32, "float16": torch.float16}
@@ -59,7 +65,7 @@ def row(name: str, compared: str, rec_logits: torch.Tensor, var: v.Variant, posi
 
 
 def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fillers, pad_id: int):
-    """(row, ran_with) per configured forward variation, in the configured order."""
+    """(row, ran_with, variant logits [P, V] or None) per configured forward variation, in the configured order."""
     make = {"sdpa": lambda: v.sdpa_variant(rec, s),
             "batch_2": lambda: v.batch_variant(rec, s, model, fillers, 2, pad_id),
             "batch_8": lambda: v.batch_variant(rec, s, model, fillers, 8, pad_id),
@@ -73,7 +79,7 @@ def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fil
             var = make[name]()
             seconds = round(time.perf_counter() - start, 3)
             yield row(name, "logits at the prompt positions", rec.logits, var, rec.positions), \
-                {**var.ran_with, "seconds": seconds}
+                {**var.ran_with, "seconds": seconds}, var.logits
 
 
 def step_runs(steps_path: Path, step_logits_path: Path) -> dict[tuple[str, bool], list[tuple[int, int, np.ndarray]]]:
@@ -155,13 +161,17 @@ def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_p
     for pid in pids:
         with stage.timed(pid):
             rec = recorded(stage.use(paths.CAPTURE, pid), read_json(stage.use(paths.FORWARD_FACTS, pid)))
-            rows = []
-            for r, with_ in forward_rows(rec, s, cfg, model, fillers, pad_id):
+            rows, variants = [], []
+            for r, with_, logits in forward_rows(rec, s, cfg, model, fillers, pad_id):
                 rows.append(r)
                 ran[r["variation"]] = with_
+                if logits is not None:
+                    variants.append((r["variation"], logits))
             if "kv_cache" in cfg.variations:
                 rows += kv_rows(step_runs(stage.use(paths.STEPS, pid), stage.use(paths.STEP_LOGITS, pid)))
             stage.write_parquet(paths.EQUIVALENCE[1], pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names}
                                                                             for r in rows], SCHEMA), prompt_id=pid)
+            variant_logits.write(stage.out(paths.VARIANT_LOGITS[1], pid), variants, rec.positions,
+                                 stage.parquet_metadata())
             matrices[pid] = (rec, rows)
     return Matrix(s, fillers, pad_id, matrices, ran)

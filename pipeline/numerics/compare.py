@@ -3,7 +3,8 @@
 Both sides are [positions, V] logits; each is cast to float64 (the variant's own dtype first:
 a float32 row is compared as it was computed, not rounded to bf16). The top-p 0.9 kept set at
 T = 1 is transformers' `TopPLogitsWarper`'s (what sampling applies at T = 1, top_k = 0: `sampling.warpers`),
-run on all positions at once in float32; the KL divergence KL(recorded || variant) is FP64 at T = 1.
+run on all positions at once in float32; the KL divergence KL(recorded || variant) is FP64 at T = 1
+(mean and max over the positions, and at the last one, the next token's: `kl_last`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pipeline.numerics.sampling import SamplingSettings, warpers
 
 TOP_P = 0.9
 FIGURES = ("max_abs_diff", "mean_abs_diff", "top1_changed", "kept_recorded", "kept_variant", "kept_jaccard",
-           "kl_mean", "kl_max", "bit_identical")
+           "kept_recorded_ids", "kept_variant_ids", "kl_mean", "kl_max", "kl_last", "bit_identical")
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -70,8 +71,11 @@ def compare(recorded: torch.Tensor, variant: torch.Tensor, positions: list[int],
         "kept_recorded": int(a.size),
         "kept_variant": int(b.size),
         "kept_jaccard": jaccard(a, b),
+        "kept_recorded_ids": [int(i) for i in a],      # the two sets themselves, ascending ids (the explorer's)
+        "kept_variant_ids": [int(i) for i in b],
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
+        "kl_last": float(kl[-1]),          # the next token's (the last position's), beside the kept sets
         "bit_identical": same_bits(recorded, variant),
     }
 
@@ -79,5 +83,6 @@ def compare(recorded: torch.Tensor, variant: torch.Tensor, positions: list[int],
 def empty(reason: str) -> dict:
     """A variation that could not run here: NaN figures, the reason in `note`."""
     return {"max_abs_diff": math.nan, "mean_abs_diff": math.nan, "top1_changed": [], "kept_recorded": -1,
-            "kept_variant": -1, "kept_jaccard": math.nan, "kl_mean": math.nan,
-            "kl_max": math.nan, "bit_identical": False, "note": reason}
+            "kept_variant": -1, "kept_recorded_ids": [], "kept_variant_ids": [], "kept_jaccard": math.nan,
+            "kl_mean": math.nan,
+            "kl_max": math.nan, "kl_last": math.nan, "bit_identical": False, "note": reason}

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.model.names import act_name
-from pipeline.report import explorer, overview
+from pipeline.report import equivalence, explorer, overview
 from pipeline.report.render import Inputs
-from pipeline.store import logits_io, paths, safetensors_io
+from pipeline.store import logits_io, paths, safetensors_io, variant_logits
 from pipeline.store.artifacts import read_parquet
 
 MAX_PAGES = 32      # pages a set gets; the overview in report.md covers every prompt
@@ -91,17 +91,28 @@ def _lens(inp: Inputs, rows: list[dict], text: dict[int, str]) -> dict | None:
                         "final_rank": rank.get((li, p))} for p in positions] for li in layers]}
 
 
+def _variants(use: overview.Use, inp: Inputs) -> tuple[list[dict] | None, dict | None]:
+    """The prompt's equivalence rows and its variants' logits at the page's position (None, None: the
+    equivalence stage did not run for it; rows, None: no variant_logits.parquet beside them)."""
+    rows = equivalence.load(use, inp.prompt_id)
+    if rows is None or not paths.partition(paths.VARIANT_LOGITS, inp.prompt_id).is_file():
+        return rows, None
+    return rows, variant_logits.read(use(paths.VARIANT_LOGITS, inp.prompt_id), positions=[inp.position])
+
+
 def page(use: overview.Use, inp: Inputs, files: dict[str, str]) -> str:
     """One prompt's page, rendered."""
     positions = _positions(use, inp)
     lens_rows = _lens_rows(use, inp)
+    eq_rows, variants = _variants(use, inp)
     ids = {int(i) for i in explorer.logit_order(inp.logits)[:explorer.TOP_IDS]}
     ids |= {int(i) for _, row in positions for i in explorer.logit_order(row)[:explorer.TOP_PER_POSITION]}
-    ids |= {r["token_id"] for r in lens_rows}
+    ids |= {r["token_id"] for r in lens_rows} | explorer.equivalence_ids(variants, inp.position)
     text = _vocab_text(use, ids)
     filters = [f for f in inp.summary["filters"] if f["position"] == inp.position]
     data = explorer.page_data(inp, pages=files, filters=filters, kept=_kept(use, inp), positions=positions,
-                              attention=_attention(use, inp), vocab_text=text, lens=_lens(inp, lens_rows, text))
+                              attention=_attention(use, inp), vocab_text=text, lens=_lens(inp, lens_rows, text),
+                              equivalence=explorer.equivalence_data(inp.logits, inp.position, eq_rows, variants, text))
     return explorer.render_page(data)
 
 

@@ -56,10 +56,13 @@ EXPLORER_SHOT = ("report", "explorer.png")       # a screenshot of it, where a b
 # The equivalence stage: per prompt, one row per variation; its own checks table (set-level).
 EQUIVALENCE = ("equivalence", "equivalence.parquet")
 EQUIVALENCE_CHECKS = ("equivalence", "checks.parquet")
+# per prompt: each forward variation's own logits at the recorded positions (what the explorer's Equivalence tab shows)
+VARIANT_LOGITS = ("equivalence", "variant_logits.parquet")
 
 # One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
 PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,
-                        PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES, LENS, LENS_SUMMARY, EQUIVALENCE})
+                        PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES, LENS, LENS_SUMMARY, EQUIVALENCE,
+                        VARIANT_LOGITS})
 PARTITION_KEY = "prompt_id"
 
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -138,7 +139,8 @@ def test_the_same_run_gives_the_same_bytes(matrix_ws, tmp_path):
     again = copy_ws(matrix_ws, tmp_path / "again")
     run_module("stages.equivalence", again, check=True)
     (pid,) = paths.prompt_ids(paths.EQUIVALENCE, matrix_ws)
-    for path in (paths.partition(paths.EQUIVALENCE, pid), paths.artifact(paths.EQUIVALENCE_CHECKS)):
+    for path in (paths.partition(paths.EQUIVALENCE, pid), paths.partition(paths.VARIANT_LOGITS, pid),
+                 paths.artifact(paths.EQUIVALENCE_CHECKS)):
         assert (again / path).read_bytes() == (matrix_ws / path).read_bytes(), path
     facts = json.loads((again / "artifacts/equivalence/manifest.json").read_text())["facts"]
     assert facts["variations"]["float32"]["seconds"] > 0 and facts["checks"] == 6
@@ -157,3 +159,95 @@ def test_an_exact_variation_that_is_not_exact_is_an_error():
     (found,) = checks.row_checks([row], exact=())
     assert found.severity == "report" and not found.passed
     assert replace(found, prompt_id="p").prompt_id == "p"
+
+
+# ---------------------------------------------------------------- variant_logits.parquet (issue 30)
+def _variant_file(ws: Path) -> Path:
+    (pid,) = paths.prompt_ids(paths.VARIANT_LOGITS, ws)
+    return paths.partition(paths.VARIANT_LOGITS, pid, ws)
+
+
+def _next_token_figures(rec: np.ndarray, var: np.ndarray, positions: list[int]) -> dict:
+    """The row's figures by this test's own code: numpy float64, top-p 0.9 by transformers' warper in float32."""
+    from transformers import TopPLogitsWarper
+
+    def logsoftmax(x):
+        m = x.max(-1, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+    def kept(row):
+        return set(np.flatnonzero(np.isfinite(TopPLogitsWarper(0.9)(None, torch.from_numpy(row)[None])[0].numpy())))
+
+    a, b = rec.astype(np.float64), var.astype(np.float64)
+    lp, lq = logsoftmax(a), logsoftmax(b)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    ka, kb = kept(rec[-1].astype(np.float32)), kept(var[-1].astype(np.float32))
+    return {"max_abs_diff": float(np.abs(a - b).max()), "mean_abs_diff": float(np.abs(a - b).mean()),
+            "top1_changed": [p for p, x, y in zip(positions, a.argmax(-1), b.argmax(-1)) if x != y],
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "kl_last": float(kl[-1]),
+            "kept_recorded": len(ka), "kept_variant": len(kb), "kept_jaccard": len(ka & kb) / len(ka | kb),
+            "kept_recorded_ids": sorted(ka), "kept_variant_ids": sorted(kb)}
+
+
+def _reproduces(row: dict, mine: dict):
+    _same(row, mine)
+    assert row["kl_last"] == pytest.approx(mine["kl_last"], rel=1e-9, abs=1e-15)
+    assert (row["kept_recorded"], row["kept_variant"], row["kept_jaccard"]) == \
+        (mine["kept_recorded"], mine["kept_variant"], mine["kept_jaccard"])
+    assert (list(row["kept_recorded_ids"]), list(row["kept_variant_ids"])) == \
+        (mine["kept_recorded_ids"], mine["kept_variant_ids"])
+
+
+def test_the_stored_variant_logits_reproduce_every_row(matrix_ws):
+    """variant_logits.parquet holds each forward variation's logits at every recorded position, lossless, in
+    its own dtype; from them and the capture this test's own code gives the row's figures; recorded in the
+    manifest with its sha256; no rows for the kv_cache variation (its step logits are the trajectories')."""
+    from pipeline.store import provenance, variant_logits
+    ids, rec = _recorded(matrix_ws)
+    rows, path = _rows(matrix_ws), _variant_file(matrix_ws)
+    stored = variant_logits.read(path)
+    assert list(stored) == ["batch_2", "float32", "threads_1"]
+    facts = json.loads((matrix_ws / "artifacts/equivalence/manifest.json").read_text())
+    for name, (dtype, positions, logits) in stored.items():
+        assert dtype == facts["facts"]["variations"][name]["dtype"]
+        assert positions == list(range(len(ids))) and logits.dtype == np.float32
+        _reproduces(rows[name], _next_token_figures(rec.float().numpy(), logits, positions))
+    widened = stored["float32"][2].view(np.uint32)
+    assert (widened & 0xFFFF).any() and not (stored["batch_2"][2].view(np.uint32) & 0xFFFF).any()  # f32 vs bf16
+    (out,) = [o for o in facts["outputs"] if o["path"].endswith(paths.VARIANT_LOGITS[1])]
+    assert out["sha256"] == provenance.sha256_file(path)
+
+
+def test_a_tampered_or_malformed_variant_logits_file_is_caught(matrix_ws, tmp_path):
+    """The float32 variant's top logit at the last position moved by one float32 ulp (the file rewritten in
+    the stage's own layout): the recomputation no longer gives the row, and a later stage's read refuses
+    the file (its sha256 is not the manifest's); a file missing a token id is refused by the reader."""
+    import pyarrow as pa
+
+    from pipeline.errors import UserError
+    from pipeline.store import variant_logits
+    from pipeline.store.artifacts import StageRun
+    ws = copy_ws(matrix_ws, tmp_path / "ws")
+    path = _variant_file(ws)
+    stored = variant_logits.read(path)
+    dtype, positions, f32 = stored["float32"]
+    f32 = f32.copy()
+    top = int(f32[-1].argmax())
+    f32[-1, top] = np.nextafter(f32[-1, top], np.float32(np.inf))
+    variant_logits.write(path, [(name, torch.from_numpy(f32 if name == "float32" else rows).to(getattr(torch, d)))
+                                for name, (d, _, rows) in stored.items()], positions, pq.read_schema(path).metadata)
+    _, rec = _recorded(ws)
+    tampered = variant_logits.read(path, variation="float32")["float32"][2]
+    assert np.array_equal(tampered, f32)
+    with pytest.raises(AssertionError):
+        _reproduces(_rows(ws)["float32"], _next_token_figures(rec.float().numpy(), tampered, positions))
+    (pid,) = paths.prompt_ids(paths.VARIANT_LOGITS, ws)
+    with pytest.raises(UserError, match="was not produced by the recorded run of stage equivalence"):
+        StageRun("report", ws, {}).use(paths.VARIANT_LOGITS, pid)
+    short = tmp_path / "short.parquet"      # one (variation, position) row group without token id 5
+    ids = np.delete(np.arange(10, dtype=np.int32), 5)
+    pq.write_table(pa.table({"variation": ["float32"] * 9, "dtype": ["float32"] * 9,
+                             "position": pa.array(np.zeros(9, np.int32)), "token_id": pa.array(ids),
+                             "logit": pa.array(np.ones(9, np.float32))}), short)
+    with pytest.raises(UserError, match="every token id once, in order"):
+        variant_logits.read(short)

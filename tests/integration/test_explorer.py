@@ -4,36 +4,49 @@ At each configured temperature the page's probabilities equal table.parquet (rel
 configured filter its kept set equals filtered.parquet exactly; at a setting that is not configured they
 equal numpy's FP64 computation. Zero network requests, no console errors, every panel shown, a
 screenshot beside the page. Mutant pages (float32 arithmetic, a softmax renormalised over the top 50
-only) fail the same comparisons. Skipped, with one line saying why, where Chromium is not installed.
+only) fail the same comparisons. The Equivalence panel (issue 30): for the float32 and batch_2 rows, KL,
+top-p Jaccard and top-1 equal equivalence.parquet's row at T = 1 and the test's own numpy FP64 from
+variant_logits.parquet at other temperatures; a page that swaps record and variant, or leaves the
+temperature out of the variant's softmax, fails them. Skipped, with one line saying why, where Chromium
+is not installed.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from pipeline.numerics.probs import prob_column
 from pipeline.store import paths
 from pipeline.tools import screenshot
-from tests.conftest import TEST_STEPS, copy_ws
+from tests.conftest import TEST_STEPS, copy_ws, run_module
 from tests.helpers.inprocess import run_chain
 from tests.helpers.partitions import part
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(screenshot.available() is not None,
                                  reason=f"browser tests skipped: {screenshot.available()}")]
-PANELS = ("panel-conditions", "panel-tokens", "panel-next", "panel-lens", "panel-attention", "panel-trajectories",
-          "panel-checks")
+PANELS = ("panel-conditions", "panel-tokens", "panel-next", "panel-equivalence", "panel-lens", "panel-attention",
+          "panel-trajectories", "panel-checks")
+# in-process and quick (no kernels subprocess, no rederive); their logits reach the page in each encoding
+EQ_VARIATIONS = ["sdpa", "batch_2", "float32", "float16", "kv_cache"]
 
 
 @pytest.fixture(scope="module")
 def run(tiny_chain, tmp_path_factory):
-    """tiny_qwen2 through checks and report (explorer.html), in its own copy of the session chain."""
+    """tiny_qwen2 through equivalence (three variations), checks and report (explorer.html), in its own copy
+    of the session chain."""
     ws = copy_ws(tiny_chain, tmp_path_factory.mktemp("explorer") / "ws")
+    params = yaml.safe_load((ws / paths.PARAMS).read_text())
+    params["equivalence"].update(variations=EQ_VARIATIONS, exact=[], rederive=None)
+    (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    run_module("stages.equivalence", ws, check=True)       # its own process: it pins the kernels before torch
     run_chain(ws, ("checks", "report"))
     return ws
 
@@ -185,3 +198,129 @@ def test_a_set_s_pages_link_to_each_other(tiny_workspace, tmp_path, driver):
         assert links == [(report / files[k]).as_uri() for k in ("a", "b", "c")], (pid, links)
         assert driver.execute_script("return document.querySelector('#pages a.current').textContent") == pid
     shutil.rmtree(ws)
+
+
+# ---------------------------------------------------------------- the Equivalence panel (issue 30)
+def _eq(driver, variation: str, temperature: float, top_p: float = 0.9) -> dict:
+    """Choose a variation and the page's temperature as a user's script would; read the panel back."""
+    return driver.execute_script("""
+        const [v, t, p] = arguments;
+        const e = document.getElementById("temperature"); e.value = String(t); e.dispatchEvent(new Event("input"));
+        const q = document.getElementById("eq-top-p"); q.value = String(p); q.dispatchEvent(new Event("input"));
+        const s = document.getElementById("eq-variation"); s.value = v; s.dispatchEvent(new Event("change"));
+        const text = (id) => document.getElementById(id).textContent, top1 = document.getElementById("eq-top1");
+        const rows = [...document.querySelectorAll("#eq-candidates tr[data-token-id]")];
+        return {kl: text("eq-kl"), jaccard: text("eq-jaccard"), kept_recorded: text("eq-kept-recorded"),
+                kept_variant: text("eq-kept-variant"), max_diff: text("eq-max-diff"), status: text("eq-status"),
+                source: text("eq-kept-source"),
+                changed: top1.dataset.changed, recorded: top1.dataset.recorded, variant: top1.dataset.variant,
+                ids: rows.map(r => Number(r.dataset.tokenId)), p: rows.map(r => r.dataset.pRecorded),
+                q: rows.map(r => r.dataset.pVariant), rank_variant: rows.map(r => Number(r.dataset.rankVariant))};
+    """, variation, temperature, top_p)
+
+
+def _eq_inputs(ws: Path):
+    """(row by variation, the recorded and each variant's float32 logits at the last position)."""
+    from pipeline.store import variant_logits
+    rows = {r["variation"]: r for r in pd.read_parquet(part(paths.EQUIVALENCE, ws)).to_dict("records")}
+    table, pos = _last(ws)
+    stored = variant_logits.read(part(paths.VARIANT_LOGITS, ws), positions=[int(pos)])
+    return rows, table.logit.to_numpy(), {k: r[2][0] for k, r in stored.items()}
+
+
+# The page sums its normalisers and the KL left to right, numpy pairwise: over 152,064 FP64 terms the two
+# orders part by ~sqrt(N) ulps of the log-normaliser (6e-14 measured here), an absolute error of the KL.
+KL_ABS = 1e-12
+
+
+def _kl(a: np.ndarray, b: np.ndarray, t: float) -> float:
+    def logsoftmax(x):
+        x = x.astype(np.float64) / t
+        return x - x.max() - np.log(np.exp(x - x.max()).sum())
+    lp, lq = logsoftmax(a), logsoftmax(b)
+    return float((np.exp(lp) * (lp - lq)).sum())
+
+
+def _jaccard(a: np.ndarray, b: np.ndarray, t: float, top_p: float) -> float:
+    ka = set(_nucleus(_fp64(a, t), a, 0, top_p).tolist())
+    kb = set(_nucleus(_fp64(b, t), b, 0, top_p).tolist())
+    return len(ka & kb) / len(ka | kb)
+
+
+def _check_panel(got: dict, rec: np.ndarray, var: np.ndarray, t: float, fp64_sets: bool = True):
+    """The panel's figures at temperature t against numpy FP64 from the stored logits (the kept sets too, unless
+    the page shows the row's own: T = 1, top-p 0.9)."""
+    np.testing.assert_allclose(np.array(got["p"], dtype=np.float64), _fp64(rec, t)[got["ids"]], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(np.array(got["q"], dtype=np.float64), _fp64(var, t)[got["ids"]], rtol=1e-12, atol=0)
+    assert float(got["kl"]) == pytest.approx(_kl(rec, var, t), rel=1e-9, abs=KL_ABS)
+    if fp64_sets:
+        assert float(got["jaccard"]) == _jaccard(rec, var, t, 0.9) and "FP64 nucleus" in got["source"]
+    order = np.lexsort((np.arange(var.size), -var.astype(np.float64)))
+    assert [int(np.flatnonzero(order == i)[0]) + 1 for i in got["ids"][:5]] == got["rank_variant"][:5]
+
+
+@pytest.mark.parametrize("variation", ["float32", "batch_2"])
+def test_the_equivalence_panel_agrees_with_the_row_and_with_numpy_at_every_temperature(run, driver, variation):
+    """At T = 1 the panel's next-token KL is the row's kl_last, its top-1 the row's at the last position, its
+    top-p 0.9 kept sets the row's (transformers' float32 warper), their counts and Jaccard the row's; at T = 0.6
+    and 1.7 its probabilities, KL and FP64 kept sets' Jaccard are numpy FP64's from variant_logits.parquet."""
+    rows, rec, variants = _eq_inputs(run)
+    row, var = rows[variation], variants[variation]
+    _open(driver, run / "artifacts/report/explorer.html")
+    got = _eq(driver, variation, 1.0)
+    assert variation in got["status"] and len(got["ids"]) >= 20
+    assert float(got["kl"]) == pytest.approx(row["kl_last"], rel=1e-9, abs=KL_ABS)
+    last = row["n_positions"] - 1
+    assert (got["changed"] == "true") == (last in list(row["top1_changed"]))
+    assert (int(got["recorded"]), int(got["variant"])) == (int(rec.argmax()), int(var.argmax()))
+    assert (int(got["kept_recorded"]), int(got["kept_variant"]), float(got["jaccard"])) == \
+        (row["kept_recorded"], row["kept_variant"], row["kept_jaccard"]) and "the row's sets" in got["source"]
+    _check_panel(got, rec, var, 1.0, fp64_sets=False)
+    if row["bit_identical"]:
+        assert (got["kl"], got["jaccard"], got["max_diff"]) == ("0", "1", "0")
+    else:
+        assert float(got["max_diff"]) == float(np.abs(rec.astype(np.float64) - var).max()) > 0
+    for t in (0.6, 1.7):
+        moved = _eq(driver, variation, t)
+        _check_panel(moved, rec, var, t)
+        assert moved["p"] != got["p"]
+
+
+def test_each_encoding_gives_back_the_variant_exactly(run, driver):
+    """sdpa (bf16 values: their high halves), float16 (IEEE half), float32, batch_2 (here the record's own
+    bits: nothing embedded): the panel's variant probabilities are numpy's FP64 softmax of
+    variant_logits.parquet's values."""
+    from pipeline.report.explorer import variant_encoding
+    _, rec, variants = _eq_inputs(run)
+    _open(driver, run / "artifacts/report/explorer.html")
+    for variation in ("sdpa", "float16", "float32", "batch_2"):
+        encoding, _ = variant_encoding(rec, variants[variation])
+        got = _eq(driver, variation, 1.0)
+        assert f"embedded as {encoding})" in got["status"], got["status"]
+        _check_panel(got, rec, variants[variation], 1.0, fp64_sets=False)
+
+
+def test_the_equivalence_panel_says_what_it_does_not_show(run, driver):
+    _open(driver, run / "artifacts/report/explorer.html")
+    got = _eq(driver, "kv_cache_greedy", 1.0)
+    assert "not shown" in got["status"] and "step_logits.parquet" in got["status"] and got["ids"] == []
+
+
+@pytest.mark.parametrize("mutant", ["swapped", "no_temperature"])
+def test_a_panel_computing_otherwise_fails_the_comparison(run, driver, tmp_path, mutant):
+    """Record and variant swapped, or the variant's softmax at T = 1 whatever the temperature: the panel's
+    figures no longer equal numpy's."""
+    html = (run / "artifacts/report/explorer.html").read_text()
+    good = "const p = softmax64(T), q = softmax64(T, V.L), lp = logSoftmax64(T, LOGITS), lq = logSoftmax64(T, V.L);"
+    bad = {"swapped": "const q = softmax64(T), p = softmax64(T, V.L), lq = logSoftmax64(T, LOGITS), "
+                      "lp = logSoftmax64(T, V.L);",
+           "no_temperature": "const p = softmax64(T), q = softmax64(1, V.L), lp = logSoftmax64(T, LOGITS), "
+                             "lq = logSoftmax64(1, V.L);"}[mutant]
+    assert good in html
+    page = tmp_path / "explorer.html"
+    page.write_text(html.replace(good, bad))
+    _open(driver, page)
+    _, rec, variants = _eq_inputs(run)
+    with pytest.raises(AssertionError):
+        _check_panel(_eq(driver, "float32", 1.0 if mutant == "swapped" else 0.6), rec, variants["float32"],
+                     1.0 if mutant == "swapped" else 0.6, fp64_sets=mutant != "swapped")

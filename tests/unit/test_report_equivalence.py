@@ -25,3 +25,43 @@ def test_a_variation_not_run_says_why_and_no_matrix_no_section():
     line = next(x for x in equivalence.markdown([gone], "q").splitlines() if x.startswith("| `kernels`"))
     assert "not run: capture.kernels=portable could not run" in line
     assert equivalence.markdown(None, "q") == ""
+
+
+def test_the_explorer_embeds_each_variant_in_the_fewest_bytes_that_give_it_back():
+    """explorer.variant_encoding: nothing for the record's bits or all NaN, 2 bytes per id for bf16 or float16
+    values, 4 otherwise; decoded as the page decodes them, every value comes back."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from pipeline.report.explorer import equivalence_data, variant_encoding
+    rng = np.random.default_rng(0)
+    rec = torch.from_numpy(rng.normal(0, 4, 1000).astype(np.float32)).bfloat16().float().numpy()
+
+    def decoded(encoding, data):
+        raw = base64.b64decode(data)
+        if encoding == "bf16":
+            return (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4")
+        return np.frombuffer(raw, {"f16": "<f2", "f4": "<f4"}[encoding]).astype(np.float32)
+
+    bf16 = torch.from_numpy(rec + 0.25).bfloat16().float().numpy()
+    f16 = (rec + 0.001).astype(np.float16).astype(np.float32)
+    f16[3] = np.nan
+    f32 = rec + np.float32(1e-3)
+    for variant, want in ((bf16, "bf16"), (f16, "f16"), (f32, "f4")):
+        encoding, data = variant_encoding(rec, variant)
+        assert encoding == want
+        back = decoded(encoding, data)
+        assert np.array_equal(back, variant, equal_nan=True) and len(data) < 4 * variant.size * (4 if want == "f4"
+                                                                                                 else 2) / 3 + 4
+    assert variant_encoding(rec, rec.copy()) == ("same", None)
+    assert variant_encoding(rec, np.full_like(rec, np.nan)) == ("nan", None)
+    rows = [{**ROW, "kl_last": 1e-4}, {**ROW, "variation": "kv_cache_greedy", "compared": "step logits"},
+            {**ROW, "variation": "kernels", "max_abs_diff": math.nan, "kept_recorded": -1, "note": "no AVX2"}]
+    panel = equivalence_data(rec, 24, rows, {"sdpa": ("bfloat16", [23, 24], np.stack([rec, bf16]))}, {})
+    sdpa, kv, kernels = panel["variations"]
+    assert sdpa["shown"] and sdpa["encoding"] == "bf16" and sdpa["row"]["kl_last"] == 1e-4
+    assert not kv["shown"] and "step_logits.parquet" in kv["why"]
+    assert not kernels["shown"] and kernels["why"] == "not run here: no AVX2" and kernels["row"]["max_abs_diff"] is None
+    assert equivalence_data(rec, 24, None, None, {}) is None
