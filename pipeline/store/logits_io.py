@@ -210,7 +210,7 @@ def positions_in(path: Path) -> list[int]:
 STEP_META_KEY = b"nexttoken.step_logits"
 STEP_KEY_SCHEMA = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
 _STEP_DTYPES = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}
-STEP_ZSTD_LEVEL = 9        # 96 rows of tiny_qwen2 at 24 steps: see docs/cost_and_scale.md
+STEP_ZSTD_LEVEL = 1        # level 9 is no smaller on bf16 logits, 3.5x slower: docs/cost_and_scale.md
 
 
 def _raw_bits(row) -> tuple[str, np.ndarray]:
