@@ -170,12 +170,32 @@ class Run:
         return logits_io.read_matrix(path)[1]
 
     def probs(self, prompt_id: str | None = None):
-        """table.parquet: the FP64 probability table per temperature, with ranks (pandas)."""
-        return self._parquet(paths.TABLE, prompt_id)
+        """table.parquet: the FP64 probability table per temperature, with ranks (pandas). A set's run
+        (`probs.table=derived`) stores no table.parquet: it is re-derived here, bit for bit, from the
+        verified logits.parquet and summary.json by the probs stage's own function (`probs.read_table`)."""
+        from pipeline.store.artifacts import tables_stored
+        manifest = self.manifest("probs")
+        if tables_stored(manifest):
+            return self._parquet(paths.TABLE, prompt_id)
+        from pipeline.numerics import probs
+        return probs.read_table(self.path, self._prompt(prompt_id), manifest).to_pandas()
+
+    def step_logits(self, prompt_id: str | None = None) -> dict:
+        """step_logits.parquet: (branch, kv_cache, step) -> that step's full float32 logits row (numpy),
+        XOR-decoded and widened exactly (`logits_io.read_step_logits`)."""
+        from pipeline.store import logits_io
+        return {(k["branch"], k["kv_cache"], k["step"]): row
+                for k, _, row in logits_io.read_step_logits(self.path(paths.STEP_LOGITS, prompt_id))}
 
     def filtered(self, prompt_id: str | None = None):
-        """filtered.parquet: the top-k / top-p kept sets, before and after renormalising (pandas)."""
-        return self._parquet(paths.FILTERED, prompt_id)
+        """filtered.parquet: the top-k / top-p kept sets, before and after renormalising (pandas); a set's
+        (`probs.table=derived`) re-derived as `probs` is."""
+        from pipeline.store.artifacts import tables_stored
+        manifest = self.manifest("probs")
+        if tables_stored(manifest):
+            return self._parquet(paths.FILTERED, prompt_id)
+        from pipeline.numerics import probs
+        return probs.read_table(self.path, self._prompt(prompt_id), manifest, paths.FILTERED).to_pandas()
 
     def capture(self, prompt_id: str | None = None) -> Capture:
         """capture.safetensors, lazy and memory-mapped: `run.capture()["blocks.0.resid_post"]` (torch)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -26,7 +27,7 @@ from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model import capture, decode, loader, tokenization
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import parquet_facts, read_json, read_parquet, read_safetensors
+from pipeline.store.artifacts import parquet_facts, read_json, read_manifest, read_parquet, read_safetensors
 
 
 # ---------------------------------------------------------------- stored artifacts
@@ -43,8 +44,8 @@ class Stored:
     tensors: dict[str, torch.Tensor]     # capture.safetensors
     devices: dict[str, dict]             # forward / trajectories -> {"device", "gpu_name"} they ran on
     logits: Path
-    table: Path | None
-    filtered: Path | None
+    table: Path | pa.Table | None        # a derived table (`probs.table`): re-derived from logits.parquet
+    filtered: Path | pa.Table | None     # likewise
     steps: Path | None
     step_logits: Path | None
     token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
@@ -102,11 +103,25 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str) -> Stored:
     lens = paths.manifest_path(paths.LENS[0], root).exists()                       # False: the lens stage did not run
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(),
                   read_safetensors(use(paths.CAPTURE, prompt_id)), devices, use(paths.LOGITS, prompt_id),
-                  optional(paths.TABLE), optional(paths.FILTERED), optional(paths.STEPS),
+                  _probs_table(use, root, prompt_id), _probs_table(use, root, prompt_id, paths.FILTERED),
+                  optional(paths.STEPS),
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
                   loops_table, metrics, use(paths.LENS, prompt_id) if lens else None,
                   use(paths.LENS_SUMMARY, prompt_id) if lens else None)
+
+
+def _probs_table(use: Callable[..., Path], root: Path | str, prompt_id: str,
+                 item: tuple[str, str] = paths.TABLE) -> Path | pa.Table | None:
+    """table.parquet's (or filtered.parquet's) path; where the probs stage derived it (`probs.table`), the
+    table re-derived from logits.parquet by the stage's own function (`probs.read_table`); None when probs
+    did not run."""
+    if not paths.stage_dir(item[0], root).exists():
+        return None
+    manifest = read_manifest(item[0], root)
+    if probs.table_is_stored(manifest):
+        return use(item, prompt_id)
+    return probs.read_table(use, prompt_id, manifest, item)
 
 
 def _where(record: dict) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
@@ -34,9 +35,15 @@ def _position(table, pos: int):
 
 
 # ---------------------------------------------------------------- table.parquet
-def fp64_tables(table_path: Path, rows: dict[int, np.ndarray], temperatures: Sequence[float]) -> list[Check]:
-    """Per temperature: the stored FP64 column vs numpy's softmax of the stored logits."""
-    table = read_parquet(table_path)
+def _table(table: Path | pa.Table, columns: list[str] | None = None) -> pa.Table:
+    """table.parquet as stored, or as a reader re-derives it (`probs.read_table`, `probs.table=derived`)."""
+    return table.select(columns) if isinstance(table, pa.Table) and columns else \
+        table if isinstance(table, pa.Table) else read_parquet(table, columns=columns)
+
+
+def fp64_tables(table_path: Path | pa.Table, rows: dict[int, np.ndarray], temperatures: Sequence[float]) -> list[Check]:
+    """Per temperature: the stored (or derived) FP64 column vs numpy's softmax of the stored logits."""
+    table = _table(table_path)
     out = []
     for t in temperatures:
         col, worst, sums = probs.prob_column(t), (0.0, ""), []
@@ -67,9 +74,9 @@ def fp32_sums(rows: dict[int, np.ndarray], temperatures: Sequence[float], tol32:
     return out
 
 
-def table_columns(table_path: Path, rows: dict[int, np.ndarray]) -> list[Check]:
+def table_columns(table_path: Path | pa.Table, rows: dict[int, np.ndarray]) -> list[Check]:
     """The stored ids and logits are logits.parquet's; the stored ranks are pyarrow's."""
-    table = read_parquet(table_path, columns=["position", "token_id", "logit", "rank"])
+    table = _table(table_path, ["position", "token_id", "logit", "rank"])
     cells, ranked, where = 0, 0, {"cells": "", "ranks": ""}
     for pos, row in rows.items():
         part = _position(table, pos)
@@ -91,8 +98,8 @@ def table_columns(table_path: Path, rows: dict[int, np.ndarray]) -> list[Check]:
 
 
 # ---------------------------------------------------------------- filtered.parquet
-def _kept_sets(filtered_path: Path) -> dict[tuple[int, str], dict[str, np.ndarray]]:
-    t = read_parquet(filtered_path)
+def _kept_sets(filtered_path: Path | pa.Table) -> dict[tuple[int, str], dict[str, np.ndarray]]:
+    t = _table(filtered_path)
     out = {}
     for key in sorted({(p, f) for p, f in zip(t["position"].to_pylist(), t["filter"].to_pylist())}):
         part = t.filter(pc.and_(pc.equal(t["position"], key[0]), pc.equal(t["filter"], key[1])))
@@ -100,7 +107,7 @@ def _kept_sets(filtered_path: Path) -> dict[tuple[int, str], dict[str, np.ndarra
     return out
 
 
-def filtered(filtered_path: Path, rows: dict[int, np.ndarray], named: list[probs.NamedFilter],
+def filtered(filtered_path: Path | pa.Table, rows: dict[int, np.ndarray], named: list[probs.NamedFilter],
              warpers_for: Callable[[probs.NamedFilter], Callable]) -> list[Check]:
     """Each stored kept set vs numpy's rule and vs generate's warpers; its rows vs the config,
     logits.parquet and numpy's order; its probabilities vs numpy FP64. `warpers_for(filter)`:

@@ -13,25 +13,18 @@ import math
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model.decode import generate_reference
 from pipeline.model.trajectories import branch_settings
 from pipeline.numerics.repetition import has_no_loop, is_loop
+from pipeline.store import logits_io
 
 
 def step_logit_rows(path: Path) -> dict[tuple[str, bool, int], np.ndarray]:
-    """(branch, kv_cache, step) -> float32 logits row; one row group per step, as written."""
-    out, pf = {}, pq.ParquetFile(path)
-    for g in range(pf.num_row_groups):
-        t = pf.read_row_group(g, columns=["branch", "kv_cache", "step", "token_id", "logit"])
-        ids = t["token_id"].to_numpy()
-        row = np.full(int(ids.max()) + 1, np.nan, np.float32)     # an id missing stays NaN
-        row[ids] = t["logit"].to_numpy()
-        out[(t["branch"][0].as_py(), t["kv_cache"][0].as_py(), t["step"][0].as_py())] = row
-    return out
+    """(branch, kv_cache, step) -> float32 logits row (`logits_io.read_step_logits`: XOR-decoded, widened)."""
+    return {(k["branch"], k["kv_cache"], k["step"]): row for k, _, row in logits_io.read_step_logits(path)}
 
 
 def _run_name(branch: str, kv: bool) -> str:

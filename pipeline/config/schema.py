@@ -281,6 +281,10 @@ class ProbsConfig(Section):
     fp64_sum_tolerance: float = Field(ge=0.0)
     top_n: Count
     extra_filters: items(FilterConfig, "a list of {name, temperature, top_k, top_p}", 0)
+    # table.parquet and filtered.parquet: `stored` writes them; `derived` does not (every reader re-derives
+    # them bit for bit from logits.parquet with the stage's own functions, `probs.read_table`); `auto`: stored
+    # for a run of one prompt, derived for a set (issue 29: a set's disk per prompt)
+    table: Literal["auto", "stored", "derived"] = "auto"
 
 
 class SamplingConfig(Filter):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from pipeline.config import prompt_set
@@ -27,7 +26,7 @@ from pipeline.equivalence import variations as v
 from pipeline.errors import bad_value
 from pipeline.model import capture, loader
 from pipeline.numerics import compare
-from pipeline.store import paths, provenance, variant_logits
+from pipeline.store import logits_io, paths, provenance, variant_logits
 from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
 from pipeline.tools import divergence
 
@@ -87,12 +86,8 @@ def step_runs(steps_path: Path, step_logits_path: Path) -> dict[tuple[str, bool]
     tokens = {(r["branch"], r["kv_cache"], r["step"]): r["token_id"]
               for r in read_parquet(steps_path, columns=["branch", "kv_cache", "step", "token_id"]).to_pylist()}
     out: dict = {}
-    pf = pq.ParquetFile(step_logits_path)
-    for g in range(pf.num_row_groups):
-        t = pf.read_row_group(g, columns=["branch", "kv_cache", "step", "token_id", "logit"])
-        key = (t["branch"][0].as_py(), t["kv_cache"][0].as_py(), t["step"][0].as_py())
-        logits = np.empty(len(t), np.float32)
-        logits[t["token_id"].to_numpy()] = t["logit"].to_numpy()
+    for k, _, logits in logits_io.read_step_logits(step_logits_path):
+        key = (k["branch"], k["kv_cache"], k["step"])
         out.setdefault(key[:2], []).append((key[2], tokens[key], logits))
     return {k: sorted(rows, key=lambda r: r[0]) for k, rows in out.items()}
 

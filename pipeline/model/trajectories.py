@@ -44,7 +44,7 @@ PROMPT_METRICS_SCHEMA = pa.schema([
 ])
 NGRAMS = (1, 2, 3)
 TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metrics (`dvc exp show`)
-STEP_LOGITS_KEYS = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
+STEP_LOGITS_KEYS = logits_io.STEP_KEY_SCHEMA
 
 
 def branch_settings(branch: str, sampling: SamplingConfig) -> SamplingSettings:
@@ -236,8 +236,7 @@ class TrajectoriesWork:
         out.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
                           compression="zstd")
         rows, keys = step_logit_rows(runs)
-        logits_io.write_logits(out.out(paths.STEP_LOGITS[1], pid), rows, out.parquet_metadata(),
-                               extra_schema=STEP_LOGITS_KEYS, extra_values=keys)
+        logits_io.write_step_logits(out.out(paths.STEP_LOGITS[1], pid), rows, keys, out.parquet_metadata())
         summary_by_run = summary(runs, tokenizer)
         out.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
         return prompt_id, summary_by_run

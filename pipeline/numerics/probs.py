@@ -29,7 +29,7 @@ from pipeline.numerics.sampling import (
     ranks,
 )
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import StageRun, parquet_facts, read_json, read_parquet
+from pipeline.store.artifacts import StageRun, Writer, parquet_facts, read_json, read_parquet, tables_stored
 
 
 def prob_column(t: float) -> str:
@@ -106,6 +106,83 @@ def position_table(position: int, row: np.ndarray, temperatures: tuple[float, ..
     }
     cols.update({prob_column(t): pa.array(tables[t].p64) for t in temperatures})
     return pa.table(cols), tables
+
+
+# ---------------------------------------------------------------- table.parquet: stored or derived
+def table_mode(probs_cfg: ProbsConfig, n_prompts: int) -> str:
+    """`stored` or `derived`: `probs.table` resolved for a run of `n_prompts` prompts (`auto`: stored for
+    one prompt, derived for a set). The probs manifest's `facts.table` records it."""
+    if probs_cfg.table != "auto":
+        return probs_cfg.table
+    return "stored" if n_prompts == 1 else "derived"
+
+
+DERIVABLE = (paths.TABLE, paths.FILTERED)    # the full-vocabulary files `probs.table` stores or derives
+
+
+def derive_table(logits_path: Path, positions: list[int], temperatures: list[float] | tuple[float, ...]) -> pa.Table:
+    """table.parquet of one prompt, from its logits.parquet, by the stage's own `position_table` (the
+    positions ascending, as `build` tabulates them): what a reader of a run with `probs.table=derived`
+    gets in place of the file, bit for bit the table the stage would have stored."""
+    return pa.concat_tables([position_table(pos, logits_io.read_position(logits_path, pos), tuple(temperatures))[0]
+                             for pos in sorted(positions)])
+
+
+def derive_filtered(logits_path: Path, positions: list[int], named: list[NamedFilter]) -> pa.Table:
+    """filtered.parquet of one prompt, from its logits.parquet, by the stage's own `add_filtered`: what a
+    reader of a run with `probs.table=derived` gets in place of the file, bit for bit."""
+    kept: dict[str, list] = {n: [] for n in FILTERED_SCHEMA.names}
+    for pos in sorted(positions):
+        add_filtered(pos, logits_io.read_position(logits_path, pos), named, kept, [])
+    return pa.table(kept, schema=FILTERED_SCHEMA)
+
+
+def config_filters(config: dict) -> list[NamedFilter]:
+    """`filters` of a probs manifest's config (its `probs` section and sampling temperature / top_k / top_p)."""
+    s = config["sampling"]
+    return [NamedFilter("sampling", SamplingSettings(s["temperature"], s["top_k"], s["top_p"]))] + \
+        [NamedFilter(f["name"], SamplingSettings(f["temperature"], f["top_k"], f["top_p"]))
+         for f in config["probs"]["extra_filters"]]
+
+
+table_is_stored = tables_stored      # whether a probs manifest's stage wrote table.parquet and filtered.parquet
+
+
+def read_table(find, prompt_id: str, manifest: dict, item: tuple[str, str] = paths.TABLE) -> pa.Table:
+    """One prompt's table.parquet (or `item=paths.FILTERED`, filtered.parquet) as a table, stored or
+    derived (`manifest`: the probs stage's). `find(item, prompt_id)` gives a file's path
+    (`paths.lookup(root)`, or `StageRun.use`, which records it as an input): the file itself, or the
+    logits.parquet and summary.json (its positions) it is derived from, with the manifest's temperatures
+    and filters."""
+    if item not in DERIVABLE:
+        raise ValueError(f"{item[1]} is not one of the probs files a run may derive")
+    if table_is_stored(manifest):
+        return read_parquet(find(item, prompt_id))
+    positions = read_json(find(paths.PROBS_SUMMARY, prompt_id))["positions"]
+    if item == paths.FILTERED:
+        return derive_filtered(find(paths.LOGITS, prompt_id), positions, config_filters(manifest["config"]))
+    return derive_table(find(paths.LOGITS, prompt_id), positions, manifest["facts"]["temperatures"])
+
+
+def write_table(stage: Writer, outputs: dict, prompt_id: str, rows_per_position: int) -> None:
+    """table.parquet (one row group per position) and filtered.parquet into the prompt's partition, where
+    `build` made them (`probs.table` stored); derived ones are not written."""
+    if paths.TABLE in outputs:
+        stage.write_parquet(paths.TABLE[1], outputs[paths.TABLE], prompt_id=prompt_id, compression="zstd",
+                            row_group_size=rows_per_position)
+    if paths.FILTERED in outputs:
+        stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=prompt_id, compression="zstd")
+
+
+def add_filtered(position: int, row: np.ndarray, named: list[NamedFilter], kept: dict[str, list],
+                 entries: list[dict]) -> None:
+    """filtered.parquet's rows of every filter at one position, appended to `kept` (column -> values),
+    and each filter's summary.json entry to `entries`."""
+    for flt in named:
+        rows, entry = filtered_rows(position, row, flt)
+        for k, v in rows.items():
+            kept[k] += v
+        entries.append(entry)
 
 
 def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter) -> tuple[dict, dict]:
@@ -224,12 +301,13 @@ def prompt_id(tokenize_summary: Path) -> str:
 
 # ---------------------------------------------------------------- the stage's outputs
 def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig,
-          tokenize_summary: Path) -> tuple[dict[tuple[str, str], Any], dict]:
+          tokenize_summary: Path, kind: str = "stored") -> tuple[dict[tuple[str, str], Any], dict]:
     """Every output of the probs stage (artifact item -> table or JSON object) and its facts.
 
     One function for the stage and for `nexttoken audit`, which re-derives a past run's files
     with these same calls and compares them bit for bit. prompt_metrics.parquet takes the
-    prompt's id from its tokenize.json (`tokenize_summary`).
+    prompt's id from its tokenize.json (`tokenize_summary`). `kind` (of table.parquet, `table_mode`): `derived`
+    leaves table.parquet out of the outputs (readers re-derive it: `read_table`).
     """
     named = filters(probs_cfg, sampling_cfg)
     facts = parquet_facts(logits_path)
@@ -253,15 +331,11 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
         tables.append(table)
         summary["temperatures"] += temperature_summary(
             pos, row, by_t, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance, probs_cfg.fp64_sum_tolerance, vocab)
-        for flt in named:
-            rows, entry = filtered_rows(pos, row, flt)
-            for k, v in rows.items():
-                kept[k] += v
-            summary["filters"].append(entry)
+        add_filtered(pos, row, named, kept, summary["filters"])
     last = positions[-1]
     sampling_filter = next(f for f in summary["filters"] if f["position"] == last and f["filter"] == "sampling")
-    outputs = {paths.TABLE: pa.concat_tables(tables),
-               paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA),
+    outputs = {**({paths.TABLE: pa.concat_tables(tables)} if kind == "stored" else {}),
+               **({paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA)} if kind == "stored" else {}),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
                paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
     # this prompt as a set of one: its set keys (a set's: `record`)
@@ -270,7 +344,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
         probs_cfg.temperatures, named, vocab)
     outputs[paths.PROBS_METRICS] = run_metrics([outputs[paths.PROBS_METRICS]])
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
-                     "temperatures": list(probs_cfg.temperatures),
+                     "temperatures": list(probs_cfg.temperatures), "table": kind,
                      "logits_content_sha256": facts.get("logits_content_sha256")}
 
 
@@ -280,7 +354,8 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
     from pipeline.executor import run as ex
     stage.use(paths.VOCAB)
     pids = stage.prompt_ids(paths.LOGITS)
-    done = ex.run_prompts(stage, ProbsWork(probs_cfg, sampling_cfg), pids, executor or ex.SERIAL)
+    table = table_mode(probs_cfg, len(pids))          # stored or derived (probs.table)
+    done = ex.run_prompts(stage, ProbsWork(probs_cfg, sampling_cfg, table), pids, executor or ex.SERIAL)
     per_prompt, figures = [table for table, _ in done], [f for _, f in done]
     # set-level: the last prompt's sweep figures, then the set's aggregates over every prompt's figures
     stage.write_json(paths.PROBS_METRICS[1], run_metrics(figures))
@@ -292,6 +367,7 @@ class ProbsWork:
     """One prompt's tables (`pipeline.executor.PromptWork`) -> (its prompt_metrics rows, its sweep figures)."""
     probs_cfg: ProbsConfig
     sampling_cfg: SamplingConfig
+    table: str                      # `table_mode`: stored or derived
     stage: str = "probs"
 
     def setup(self) -> None:
@@ -299,12 +375,10 @@ class ProbsWork:
 
     def run(self, out, pid: str) -> tuple[pa.Table, dict]:
         outputs, facts = build(out.use(paths.LOGITS, pid), out.use(paths.VOCAB), self.probs_cfg, self.sampling_cfg,
-                               out.use(paths.TOKENIZE_SUMMARY, pid))
+                               out.use(paths.TOKENIZE_SUMMARY, pid), self.table)
         out.model = facts["model"]
-        out.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256")}
-        out.write_parquet(paths.TABLE[1], outputs[paths.TABLE], prompt_id=pid, compression="zstd",
-                          row_group_size=facts["rows_per_position"])      # one row group per position
-        out.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=pid, compression="zstd")
+        out.facts = {k: facts[k] for k in ("positions", "temperatures", "logits_content_sha256", "table")}
+        write_table(out, outputs, pid, facts["rows_per_position"])      # table.parquet, filtered.parquet
         out.write_json(paths.PROBS_SUMMARY[1], outputs[paths.PROBS_SUMMARY], prompt_id=pid)
         return outputs[paths.PROBS_PROMPT_METRICS], outputs[paths.PROBS_METRICS]
 

@@ -25,6 +25,11 @@ Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records a
 UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
 EXCERPT = 40                     # characters of a prompt's text or a continuation shown in the overview
 GREEDY, SAMPLE = "greedy", "sample"
+# A set of more prompts than this gets their distribution (quantiles, counts), not one line each (issue 29):
+# a report of 10,000 prompts stays a page; the per-prompt rows are the prompt_metrics tables it cites.
+PER_PROMPT_MAX = 50
+QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+FAILING_SHOWN = 10               # prompts with a failing check named in a large set's overview
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,13 @@ def run_row(runs: list[dict], prompt_id: str, branch: str) -> dict | None:
     return mine[0] if mine else None
 
 
+def _runs_by_prompt(runs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(r["prompt_id"], []).append(r)
+    return out
+
+
 def check_counts(checks: list[dict] | None, ids: list[str]) -> dict[str, tuple[int, int]] | None:
     """Per prompt (pass, fail) counts of its checks. Rows of no prompt of the run (null or "": checks over the
     whole run) count for none. None when there are no checks, or none of them is a prompt's."""
@@ -111,12 +123,17 @@ def rows(s: SetInputs) -> list[dict]:
     t = shown_temperature(temps) if temps else None
     nucleus = nucleus_filter(s.filters(), set(s.probs[0]) if s.probs else set())
     counts = check_counts(s.checks, s.ids)
+    at_t = {}                                   # indexed once: a set of 10,000 prompts is one pass
+    for r in s.probs or []:
+        if r["temperature"] == t:
+            at_t.setdefault(r["prompt_id"], r)
+    runs = _runs_by_prompt(s.runs or [])
     out = []
     for p in s.ids:
         tok = s.tokenize[p]
-        nt = next((r for r in s.probs or [] if r["prompt_id"] == p and r["temperature"] == t), None)
-        greedy = run_row(s.runs or [], p, GREEDY)
-        sample = run_row(s.runs or [], p, SAMPLE)
+        nt = at_t.get(p)
+        greedy = run_row(runs.get(p, []), p, GREEDY)
+        sample = run_row(runs.get(p, []), p, SAMPLE)
         out.append({
             "prompt_id": p, "text": tok["prompt"], "n_tokens": tok["n_tokens"], "temperature": t,
             "top1_id": nt and nt["top1_id"], "top1_text": nt and nt["top1_text"],
@@ -146,9 +163,72 @@ def loop_rates(runs: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- Markdown
+def quantiles(values: list[float]) -> list[float]:
+    """QUANTILES of `values` (numpy's linear interpolation); [] for none."""
+    import numpy as np
+    return [float(q) for q in np.quantile(np.asarray(values, np.float64), QUANTILES)] if values else []
+
+
+def distribution(rs: list[dict]) -> list[tuple[str, list[float], str]]:
+    """(quantity, its values across prompts, how a value is shown) for the figures of `rows`."""
+    def col(key: str) -> list[float]:
+        return [float(r[key]) for r in rs if r[key] is not None]
+    diverged = [float(r["diverge"]) for r in rs if r["diverge"]]             # 0 (never) and null left out
+    return [("tokens", col("n_tokens"), "g"), ("p(top-1)", col("top1_prob"), "p"),
+            ("entropy (nats)", col("entropy"), ".4f"), ("nucleus kept", col("nucleus"), "g"),
+            ("sample leaves greedy at step (runs that leave)", diverged, "g")]
+
+
+def _shown(v: float, how: str) -> str:
+    return prob(v) if how == "p" else f"{v:{how}}"
+
+
+def distribution_section(s: SetInputs, rs: list[dict], chosen: str) -> list[str]:
+    """A large set's overview: quantiles of each per-prompt figure and counts, instead of one line each."""
+    t, nucleus = rs[0]["temperature"], rs[0]["nucleus_filter"]
+    head = ["across prompts", "prompts", *(f"{q:.0%}" if 0 < q < 1 else ("min" if q == 0 else "max")
+                                          for q in QUANTILES)]
+    cells = []
+    for label, values, how in distribution(rs):
+        label = label.replace("nucleus", f"{nucleus}" if nucleus else "top-p")
+        if label.startswith(("p(top-1)", "entropy")) and t is not None:
+            label += f" at T = {t:g}"
+        cells.append([label, len(values), *([_shown(q, how) for q in quantiles(values)] or ["-"] * len(QUANTILES))])
+    greedy = [r for r in rs if r["greedy_loop"] is not None]
+    loops = sum(1 for r in greedy if r["greedy_loop"])
+    sample = [r for r in rs if r["diverge"] is not None]
+    left = sum(1 for r in sample if r["diverge"])
+    failing = [r["prompt_id"] for r in rs if r["checks"] is not None and r["checks"][1]]
+    counted = [r for r in rs if r["checks"] is not None]
+
+    def share(k: int, n: int) -> str:
+        return f"{k} of {n} ({k / n:.1%})" if n else "-"
+    counts = [["greedy run ends in a loop", share(loops, len(greedy))],
+              ["sample run leaves the greedy run", share(left, len(sample))],
+              ["prompts with a failing check", share(len(failing), len(counted)) if s.checks is not None else "-"]]
+    if failing:
+        more = f", and {len(failing) - FAILING_SHOWN} more" if len(failing) > FAILING_SHOWN else ""
+        counts.append(["first failing prompts", ", ".join(name(p) for p in failing[:FAILING_SHOWN]) + more])
+    counts.append(["detail below", name(chosen) + " (`report.prompt_id`)"])
+    every = paths.dataset(paths.TOKENIZE_SUMMARY) / f"{paths.PARTITION_KEY}=*" / paths.TOKENIZE_SUMMARY[1]
+    sources = [every.as_posix(), src(paths.PROBS_PROMPT_METRICS),
+               src(paths.TRAJECTORY_PROMPT_METRICS)] + ([src(paths.CHECKS)] if s.checks is not None else [])
+    intro = (f"{len(rs)} prompts: more than {PER_PROMPT_MAX}, so their distribution rather than one line each (every "
+             "prompt's row is in the prompt_metrics tables cited). ")
+    if t is not None:
+        intro += f"The next token (last prompt position) at T = {t:g}"
+        intro += f"; the nucleus: the ids `{nucleus}` (top_k off, top_p < 1) keeps at that T. " if nucleus else ". "
+    intro += "Quantiles by linear interpolation; greedy and sample runs without the KV cache where recorded."
+    return [intro, ""] + table(head, cells, sources) + table(["count", "prompts"], counts, sources)
+
+
 def section(s: SetInputs, chosen: str, figures: list[list[str]]) -> list[str]:
-    """The overview: a table with one line per prompt, then the figures across prompts."""
+    """The overview: a table with one line per prompt (their distribution for more than PER_PROMPT_MAX
+    prompts), then the figures across prompts."""
     rs = rows(s)
+    if len(rs) > PER_PROMPT_MAX:
+        return [f"## Prompts of this run ({len(rs)})", ""] + distribution_section(s, rs, chosen) + \
+            [line for f in figures for line in f]
     t, nucleus = rs[0]["temperature"], rs[0]["nucleus_filter"]
     head = ["prompt", "text", "tokens", f"top-1 at T = {t:g}" if t is not None else "top-1", "p(top-1)",
             "entropy (nats)", f"{nucleus} kept" if nucleus else "top-p kept", "greedy continuation", "greedy loop",

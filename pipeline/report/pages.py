@@ -13,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 
 from pipeline.model.names import act_name
 from pipeline.report import equivalence, explorer, overview
-from pipeline.report.render import Inputs
+from pipeline.report.render import Inputs, filtered_rows
 from pipeline.store import logits_io, paths, safetensors_io, variant_logits
-from pipeline.store.artifacts import read_parquet
+from pipeline.store.artifacts import read_parquet, tables_stored
 
 MAX_PAGES = 32      # pages a set gets; the overview in report.md covers every prompt
 
@@ -30,8 +31,12 @@ def file_names(ids: list[str], chosen: str) -> dict[str, str]:
 
 
 def _kept(use: overview.Use, inp: Inputs) -> dict[str, np.ndarray]:
-    rows = read_parquet(use(paths.FILTERED, inp.prompt_id), columns=["position", "filter", "token_id"],
-                        filters=[("position", "=", inp.position)])
+    if tables_stored(inp.manifests.get("probs", {})):
+        rows = read_parquet(use(paths.FILTERED, inp.prompt_id), columns=["position", "filter", "token_id"],
+                            filters=[("position", "=", inp.position)])
+    else:       # a derived filtered.parquet (`probs.table`)
+        rows = filtered_rows(use, inp.prompt_id, inp.manifests)
+        rows = rows.filter(pc.field("position") == inp.position)
     names, ids = rows["filter"].to_numpy(zero_copy_only=False), rows["token_id"].to_numpy()
     return {name: ids[names == name] for name in dict.fromkeys(names.tolist())}
 

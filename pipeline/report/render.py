@@ -25,7 +25,7 @@ from pipeline.report import overview, plots
 from pipeline.report.markdown import code, exact, figure, name, prob, src, table, yes
 from pipeline.report.plots import Figure, Fonts
 from pipeline.store import logits_io, paths, safetensors_io
-from pipeline.store.artifacts import read_json, read_parquet
+from pipeline.store.artifacts import read_json, read_parquet, tables_stored
 
 Use = overview.Use
 N_COORDS = 4                    # the article prints the first 4 coordinates
@@ -93,6 +93,13 @@ def _first_coords(path: Path) -> tuple[dict[str, np.ndarray], tuple[list[int], s
     return coords, (list(ids.shape), ids.dtype)
 
 
+def filtered_rows(use: Use, prompt_id: str, manifests: dict[str, dict]):
+    """filtered.parquet of a run whose probs stage derived it (`probs.table`): re-derived from logits.parquet
+    by the stage's own function (`probs.read_table`; torch, imported only here)."""
+    from pipeline.numerics import probs
+    return probs.read_table(use, prompt_id, manifests["probs"], paths.FILTERED)
+
+
 def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.SetInputs | None = None) -> Inputs:
     """Read every artifact the report needs, the per-prompt ones from `prompt_id`'s partitions, the run-level
     ones from `prompts` (`overview.load`; read here for this prompt alone when not given); `checks` is
@@ -117,7 +124,9 @@ def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.Set
         tokens=read_parquet(use(paths.TOKENS, prompt_id)).to_pylist(),
         facts=facts, input_ids=input_ids, coords=coords, position=position,
         logits=logits_io.read_position(use(paths.LOGITS, prompt_id), position), summary=summary,
-        kept_top=read_parquet(use(paths.FILTERED, prompt_id), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
+        kept_top=[r for r in filtered_rows(use, prompt_id, manifests).to_pylist()
+                  if r["kept_rank"] <= top_n] if not tables_stored(manifests.get("probs", {})) else
+        read_parquet(use(paths.FILTERED, prompt_id), filters=[("kept_rank", "<=", top_n)]).to_pylist(),
         steps=read_parquet(use(paths.STEPS, prompt_id)).to_pylist(),
         trajectories=read_json(use(paths.TRAJECTORIES, prompt_id)),
         prompt_metrics=own(prompts.runs), checks=checks, probs_prompt_metrics=metrics, vocab={},

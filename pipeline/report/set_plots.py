@@ -31,7 +31,7 @@ def _strip(ax, groups: list[tuple[float, list[tuple[str, float]]]], log: bool) -
     spread = dict(zip(ids, np.linspace(-0.18, 0.18, len(ids)) if len(ids) > 1 else [0.0]))
     ax.boxplot([[v for _, v in vals] for _, vals in groups], positions=x, widths=0.5, showfliers=False,
                medianprops={"color": "tab:red"})
-    for p in ids:
+    for p in ids if len(ids) <= overview.PER_PROMPT_MAX else []:      # a large set: the boxes alone
         pts = [(k + spread[p], dict(vals)[p]) for k, (_, vals) in enumerate(groups) if p in dict(vals)]
         ax.plot([a for a, _ in pts], [b for _, b in pts], "-", color="gray", alpha=0.35, lw=0.8)
         ax.plot([a for a, _ in pts], [b for _, b in pts], "o", color="tab:blue", ms=3.5, alpha=0.8)
@@ -59,7 +59,9 @@ def nucleus(out: Callable[[str], Path], s: overview.SetInputs, filter_name: str,
         save(fig, out("plots/set_nucleus.png"))
     return Figure("set_nucleus", "plots/set_nucleus.png", "plots/set_nucleus.csv",
                   f"How many ids `{filter_name}` keeps at each temperature, one dot per prompt (a gray line joins "
-                  f"a prompt's dots), with the quartiles across prompts.")
+                  f"a prompt's dots), with the quartiles across prompts." if len(s.ids) <= overview.PER_PROMPT_MAX else
+                  f"How many ids `{filter_name}` keeps at each temperature: the quartiles across the "
+                  f"{len(s.ids)} prompts (whiskers 1.5 IQR).")
 
 
 def next_token(out: Callable[[str], Path], s: overview.SetInputs, t: float, font: Fonts) -> Figure:
@@ -70,7 +72,8 @@ def next_token(out: Callable[[str], Path], s: overview.SetInputs, t: float, font
     top1 = top1_at[t]
     write_csv(out("plots/set_next_token.csv"), ["temperature", "prompt_id", "entropy_nats", "top1_prob"],
                [[float(temp), p, float(h), float(top1_at[temp][p])] for temp, vals in entropy for p, h in vals])
-    labels = [prompt_label(p, s.tokenize[p]["prompt"], font) for p in s.ids if p in top1]
+    large = len(s.ids) > overview.PER_PROMPT_MAX      # a histogram, not a bar per prompt
+    labels = [] if large else [prompt_label(p, s.tokenize[p]["prompt"], font) for p in s.ids if p in top1]
     with matplotlib.rc_context(rc(font)):
         fig = new_figure()
         fig.set_size_inches(11.0, max(5.0, 1.5 + 0.28 * len(labels)))
@@ -78,17 +81,24 @@ def next_token(out: Callable[[str], Path], s: overview.SetInputs, t: float, font
         _strip(left, entropy, log=False)
         left.set_ylabel("entropy (nats)")
         left.set_title("Entropy of the next token")
-        y = np.arange(len(labels))[::-1]
-        right.barh(y, [top1[p] for p in s.ids if p in top1], color="tab:purple", height=0.7)
-        right.set_yticks(y, labels, fontsize=8)
+        if large:
+            right.hist(list(top1.values()), bins=np.linspace(0, 1, 41), color="tab:purple")
+            right.set_ylabel("prompts")
+            right.set_title(f"Top-1 probability across {len(top1)} prompts")
+        else:
+            y = np.arange(len(labels))[::-1]
+            right.barh(y, [top1[p] for p in s.ids if p in top1], color="tab:purple", height=0.7)
+            right.set_yticks(y, labels, fontsize=8)
+            right.set_title("Top-1 probability per prompt")
         right.set_xlim(0, 1)
         right.set_xlabel(f"probability of the top-1 id at T = {t:g}")
-        right.set_title("Top-1 probability per prompt")
         right.grid(axis="x", alpha=0.3)
         save(fig, out("plots/set_next_token.png"))
+    right_panel = f"the top-1 probability at T = {t:g} across the prompts, a histogram in 40 bins" if large else \
+        f"each prompt's top-1 probability at T = {t:g}, labelled with its id and first words"
     return Figure("set_next_token", "plots/set_next_token.png", "plots/set_next_token.csv",
-                  f"Left: the entropy of each prompt's next-token distribution per temperature. Right: each prompt's "
-                  f"top-1 probability at T = {t:g}, labelled with its id and first words.")
+                  f"Left: the entropy of each prompt's next-token distribution per temperature. Right: "
+                  f"{right_panel}.")
 
 
 def loops(out: Callable[[str], Path], s: overview.SetInputs, font: Fonts) -> Figure:

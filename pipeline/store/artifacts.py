@@ -456,6 +456,12 @@ def read_safetensors(path: Path) -> dict:
         raise UserError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
+def tables_stored(probs_manifest: dict[str, Any]) -> bool:
+    """Whether the probs stage of this manifest wrote table.parquet and filtered.parquet (`facts.table`:
+    `probs.table` resolved), or readers re-derive them from logits.parquet (`probs.read_table`)."""
+    return (probs_manifest.get("facts") or {}).get("table", "stored") != "derived"
+
+
 def read_manifest(stage: str, root: Path | str = ".") -> dict[str, Any]:
     """A stage's manifest.json, refused in one line unless it is a manifest of this code's format
     (`provenance.FORMAT_VERSION`): every reader of a run's files reads it through here first."""

@@ -27,6 +27,7 @@ parallel into one preallocated array, positions from the statistics.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -194,4 +195,139 @@ def positions_in(path: Path) -> list[int]:
     for rg in range(md.num_row_groups):
         stats = md.row_group(rg).column(idx).statistics
         out.append(int(stats.min))
+    return out
+
+
+# ---------------------------------------------------------------- step logits (trajectories)
+# step_logits.parquet: one row (and row group) per decoding step, the whole logits row in the model's
+# own dtype as one value. Columns: branch, kv_cache, step (the keys), position (the row's prompt + new-token
+# position, prefix_len - 1), `base` (the file row this one is XORed with, -1 for none) and `bits`: the row's
+# raw bits (bf16 / fp16: 2 bytes per id, float32: 4), XORed with the base row's raw bits, written byte
+# plane by byte plane (every id's first byte, then every second byte, ...), zstd. A row bit-identical to
+# its base (a KV-cache step equal to the full prefix's, a branch before it leaves the other) is all zero
+# bytes, which zstd stores in a few hundred. Lossless: `read_step_logits` gives the float32 values the
+# long layout of logits.parquet would hold (every bf16 and fp16 value is exact in float32).
+STEP_META_KEY = b"nexttoken.step_logits"
+STEP_KEY_SCHEMA = [("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32())]
+_STEP_DTYPES = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}
+STEP_ZSTD_LEVEL = 1        # level 9 is no smaller on bf16 logits, 3.5x slower: docs/cost_and_scale.md
+
+
+def _raw_bits(row) -> tuple[str, np.ndarray]:
+    """(dtype name, the row's raw bits as unsigned integers): a torch row in its own dtype, or a numpy one."""
+    if isinstance(row, np.ndarray):
+        kinds = {np.dtype(np.float32): ("F32", np.uint32), np.dtype(np.float16): ("F16", np.uint16)}
+        if row.dtype not in kinds:
+            raise TypeError(f"a step logits row of numpy dtype {row.dtype}: float32 or float16")
+        name, bits = kinds[row.dtype]
+        return name, np.ascontiguousarray(row).view(bits)
+    import torch
+    row = row.detach().cpu().contiguous()
+    names = {torch.bfloat16: ("BF16", torch.int16), torch.float16: ("F16", torch.int16),
+             torch.float32: ("F32", torch.int32)}
+    if row.dtype not in names:
+        raise TypeError(f"a step logits row of torch dtype {row.dtype}: bfloat16, float16 or float32")
+    name, signed = names[row.dtype]
+    return name, row.view(signed).numpy().view(_STEP_DTYPES[name])
+
+
+def _planes(bits: np.ndarray) -> bytes:
+    """The bytes of `bits`, plane by plane: byte 0 of every value, then byte 1, ..."""
+    return bits.view(np.uint8).reshape(bits.size, bits.itemsize).T.tobytes()
+
+
+def _unplanes(data: bytes, dtype, n: int) -> np.ndarray:
+    width = np.dtype(dtype).itemsize
+    return np.frombuffer(data, np.uint8).reshape(width, n).T.copy().view(dtype).reshape(n)
+
+
+def choose_base(bits: np.ndarray, candidates: list[tuple[int, np.ndarray]]) -> int:
+    """The earlier row (file index) to XOR `bits` with: the candidate sharing the most values, when it
+    shares at least half of them; -1 (stored as it is) otherwise."""
+    best, best_same = -1, bits.size // 2
+    for index, other in candidates:
+        same = int(np.count_nonzero(bits == other))
+        if same > best_same:
+            best, best_same = index, same
+    return best
+
+
+def write_step_logits(path: Path, rows: Iterable[tuple[int, object]], keys: Iterable[dict],
+                      metadata: dict[bytes, bytes], compression_level: int = STEP_ZSTD_LEVEL) -> int:
+    """Stream (position, logits row [V]) pairs with their {branch, kv_cache, step} keys to `path` in the
+    step layout above; returns the number of rows. Each row's base is an earlier row of the same
+    position (`choose_base`): the KV-cache and full-prefix runs of a step, and the branches while they
+    share a prefix, are the same computation on the same ids."""
+    keys, written, by_position, writer, dtype, size = iter(keys), 0, {}, None, None, None
+    try:
+        for position, row in rows:
+            name, bits = _raw_bits(row)
+            if writer is None:
+                dtype, size = name, bits.size
+                schema = pa.schema([*(pa.field(n, t, nullable=False) for n, t in STEP_KEY_SCHEMA),
+                                    pa.field("position", pa.int32(), nullable=False),
+                                    pa.field("base", pa.int32(), nullable=False),
+                                    pa.field("bits", pa.binary(bits.nbytes), nullable=False)])
+                meta = {**metadata, STEP_META_KEY: json.dumps({"dtype": name, "size": size}).encode()}
+                schema = schema.with_metadata(meta)
+                writer = pq.ParquetWriter(path, schema, compression="zstd", compression_level=compression_level,
+                                          use_dictionary=False, write_statistics=["branch", "kv_cache", "step"])
+            if (name, bits.size) != (dtype, size):
+                raise ValueError(f"step logits rows differ in dtype or size: {name}[{bits.size}] after {dtype}[{size}]")
+            same_position = by_position.setdefault(int(position), [])
+            base = choose_base(bits, same_position)
+            stored = bits if base < 0 else bits ^ next(b for i, b in same_position if i == base)
+            key = next(keys)
+            table = pa.Table.from_pydict(
+                {"branch": [key["branch"]], "kv_cache": [key["kv_cache"]], "step": [key["step"]],
+                 "position": [int(position)], "base": [base],
+                 "bits": pa.array([_planes(stored)], pa.binary(bits.nbytes))}, schema=writer.schema)
+            writer.write_table(table, row_group_size=1)
+            same_position.append((written, bits))
+            written += 1
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:      # no step at all (max_new_tokens=0): an empty file of the layout, bf16 by default
+        schema = pa.schema([*(pa.field(n, t, nullable=False) for n, t in STEP_KEY_SCHEMA),
+                            pa.field("position", pa.int32(), nullable=False),
+                            pa.field("base", pa.int32(), nullable=False),
+                            pa.field("bits", pa.binary(2), nullable=False)])     # Parquet has no width 0
+        meta = {**metadata, STEP_META_KEY: json.dumps({"dtype": "BF16", "size": 0}).encode()}
+        pq.write_table(schema.empty_table().replace_schema_metadata(meta), path, compression="zstd")
+    return written
+
+
+def step_layout(path: Path) -> dict:
+    """{"dtype", "size"} of a step logits file (its schema metadata); refused when it is not one."""
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{path} is not a readable step logits file (truncated or corrupt?): {e}") from None
+    if STEP_META_KEY not in meta:
+        raise UserError(f"{path} is not a step logits file written by write_step_logits (no "
+                        f"{STEP_META_KEY.decode()} metadata)")
+    return json.loads(meta[STEP_META_KEY])
+
+
+def read_step_logits(path: Path) -> list[tuple[dict, int, np.ndarray]]:
+    """Every row of a step logits file in file order: ({branch, kv_cache, step}, position, float32 logits
+    [V]), each row XOR-decoded against its base and widened exactly (bf16: a 16-bit shift)."""
+    layout = step_layout(path)
+    dtype, size = _STEP_DTYPES[layout["dtype"]], int(layout["size"])
+    table = read_parquet(path)
+    raw: list[np.ndarray] = []
+    out = []
+    for i, rec in enumerate(table.to_pylist()):
+        bits = _unplanes(rec["bits"], dtype, size)
+        base = rec["base"]
+        if base >= 0:
+            if base >= i:
+                raise UserError(f"{path}: row {i} is XORed with row {base}, not an earlier one: corrupt")
+            bits ^= raw[base]
+        raw.append(bits)
+        values = safetensors_io.widen(bits, "BF16") if layout["dtype"] == "BF16" else \
+            bits.view(np.float16).astype(np.float32) if layout["dtype"] == "F16" else bits.view(np.float32).copy()
+        out.append(({"branch": rec["branch"], "kv_cache": rec["kv_cache"], "step": rec["step"]},
+                    rec["position"], values))
     return out

@@ -38,9 +38,10 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
     view, whose layout follows the code) is compared on the keys both layouts have."""
     recorded, items, per_prompt, figures, failed = {o["path"] for o in manifest["outputs"]}, [], [], [], False
     prompt_ids = paths.run_prompt_ids(root)
+    table = (manifest.get("facts") or {}).get("table", "stored")     # derived: no table / filtered file to compare
     for pid in prompt_ids:
         try:
-            derived = probs_outputs(root, params, pid)
+            derived = probs_outputs(root, params, pid, table)
         except Exception as e:   # tampered inputs can break a reader anywhere: that is a finding, named
             result.find("re-derive", f"probs could not be recomputed from "
                                      f"{_rel(paths.partition(paths.LOGITS, pid, root), root)}: {type(e).__name__}: {e}")
@@ -64,6 +65,14 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
                  recorded, result, False)
     result.notes.append(f"re-derived {', '.join(i[1] for i in items)} from {paths.LOGITS[1]} "
                         f"({len(prompt_ids)} prompt(s))")
+    if table == "derived":
+        for item in (paths.TABLE, paths.FILTERED):
+            stray = [pid for pid in prompt_ids if paths.partition(item, pid, root).exists()]
+            if stray:
+                result.find("re-derive", f"{item[1]} of {len(stray)} prompt(s) (first {stray[0]!r}) is on disk "
+                                         "though the probs manifest records it derived (probs.table)")
+        result.notes.append(f"{paths.TABLE[1]} and {paths.FILTERED[1]} are derived (probs.table): not stored, "
+                            f"every reader re-derives them from {paths.LOGITS[1]} by the stage's own functions")
 
 
 def rederive_trajectories(root: Path, manifest: dict, result: Findings, same_code: bool) -> None:
@@ -121,11 +130,12 @@ def _rel(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix()
 
 
-def probs_outputs(root: Path, params: dict, prompt_id: str) -> dict[tuple[str, str], Any]:
+def probs_outputs(root: Path, params: dict, prompt_id: str, table: str = "stored") -> dict[tuple[str, str], Any]:
     """One prompt's probs tables and JSON, recomputed by the stage's own function from its stored
-    logits, the run's vocab.parquet and the prompt's tokenize.json (what the stage read)."""
+    logits, the run's vocab.parquet and the prompt's tokenize.json (what the stage read); `table`: the
+    run's table mode (derived: no table.parquet among them)."""
     from pipeline.numerics import probs
     outputs, _ = probs.build(paths.partition(paths.LOGITS, prompt_id, root), paths.artifact(paths.VOCAB, root),
                              schema.load_section(params, "probs"), schema.load_section(params, "sampling"),
-                             paths.partition(paths.TOKENIZE_SUMMARY, prompt_id, root))
+                             paths.partition(paths.TOKENIZE_SUMMARY, prompt_id, root), table)
     return outputs

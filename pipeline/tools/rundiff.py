@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from pipeline.config import schema
 from pipeline.config.compose import diff_keys
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_json, read_safetensors
+from pipeline.store.artifacts import read_json, read_manifest, read_safetensors
 from pipeline.tools import prompt_tables, revisions
 from pipeline.tools.divergence import (
     capture_order,
@@ -151,6 +151,7 @@ class Alignment:
 
     def __init__(self, a: Path, b: Path, pa_: str | None, pb: str | None):
         self.files = (lambda item: paths.partition(item, pa_, a), lambda item: paths.partition(item, pb, b))
+        self.roots, self.prompts = (a, b), (pa_, pb)
         ia, ib = _token_ids(self.files[0]), _token_ids(self.files[1])
         self.same = ia == ib
         self.lengths = (len(ia or []), len(ib or []))
@@ -187,9 +188,10 @@ def _same_file(align: Alignment, item: tuple[str, str]) -> bool | None:
     return provenance.sha256_file(pa_) == provenance.sha256_file(pb)
 
 
-def _by_position(path: Path, column: str) -> dict[int, np.ndarray]:
+def _by_position(path: Path | pa.Table, column: str) -> dict[int, np.ndarray]:
     """position -> the column's values ordered by token id (files are sorted that way)."""
-    t = pq.read_table(path, columns=["position", "token_id", column])
+    t = path.select(["position", "token_id", column]) if isinstance(path, pa.Table) else \
+        pq.read_table(path, columns=["position", "token_id", column])
     pos, values = t["position"].to_numpy(), t[column].to_numpy().astype(np.float64)
     return {int(p): values[pos == p] for p in np.unique(pos)}
 
@@ -223,20 +225,36 @@ def logit_lines(align: Alignment) -> list[str]:
         ([f"    {only} position(s) only in B"] if only else [])
 
 
+def _tables(align: Alignment) -> tuple[Any, Any] | None:
+    """Each run's table.parquet: its path, or where the run derives it (`probs.table`), the table re-derived
+    from its logits.parquet (`probs.read_table`); None when a run has neither."""
+    out = []
+    for root, pid, file in zip(align.roots, align.prompts, align.files):
+        manifest = paths.manifest_path(paths.TABLE[0], root)
+        if file(paths.TABLE).exists() or not manifest.exists() or not file(paths.LOGITS).exists():
+            out.append(file(paths.TABLE) if file(paths.TABLE).exists() else None)
+            continue
+        from pipeline.numerics import probs  # torch: only to re-derive a table
+        record = read_manifest(paths.TABLE[0], root)
+        out.append(None if probs.table_is_stored(record) else probs.read_table(paths.lookup(root), pid, record))
+    return None if None in out else (out[0], out[1])
+
+
 def probability_lines(align: Alignment) -> list[str]:
-    fa, fb = align.files
-    same = _same_file(align, paths.TABLE)
-    if same is None:
+    tables = _tables(align)
+    if tables is None:
         return ["  probabilities: not in both runs"]
-    if same:
+    if all(isinstance(t, Path) for t in tables) and _same_file(align, paths.TABLE):
         return [f"  probabilities: identical {paths.TABLE[1]} (same sha256): largest change 0 at every temperature"]
-    cols = lambda f: [c for c in pq.read_schema(f(paths.TABLE)).names if c.startswith("p_T")]
+    cols = lambda t: [c for c in (t.schema if isinstance(t, pa.Table) else pq.read_schema(t)).names
+                      if c.startswith("p_T")]
+    fa, fb = tables
     out = ["  probabilities: largest |Δp| per temperature"]
     for col in sorted(set(cols(fa)) | set(cols(fb))):
         if col not in cols(fa) or col not in cols(fb):
             out.append(f"    {col}: only in one run")
             continue
-        ta, tb = _by_position(fa(paths.TABLE), col), _by_position(fb(paths.TABLE), col)
+        ta, tb = _by_position(fa, col), _by_position(fb, col)
         pairs = [(ta[p], tb[align.b_of(p)], p) for p in ta
                  if align.b_of(p) in tb and ta[p].shape == tb[align.b_of(p)].shape]
         worst = max(((float(np.abs(x - y).max()), p, int(np.abs(x - y).argmax())) for x, y, p in pairs), default=None)

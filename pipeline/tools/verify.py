@@ -26,12 +26,21 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from pipeline import kernels, progress
 from pipeline.checks import verdicts
 from pipeline.config import schema
 from pipeline.errors import UserError, bad_value
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_json, read_manifest, read_parquet, read_safetensors, stage_run
+from pipeline.store.artifacts import (
+    read_json,
+    read_manifest,
+    read_parquet,
+    read_safetensors,
+    stage_run,
+    tables_stored,
+)
 from pipeline.tools import revisions
 from pipeline.tools.divergence import (
     capture_order,
@@ -227,13 +236,47 @@ def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...], pid:
     out = []
     for item in items:
         files = [paths.lookup(r)(item, pid) for r in (root, here)]
-        if missing := [label for label, f in zip(LABELS, files) if not f.is_file()]:
+        derived = [item in (paths.TABLE, paths.FILTERED) and not _table_stored(r) for r in (root, here)]
+        if missing := [label for label, f, d in zip(LABELS, files, derived) if not d and not f.is_file()]:
             out.append(f"{item[0]} {item[1]}: not there {' and '.join(missing)}")
             continue
-        diff = table_difference(*map(read_parquet, files))
+        if item == paths.STEP_LOGITS:
+            diff = step_logits_difference(*files)
+        else:
+            diff = table_difference(*(_table(r, item, pid, d) for r, d in zip((root, here), derived)))
         if diff:
             out.append(f"{item[0]} {item[1]}: " + diff.replace("stored", "then").replace("re-derived", "now"))
     return out
+
+
+def _table_stored(root: Path) -> bool:
+    return tables_stored(read_manifest(paths.TABLE[0], root))
+
+
+def _table(root: Path, item: tuple[str, str], pid: str, derived: bool):
+    """A table file of the run, or table.parquet re-derived where the run derives it (`probs.read_table`)."""
+    if not derived:
+        return read_parquet(paths.lookup(root)(item, pid))
+    from pipeline.numerics import probs  # torch: only where a table is derived
+    return probs.read_table(paths.lookup(root), pid, read_manifest(paths.TABLE[0], root), item)
+
+
+def step_logits_difference(a: Path, b: Path) -> str | None:
+    """None when two step logits files hold the same steps with the same values bit for bit (decoded:
+    `logits_io.read_step_logits`), else the first difference (then vs now)."""
+    from pipeline.store import logits_io
+    ra, rb = logits_io.read_step_logits(a), logits_io.read_step_logits(b)
+    if [(k, p) for k, p, _ in ra] != [(k, p) for k, p, _ in rb]:
+        return f"{len(ra)} steps then, {len(rb)} now, or other keys"
+    for (key, _, x), (_, _, y) in zip(ra, rb):
+        if x.shape != y.shape:
+            return f"{key}: {x.size} logits then, {y.size} now"
+        bad = np.flatnonzero(x.view(np.uint32) != y.view(np.uint32))
+        if bad.size:
+            i = int(bad[0])
+            return (f"{bad.size} value(s) differ at branch={key['branch']} kv_cache={key['kv_cache']} "
+                    f"step={key['step']}; first at token_id={i}: then {x[i].item()!r}, now {y[i].item()!r}")
+    return None
 
 
 def probs_lines(root: Path, here: Path, pid: str) -> list[str]:

@@ -26,7 +26,7 @@ from pipeline.checks import lens, recompute, reference, suite, tables, trajector
 from pipeline.config import prompt_set, schema
 from pipeline.model import decode, loader
 from pipeline.numerics import probs
-from pipeline.store import paths, provenance
+from pipeline.store import logits_io, paths, provenance
 from tests.conftest import copy_ws, run_module
 from tests.helpers.partitions import part, rel
 
@@ -555,6 +555,17 @@ def steps(stored) -> list[dict]:
     return pq.read_table(stored.steps).to_pylist()
 
 
+def bump_step(src: Path, dst: Path, key: tuple[str, bool, int], token_id: int, delta: float) -> Path:
+    """A copy of step_logits.parquet with one logit of step `key` (branch, kv_cache, step) moved by delta."""
+    rows = logits_io.read_step_logits(src)
+    for k, _, row in rows:
+        if (k["branch"], k["kv_cache"], k["step"]) == key:
+            row[token_id] += delta
+    meta = {k: v for k, v in pq.read_schema(src).metadata.items() if k != logits_io.STEP_META_KEY}
+    logits_io.write_step_logits(dst, [(p, r) for _, p, r in rows], [k for k, _, _ in rows], meta)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def step_rows(stored) -> dict:
     return trajectory.step_logit_rows(stored.step_logits)
@@ -566,14 +577,8 @@ def one_row(model, stored) -> np.ndarray:
 
 
 def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stored, steps, one_row, cfg, tmp_path):
-    table = pq.read_table(stored.step_logits, columns=["branch", "kv_cache", "step"])
-    first = next(i * V for i in range(table.num_rows // V)
-                 if (table["branch"][i * V].as_py(), table["kv_cache"][i * V].as_py(),
-                     table["step"][i * V].as_py()) == ("greedy", False, 1))
-
-    def bump(v):
-        v[first + 7] += 0.5
-    rows = trajectory.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
+    rows = trajectory.step_logit_rows(bump_step(stored.step_logits, tmp_path / "s.parquet", ("greedy", False, 1), 7,
+                                                0.5))
     got = by_name(trajectory.step1_logits(rows, one_row, stored.last_row(), "error"))
     assert got["step1_logits_greedy"].measured == 0.5 and got["step1_logits_greedy_kv"].passed
     assert got["step1_logits_greedy_kv"].detail == "vs the forward's logits row: max abs diff 0"
@@ -608,14 +613,8 @@ def test_a_changed_sampled_token_or_step_logit_fails_generate_parity(model, stor
     got = parity(model, stored, _with_token(steps, "sample", False, 2, 11), step_rows, cfg)
     assert got["generate_parity_sample"].measured == 1 and got["generate_parity_sample"].severity == "error"
     assert "index 1" in got["generate_parity_sample"].detail and got["generate_parity_sample_kv"].passed
-    table = pq.read_table(stored.step_logits, columns=["branch", "kv_cache", "step"])
-    third = next(i * V for i in range(table.num_rows // V)
-                 if (table["branch"][i * V].as_py(), table["kv_cache"][i * V].as_py(),
-                     table["step"][i * V].as_py()) == ("sample", True, 3))
-
-    def bump(v):
-        v[third + 5] -= 0.25
-    rows = trajectory.step_logit_rows(rewrite(stored.step_logits, tmp_path / "s.parquet", "logit", bump))
+    rows = trajectory.step_logit_rows(bump_step(stored.step_logits, tmp_path / "s.parquet", ("sample", True, 3), 5,
+                                                -0.25))
     got = parity(model, stored, steps, rows, cfg)
     assert got["generate_logits_sample_kv"].measured == 0.25 and "per step: 0, 0, 0.25, 0" in \
         got["generate_logits_sample_kv"].detail

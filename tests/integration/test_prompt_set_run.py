@@ -50,7 +50,8 @@ def set_run(tiny_workspace, tmp_path_factory):
 def test_a_prompt_alone_and_inside_a_set_hold_identical_numbers(set_run, tiny_chain):
     ws, _ = set_run
     (alone_id,) = paths.prompt_ids(paths.TOKENS, tiny_chain)
-    for item in [i for i in paths.PER_PROMPT if i[0] in ("tokenize", *CHAIN)]:
+    derived = (paths.TABLE, paths.FILTERED)         # a set's are derived (probs.table=auto): the test below
+    for item in [i for i in paths.PER_PROMPT if i[0] in ("tokenize", *CHAIN) and i not in derived]:
         assert paths.prompt_ids(item, ws) == sorted([REFERENCE, OTHER]), item
         mine, alone = paths.partition(item, REFERENCE, ws), paths.partition(item, alone_id, tiny_chain)
         if item == paths.TOKENIZE_SUMMARY:      # the run's name (a set's is its file's stem) aside
@@ -62,6 +63,35 @@ def test_a_prompt_alone_and_inside_a_set_hold_identical_numbers(set_run, tiny_ch
         alone = read_parquet(paths.artifact(item, tiny_chain)).drop_columns(["prompt_id"]).to_pylist()
         mine = read_parquet(paths.artifact(item, ws)).filter(pc.field("prompt_id") == REFERENCE)
         assert mine.drop_columns(["prompt_id"]).to_pylist() == alone, item
+
+
+def test_a_sets_tables_are_derived_bit_for_bit_as_the_prompt_alone_stores_them(set_run, tiny_chain):
+    """probs.table=auto: a set writes no table.parquet nor filtered.parquet (issue 29); every reader
+    re-derives them from logits.parquet, and for the reference prompt they are the files the single-prompt
+    run stored."""
+    from pipeline import api
+    from pipeline.numerics import probs
+    from pipeline.store.artifacts import read_manifest
+    from pipeline.tools.rundiff import table_difference
+    ws, _ = set_run
+    manifest = read_manifest("probs", ws)
+    assert manifest["facts"]["table"] == "derived" and paths.prompt_ids(paths.TABLE, ws) == []
+    assert paths.prompt_ids(paths.FILTERED, ws) == []
+    assert not [o for o in manifest["outputs"] if o["path"].endswith((paths.TABLE[1], paths.FILTERED[1]))]
+    assert read_manifest("probs", tiny_chain)["facts"]["table"] == "stored"
+    (alone_id,) = paths.prompt_ids(paths.TOKENS, tiny_chain)
+    for item in (paths.TABLE, paths.FILTERED):
+        stored = read_parquet(paths.partition(item, alone_id, tiny_chain))
+        assert table_difference(stored, probs.read_table(paths.lookup(ws), REFERENCE, manifest, item)) is None
+    stored = read_parquet(paths.partition(paths.TABLE, alone_id, tiny_chain))
+    with api.open_run(ws) as run:
+        frame = run.probs(REFERENCE)
+        assert frame.equals(stored.to_pandas())
+        assert len(run.probs(OTHER)) == len(frame)
+        assert run.filtered(REFERENCE).equals(read_parquet(paths.partition(paths.FILTERED, alone_id,
+                                                                            tiny_chain)).to_pandas())
+        steps = run.step_logits(OTHER)
+        assert len(steps) == len(read_parquet(paths.partition(paths.STEPS, OTHER, ws)))
 
 
 def test_the_checks_stage_checks_every_prompt_and_says_which(set_run):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pipeline.errors import UserError
-from pipeline.model import trajectories
 from pipeline.store import logits_io
 
 T, V = 5, 3001
@@ -152,18 +151,88 @@ def test_uncompressed_floor_has_the_same_layout(tmp_path):
     assert raw.stat().st_size > z.stat().st_size
 
 
-def test_trajectory_keys_are_constant_columns_per_row_group(tmp_path):
-    logits = _logits()
-    keys = [{"branch": "greedy", "kv_cache": kv, "step": s} for kv in (False, True) for s in (1, 2)]
+def _steps(dtype=torch.bfloat16):
+    """Eight steps as a trajectories run makes them: per step a full-prefix row and a KV-cache row; steps 1
+    and 3 bit-identical between the two, step 2 one ulp apart at three ids, step 4 another row altogether."""
+    logits, rows, keys = _logits(dtype), [], []
+    for step in (1, 2, 3, 4):
+        full = logits[step - 1].clone()
+        cached = full.clone()
+        if step == 2:
+            bits = cached.view(torch.int16 if dtype != torch.float32 else torch.int32)
+            bits[[0, 7, V - 1]] ^= 1                      # one ulp (the lowest mantissa bit)
+        if step == 4:
+            cached = logits[4].clone()
+        for kv, row in ((False, full), (True, cached)):
+            rows.append((10 + step, row))
+            keys.append({"branch": "greedy", "kv_cache": kv, "step": step})
+    return rows, keys
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_step_logits_read_back_bit_for_bit_in_file_order(tmp_path, dtype):
+    rows, keys = _steps(dtype)
     path = tmp_path / "step_logits.parquet"
-    rows = [(10 + i, logits[i]) for i in range(len(keys))]
-    assert logits_io.write_logits(path, rows, {}, extra_schema=trajectories.STEP_LOGITS_KEYS,
-                                  extra_values=keys) == len(keys) * V
-    pf = pq.ParquetFile(path)
-    assert pf.schema_arrow.names == ["branch", "kv_cache", "step", "position", "token_id", "logit"]
-    for rg, k in enumerate(keys):
-        t = pf.read_row_group(rg)
-        assert t.num_rows == V and set(t["branch"].to_pylist()) == {"greedy"}
-        assert set(t["kv_cache"].to_pylist()) == {k["kv_cache"]} and set(t["step"].to_pylist()) == {k["step"]}
-        assert set(t["position"].to_pylist()) == {10 + rg}
-        assert np.array_equal(t["logit"].to_numpy(), logits[rg].float().numpy())
+    assert logits_io.write_step_logits(path, rows, keys, {b"x": b"y"}) == len(rows)
+    back = logits_io.read_step_logits(path)
+    assert [k for k, _, _ in back] == keys and [p for _, p, _ in back] == [p for p, _ in rows]
+    for (_, _, got), (_, row) in zip(back, rows):
+        want = row.float().numpy()
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert pq.read_schema(path).metadata[b"x"] == b"y"
+    assert logits_io.step_layout(path) == {"dtype": {torch.bfloat16: "BF16", torch.float16: "F16",
+                                                     torch.float32: "F32"}[dtype], "size": V}
+
+
+def test_a_kv_cache_row_is_stored_as_its_xor_with_the_full_prefix_row(tmp_path):
+    rows, keys = _steps()
+    path = tmp_path / "step_logits.parquet"
+    logits_io.write_step_logits(path, rows, keys, {})
+    t = pq.read_table(path)
+    assert t.schema.names == ["branch", "kv_cache", "step", "position", "base", "bits"]
+    # the KV-cache rows of steps 1-3 (file rows 1, 3, 5) are XORed with their full-prefix row; step 4's
+    # cached row shares nothing with it (another row: stored as it is), nor does any full-prefix row
+    assert t["base"].to_pylist() == [-1, 0, -1, 2, -1, 4, -1, -1]
+    assert t["bits"][1].as_py() == bytes(2 * V)                       # bit-identical: all zero bytes
+    diff = np.frombuffer(t["bits"][3].as_py(), np.uint8)
+    assert np.count_nonzero(diff) == 3                                 # three ulps, in the low byte plane
+    md = pq.ParquetFile(path).metadata
+    sizes = [md.row_group(rg).column(5).total_compressed_size for rg in range(md.num_row_groups)]
+    assert sizes[1] < sizes[0] / 20 and sizes[3] < sizes[0] / 20
+
+
+def test_a_wrong_xor_base_or_a_flipped_bit_changes_the_decoded_values(tmp_path):
+    """The reader follows `base`: pointing a row at another base, or a flipped stored bit, decodes other
+    values (what the round-trip test would catch); a base that is not an earlier row is refused."""
+    rows, keys = _steps()
+    path, bad = tmp_path / "s.parquet", tmp_path / "bad.parquet"
+    logits_io.write_step_logits(path, rows, keys, {})
+    t = pq.read_table(path)
+    want = rows[3][1].float().numpy()
+    assert np.array_equal(logits_io.read_step_logits(path)[3][2], want)
+    for base in ([-1, 0, -1, 0, -1, 4, -1, -1], [-1, 0, -1, -1, -1, 4, -1, -1]):   # row 3's base is row 2
+        pq.write_table(t.set_column(4, "base", pa.array(base, pa.int32())), bad)
+        assert not np.array_equal(logits_io.read_step_logits(bad)[3][2], want)
+    flipped = bytearray(t["bits"][3].as_py())
+    flipped[-1] ^= 0x80                                                        # the sign of the last id
+    pq.write_table(t.set_column(5, "bits", pa.array([*t["bits"].to_pylist()[:3], bytes(flipped),
+                                                     *t["bits"].to_pylist()[4:]], t.schema.field("bits").type)), bad)
+    got = logits_io.read_step_logits(bad)[3][2]
+    assert np.flatnonzero(got != want).tolist() == [V - 1] and got[-1] == -want[-1]
+    pq.write_table(t.set_column(4, "base", pa.array([-1, 3, -1, 2, -1, 4, -1, -1], pa.int32())), bad)
+    with pytest.raises(UserError, match="not an earlier one"):
+        logits_io.read_step_logits(bad)
+
+
+def test_a_file_of_the_long_layout_is_not_read_as_step_logits(tmp_path):
+    path = tmp_path / "long.parquet"
+    logits = _logits()
+    logits_io.write_logits(path, [(0, logits[0])], {})
+    with pytest.raises(UserError, match="not a step logits file"):
+        logits_io.read_step_logits(path)
+
+
+def test_no_step_at_all_is_an_empty_file_of_the_layout(tmp_path):
+    path = tmp_path / "s.parquet"
+    assert logits_io.write_step_logits(path, [], [], {}) == 0
+    assert logits_io.read_step_logits(path) == []

@@ -161,3 +161,53 @@ def test_set_figures_write_the_numbers_they_draw(tmp_path):
     assert [(r["branch"], r["kv_cache"], r["rate"]) for r in read("set_loops.csv")] == \
         [("greedy", "False", "0.5"), ("greedy", "True", "0.0"), ("sample", "False", "0.0"), ("sample", "True", "0.5")]
     assert set_plots.draw(overview.SetInputs(["a"], {}, {}, None, None, None), out, plots.fonts()) == []
+
+
+def large_inputs(n: int = 10_000, checks: bool = True) -> overview.SetInputs:
+    """n prompts (hand-built, no stage run): prompt k has top-1 probability k / n at T = 1, entropy k / 1000
+    nats, a nucleus of k % 97 + 1 ids, a greedy run ending in a loop when k % 4 == 0 and a sample run
+    leaving greedy at step k % 5 (0: never); prompts k % 1000 == 0 fail one check."""
+    ids = [f"p{k:05d}" for k in range(n)]
+    probs_rows, runs, checks_rows = [], [], []
+    for k, p in enumerate(ids):
+        for t in sorted(TEMPS):
+            probs_rows.append({"prompt_id": p, "position": 3, "temperature": t, "entropy": k / 1000 + (t != 1.0),
+                               "top1_id": k, "top1_text": f"t{k}", "top1_prob": k / n, "sampling_kept": 10,
+                               "sampling_mass": 1.0, "top_k_2_kept": 2, "top_k_2_mass": 0.5,
+                               "top_p_0.9_kept": k % 97 + 1, "top_p_0.9_mass": 0.9})
+        for branch in ("greedy", "sample"):
+            runs.append({"prompt_id": p, "branch": branch, "kv_cache": False, "n_new": 8, "text": "x",
+                         "diverge": None if branch == "greedy" else k % 5, "loop": k % 4 == 0,
+                         "loop_start": 1, "loop_period": 1})
+        checks_rows.append({"prompt_id": p, "name": "a", "verdict": "fail" if k % 1000 == 0 else "pass"})
+    tokenize = {p: {"prompt": "text " + p, "n_tokens": 5 + k % 7} for k, p in enumerate(ids)}
+    return overview.SetInputs(ids=ids, manifests=manifests(), tokenize=tokenize, probs=probs_rows, runs=runs,
+                              checks=checks_rows if checks else None)
+
+
+def test_a_set_of_10000_prompts_gets_its_distribution_in_a_short_overview():
+    md = overview.section(large_inputs(), "p00042", [])
+    assert len(md) < 40, len(md)                       # not 10,000 lines
+    assert not [ln for ln in md if ln.startswith("| `p0")]
+    text = "\n".join(md)
+    assert "## Prompts of this run (10000)" in text and "more than 50" in text
+    rows = {ln.split(" | ")[0].lstrip("| "): ln.split(" | ")[1:] for ln in md if ln.startswith("| ")}
+    # quantiles by linear interpolation of k / n, k = 0 .. n - 1 (the q-quantile is q (n - 1) / n): min, 10%, 25%,
+    # median, 75%, 90%, max
+    assert rows["p(top-1) at T = 1"][:8] == ["10000", "0.000e+00", "0.1000", "0.2500", "0.5000", "0.7499", "0.8999",
+                                              "0.9999 |"]
+    assert rows["entropy (nats) at T = 1"][4] == "4.9995"              # median of k / 1000
+    assert rows["top_p_0.9 kept"][0] == "10000" and rows["top_p_0.9 kept"][1] == "1"
+    assert rows["greedy run ends in a loop"] == ["2500 of 10000 (25.0%) |"]
+    assert rows["sample run leaves the greedy run"] == ["8000 of 10000 (80.0%) |"]
+    assert rows["prompts with a failing check"] == ["10 of 10000 (0.1%) |"]
+    failing = rows["first failing prompts"][0]
+    assert failing.startswith("`p00000`, `p01000`") and "`p09000`" in failing
+    assert "`p00042`" in rows["detail below"][0]
+
+
+def test_a_set_of_50_keeps_one_line_per_prompt_and_51_gets_the_distribution():
+    small = overview.section(large_inputs(overview.PER_PROMPT_MAX, checks=False), "p00000", [])
+    assert len([ln for ln in small if ln.startswith("| `p0")]) == overview.PER_PROMPT_MAX
+    large = overview.section(large_inputs(overview.PER_PROMPT_MAX + 1, checks=False), "p00000", [])
+    assert not [ln for ln in large if ln.startswith("| `p0")] and "| prompts with a failing check | - |" in large
