@@ -23,12 +23,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="scale lengths for this workspace's model (capture.positions=all)")
     p.add_argument("--last-lengths", type=int, nargs="+", metavar="T",
                    help="scale lengths for this workspace's model with capture.positions=last")
+    p.add_argument("--sizes", type=int, nargs="+", metavar="N", help="set sizes of the sets section")
+    p.add_argument("--ray", action="store_true", help="the sets section also on executor=ray (2 local workers)")
     args = p.parse_args(argv)
     try:
         result = bench.run(Path.cwd(), quick=args.quick, only=args.only,
                            lengths=tuple(args.lengths) if args.lengths else None,
                            workspace_lengths=tuple(args.workspace_lengths) if args.workspace_lengths else None,
-                           last_lengths=tuple(args.last_lengths) if args.last_lengths else None)
+                           last_lengths=tuple(args.last_lengths) if args.last_lengths else None,
+                           set_sizes=tuple(args.sizes) if args.sizes else None, set_ray=args.ray)
     except UserError as e:
         print(f"nexttoken bench: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -13,6 +13,10 @@ Sections (`--only NAME` runs one):
              process: peak RSS above the loaded model <= 2.5 x 4*T*V, growth of the pipeline's
              own work <= 1.1 (bench/chain_scale.py)
   kernels    a captured pass with capture.kernels=portable vs native, bf16 and float32 (information)
+  sets       (opt-in: --only sets) the chain over sets of N prompts on tiny_qwen2 (--sizes, default 10 100; --ray: also
+             executor=ray, 2 local workers), each stage a fresh process: stage work per prompt
+             (<= 0.25 s) and its ratio to a plain forward + decoding loop, peak RSS growth over N
+             (<= 0.1), disk per prompt (<= 1.5 MB) (bench/set_scale.py)
 
 Absolute times depend on the machine and its neighbours, so contenders run alternately
 (the order flips every repetition) and ratios are medians of per-pair ratios: load from
@@ -24,6 +28,7 @@ the printed table holds the ratios, then the scale tables. Fresh-process measure
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import statistics
@@ -56,7 +61,9 @@ from pipeline.store import logits_io, paths
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = REPO / "bench" / "baseline_script.py"
 OUTPUT = Path(paths.ARTIFACTS) / "bench" / "bench.json"
-SECTIONS = ("capture", "logits_io", "chain", "nnsight", "dvc", "scale", "kernels")
+SECTIONS = ("capture", "logits_io", "chain", "nnsight", "dvc", "scale", "kernels", "sets")
+# `sets` runs whole chains over sets of prompts (half an hour at N=100 on 2 cores): opt-in, `--only sets`
+DEFAULT_SECTIONS = SECTIONS[:-1]
 CHAIN_STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "checks")
 
 
@@ -261,10 +268,12 @@ def _loaded(ws: Workspace):
 # ---------------------------------------------------------------- the command
 def report(result: dict) -> str:
     """What `nexttoken bench` prints: the ratios, then the scale table when it ran."""
-    from bench import chain_scale
+    from bench import chain_scale, set_scale
     scale = "\n\n".join(chain_scale.table(s) for s in result["sections"].get("scale", {}).values()
                         if isinstance(s, dict) and "runs" in s)
-    return table(result["ratios"]) + ("\n\n" + scale if scale else "")
+    if "runs" in result["sections"].get("sets", {}):
+        scale += "\n\n" + set_scale.table(result["sections"]["sets"])
+    return table(result["ratios"]) + ("\n\n" + scale.strip() if scale.strip() else "")
 
 
 def table(ratios: dict) -> str:
@@ -279,20 +288,23 @@ def table(ratios: dict) -> str:
 
 
 def run(root: Path, quick: bool = False, only: str | None = None, lengths: tuple[int, ...] | None = None,
-        workspace_lengths: tuple[int, ...] | None = None, last_lengths: tuple[int, ...] | None = None) -> dict:
+        workspace_lengths: tuple[int, ...] | None = None, last_lengths: tuple[int, ...] | None = None,
+        set_sizes: tuple[int, ...] | None = None, set_ray: bool = False) -> dict:
     """Every section (or `only` one) in order; bench.json is rewritten after each section, so an
     interrupted run keeps what it measured (`complete` says whether it finished)."""
-    from bench import scale
+    from bench import scale, set_scale
     from pipeline.store import provenance
     if only is not None and only not in SECTIONS:
         raise UserError(f"--only {only!r}: one of {', '.join(SECTIONS)}")
-    ws, plan, res = Workspace.open(root), Plan.make(quick, lengths, workspace_lengths, last_lengths), Results()
+    plan = Plan.make(quick, lengths, workspace_lengths, last_lengths)
+    plan = dataclasses.replace(plan, set_sizes=set_sizes or ((4, 8) if quick else plan.set_sizes), set_ray=set_ray)
+    ws, res = Workspace.open(root), Results()
     started = time.time()
     out = {"schema_version": 1, "quick": quick, "only": only, "complete": False, "model": ws.name,
            "snapshot": str(ws.snapshot), "dtype": ws.cfg["capture"].dtype, "torch_threads": torch.get_num_threads(),
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "hardware": provenance.hardware(),
            "wall_s": None, "ratios": res.ratios, "sections": res.sections}
-    wanted = SECTIONS if only is None else (only,)
+    wanted = DEFAULT_SECTIONS if only is None else (only,)
     with tempfile.TemporaryDirectory(prefix="nexttoken-bench-") as d:
         tmp, held = Path(d), {}
         steps = {"capture": lambda: held.update(logits=bench_capture(ws, plan, res)),
@@ -301,7 +313,11 @@ def run(root: Path, quick: bool = False, only: str | None = None, lengths: tuple
                  "nnsight": lambda: bench_nnsight(ws, plan, res),
                  "dvc": lambda: scale.bench_dvc(ws, plan, res, tmp),
                  "scale": lambda: scale.bench_scale(ws, plan, res, tmp),
-                 "kernels": lambda: bench_kernels(ws, plan, res)}
+                 "kernels": lambda: bench_kernels(ws, plan, res),
+                 "sets": lambda: set_scale.bench_sets(
+                     scale.tiny_workspace(ws, tmp), res, tmp, plan.set_sizes,
+                     executors={"serial": [], **({"ray": ["executor=ray", "executor.workers=2"]} if plan.set_ray
+                                                 else {})})}
         for name in (("capture",) if "logits_io" in wanted and "capture" not in wanted else ()) + wanted:
             t0 = time.perf_counter()
             steps[name]()

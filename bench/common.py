@@ -45,6 +45,9 @@ class Plan:
     # "tiny_qwen2" | "workspace" (this workspace's model) -> capture.positions -> prompt lengths
     scale_lengths: dict
     dvc_stages: tuple[str, ...] | None = None   # None: every stage after prepare_model
+    # set sizes of the `sets` section (bench/set_scale.py), and whether it runs them on Ray too
+    set_sizes: tuple[int, ...] = (10, 100)
+    set_ray: bool = False
 
     @classmethod
     def make(cls, quick: bool, lengths: tuple[int, ...] | None = None,

@@ -53,6 +53,8 @@ class Worker:
         torch.set_num_threads(threads)
         self.where = _where(pin_mode)
         self.work.setup()
+        import resource  # the actor's peak RSS with its model loaded (what a worker costs)
+        self.where["rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
     def run(self, root: str, config: dict, model: dict | None, prompt_id: str) -> PromptResult:
         result = run_one(self.work, Path(root), config, model, prompt_id)
