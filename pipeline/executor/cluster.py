@@ -116,8 +116,10 @@ def _start(cfg) -> bool:
             ray.init(address=cfg.address, **common)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = "a local Ray" if cfg.address is None else f"the Ray cluster at executor.address={cfg.address!r}"
+        hint = "" if cfg.address is None else (" (is it running? a cluster started by `ray start` checks a token: "
+                                               "RAY_AUTH_MODE=token and its token here, docs/scale.md)")
         raise UserError(f"could not start or join {where}: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}{hint}") from None
     return True
 
 

@@ -118,6 +118,14 @@ def table_mode(probs_cfg: ProbsConfig, n_prompts: int) -> str:
 
 
 DERIVABLE = (paths.TABLE, paths.FILTERED)    # the full-vocabulary files `probs.table` stores or derives
+DERIVED_NOTE = "derived.json"                # in their folders when derived (no partition there)
+
+
+def derived_note(item: tuple[str, str]) -> dict:
+    return {"file": item[1], "stored": False,
+            "why": "probs.table resolved to derived (auto: a set): re-derived bit for bit from logits.parquet "
+                   "when read", "read": "from pipeline.api import open_run; open_run('.')."
+                   + ("probs()" if item == paths.TABLE else "filtered()") + "  (docs/artifacts.md)"}
 
 
 def derive_table(logits_path: Path, positions: list[int], temperatures: list[float] | tuple[float, ...]) -> pa.Table:
@@ -356,6 +364,9 @@ def record(stage: StageRun, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig
     pids = stage.prompt_ids(paths.LOGITS)
     table = table_mode(probs_cfg, len(pids))          # stored or derived (probs.table)
     done = ex.run_prompts(stage, ProbsWork(probs_cfg, sampling_cfg, table), pids, executor or ex.SERIAL)
+    if table == "derived":          # DVC's outs name both folders: each holds a note instead of partitions
+        for item in DERIVABLE:
+            stage.write_json(f"{paths.dataset(item).name}/{DERIVED_NOTE}", derived_note(item))
     per_prompt, figures = [table for table, _ in done], [f for _, f in done]
     # set-level: the last prompt's sweep figures, then the set's aggregates over every prompt's figures
     stage.write_json(paths.PROBS_METRICS[1], run_metrics(figures))

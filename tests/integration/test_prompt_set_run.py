@@ -76,6 +76,8 @@ def test_a_sets_tables_are_derived_bit_for_bit_as_the_prompt_alone_stores_them(s
     ws, _ = set_run
     manifest = read_manifest("probs", ws)
     assert manifest["facts"]["table"] == "derived" and paths.prompt_ids(paths.TABLE, ws) == []
+    for item in (paths.TABLE, paths.FILTERED):      # DVC's outs: each folder holds a note saying how to read it
+        assert json.loads((paths.dataset(item, ws) / "derived.json").read_text())["stored"] is False
     assert paths.prompt_ids(paths.FILTERED, ws) == []
     assert not [o for o in manifest["outputs"] if o["path"].endswith((paths.TABLE[1], paths.FILTERED[1]))]
     assert read_manifest("probs", tiny_chain)["facts"]["table"] == "stored"
