@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipeline.checks import lens, reference, suite, verdicts
 from pipeline.config import prompt_set, schema
+from pipeline.executor.work import LoadsInSetup
 from pipeline.model import loader
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import StageRun, read_json
@@ -97,7 +98,7 @@ class _Reader:
 
 
 @dataclass
-class ChecksWork:
+class ChecksWork(LoadsInSetup):
     """One prompt's checks (`pipeline.executor.PromptWork`) -> (its checks, the stages it found missing, the
     device record). The model and tokenizer load in `setup`; nothing is written per prompt."""
     params: dict
@@ -124,8 +125,6 @@ class ChecksWork:
         where = loader.device_record(model, self._device)
         return [replace(c, prompt_id=pid) for c in mine], list(stored.missing), where
 
-    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 def _record(prompts: prompt_set.PromptSet, prompt_id: str) -> prompt_set.PromptRecord:

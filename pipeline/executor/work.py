@@ -15,6 +15,14 @@ from pipeline.store import paths
 from pipeline.store.artifacts import StageRun, Writer
 
 
+class LoadsInSetup:
+    """Base of a PromptWork: what `setup` loads goes into `_`-named attributes, which pickling leaves out
+    (a work is pickled for its workers before `setup`: never the weights)."""
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
 class PromptWork(Protocol):
     stage: str
 

@@ -22,6 +22,7 @@ import torch
 
 from pipeline.config.schema import CaptureConfig
 from pipeline.errors import UserError
+from pipeline.executor.work import LoadsInSetup
 from pipeline.model import capture, loader, memory
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import StageRun, read_json, read_parquet
@@ -117,7 +118,7 @@ def record(stage: StageRun, p: ForwardPlan, trust_remote_code: bool, executor=No
 
 
 @dataclass
-class ForwardWork:
+class ForwardWork(LoadsInSetup):
     """One prompt's captured pass (`pipeline.executor.PromptWork`): the model loads in `setup`."""
     plan: ForwardPlan
     trust_remote_code: bool
@@ -135,8 +136,6 @@ class ForwardWork:
         save_capture(result, out.out(paths.CAPTURE[1], pid))
         out.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
 
-    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
-        return {k: v for k, v in self.__dict__.items() if k != "_model"}
 
 
 def logit_positions(positions: str, n: int) -> list[int]:

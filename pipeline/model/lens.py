@@ -28,6 +28,7 @@ from torch import nn
 
 from pipeline.config.schema import CaptureConfig, LensConfig, ModelConfig
 from pipeline.errors import bad_value
+from pipeline.executor.work import LoadsInSetup
 from pipeline.model import loader
 from pipeline.model.capture import act_name, decoder_layers, family
 from pipeline.model.head import lm_head_rows
@@ -160,7 +161,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: Len
 
 
 @dataclass
-class LensWork:
+class LensWork(LoadsInSetup):
     """One prompt's lens (`pipeline.executor.PromptWork`): the model loads in `setup`."""
     snapshot: Path
     cap: CaptureConfig
@@ -181,5 +182,3 @@ class LensWork:
         out.write_parquet(paths.LENS[1], table, prompt_id=pid)
         out.write_parquet(paths.LENS_SUMMARY[1], summary, prompt_id=pid)
 
-    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
-        return {k: v for k, v in self.__dict__.items() if k != "_model"}

@@ -20,6 +20,7 @@ import torch
 
 from pipeline.config.schema import CaptureConfig, ModelConfig, SamplingConfig
 from pipeline.errors import bad_value
+from pipeline.executor.work import LoadsInSetup
 from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
 from pipeline.numerics import probs
@@ -214,7 +215,7 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
 
 
 @dataclass
-class TrajectoriesWork:
+class TrajectoriesWork(LoadsInSetup):
     """One prompt's runs (`pipeline.executor.PromptWork`) -> (its id, trajectories.json's content)."""
     snapshot: Path
     cap: CaptureConfig
@@ -241,8 +242,6 @@ class TrajectoriesWork:
         out.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
         return prompt_id, summary_by_run
 
-    def __getstate__(self):          # pickled for a worker before `setup`: never the weights
-        return {k: v for k, v in self.__dict__.items() if k not in ("_model", "_tokenizer")}
 
 
 def set_files(summaries: list[tuple[str, dict]]) -> dict[tuple[str, str], Any]:
