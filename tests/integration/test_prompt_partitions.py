@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline.numerics import probs
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import read_dataset, read_parquet
 from pipeline.tools import audit
@@ -58,6 +59,16 @@ def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(two_prompts,
     ws = two_prompts                                 # read only (the audit writes nothing)
     (pid,) = paths.prompt_ids(paths.TOKENS, tiny_chain)
     per_prompt = [i for i in paths.PER_PROMPT if i[0] in CHAIN]
+    # a set (probs.table auto) derives the full-vocabulary tables the prompt alone stores: what a reader gets in
+    # their place is the prompt alone's table, value for value
+    probs_manifest = json.loads(paths.manifest_path("probs", ws).read_text())
+    assert not probs.table_is_stored(probs_manifest)
+    for item in probs.DERIVABLE:
+        assert paths.prompt_ids(item, ws) == [] and (paths.dataset(item, ws) / probs.DERIVED_NOTE).is_file(), item
+        alone = read_parquet(paths.partition(item, pid, tiny_chain))
+        for p in (pid, TWIN):
+            assert probs.read_table(paths.lookup(ws), p, probs_manifest, item).equals(alone), (item, p)
+    per_prompt = [i for i in per_prompt if i not in probs.DERIVABLE]
     for item in per_prompt:
         assert paths.prompt_ids(item, ws) == sorted([pid, TWIN]), item
         alone = _content(paths.partition(item, pid, tiny_chain))

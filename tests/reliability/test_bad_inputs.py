@@ -260,6 +260,17 @@ def range_cases() -> list[Case]:
         _r("equivalence.prompts", ["../x"], "name", shown="../x"),
         _r("equivalence.nope", 1, "key"),
         _missing("equivalence.fillers"),
+        # executor (where the per-prompt work runs; whether a cluster answers is the stage's, tests/integration/test_ray_executor.py)
+        _r("executor.kind", "dask", "name"),
+        _r("executor.address", "auto", "range", shown="auto"),              # a cluster address with kind=serial
+        _r("executor.address", "", executor__kind="ray"),
+        _r("executor.workers", 0),
+        _r("executor.cpus_per_worker", 0.0),
+        _r("executor.gpus_per_worker", -1.0),
+        _r("executor.torch_threads", 0),
+        _r("executor.max_retries", -1),
+        _r("executor.prompt_timeout_s", 0.0),
+        _r("executor.nope", 1, "key"),
     ]
 
 
@@ -492,7 +503,7 @@ def test_matrix_covers_every_key_of_every_section():
     covered = {k for c in MATRIX if c.change for k in c.change}
     assert keys - covered == set()
     assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks", "report",
-                                    "equivalence", "lens"}
+                                    "equivalence", "lens", "executor"}
 
 
 def test_base_is_the_composition_of_conf(tmp_path):
