@@ -9,7 +9,10 @@ kept sets from numpy sorts with the warpers' rules written out (below).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +26,47 @@ TOP_P_BAND = 2.0**-18            # 3.8e-6: 32 float32 ulps at 1
 TINY = 1e-290                    # probabilities below this are compared absolutely (no relative precision)
 
 
+def _digest(row: np.ndarray) -> tuple:
+    row = np.ascontiguousarray(row)
+    return hashlib.blake2b(row.view(np.uint8), digest_size=16).digest(), row.dtype.str, row.shape
+
+
+def _frozen(value):
+    """value with its arrays read-only: a memoised result is shared, so no caller may change it in place."""
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    elif isinstance(value, KeptRule):
+        value.allowed.flags.writeable = False
+        for ids, _, _ in value.groups:
+            ids.flags.writeable = False
+    return value
+
+
+def memoised(fn):
+    """fn(row, *args) remembered by the row's content (blake2b of its bytes, dtype, shape) and args, for the
+    last 16 calls: the checks derive the same softmax and kept sets of one row for several checks (the
+    prompt-metrics rows, the tables, the filtered sets), each derivation a full-vocabulary pass."""
+    memo: OrderedDict = OrderedDict()
+
+    @functools.wraps(fn)
+    def wrapper(row: np.ndarray, *args):
+        key = (_digest(row), args)
+        if key in memo:
+            memo.move_to_end(key)
+            return memo[key]
+        memo[key] = value = _frozen(fn(row, *args))
+        if len(memo) > 16:
+            memo.popitem(last=False)
+        return value
+
+    wrapper.cache_clear = memo.clear
+    return wrapper
+
+
+@memoised
 def softmax64(row: np.ndarray, t: float) -> np.ndarray:
-    """softmax(row / t) in float64; -inf (masked) ids get exactly 0; a NaN or +inf makes it all NaN."""
+    """softmax(row / t) in float64; -inf (masked) ids get exactly 0; a NaN or +inf makes it all NaN.
+    Read-only (memoised)."""
     x = row.astype(np.float64) / t
     finite = np.isfinite(x)
     with np.errstate(invalid="ignore"):
@@ -77,6 +119,7 @@ class KeptRule:
         return None
 
 
+@memoised
 def kept_rule(row: np.ndarray, temperature: float, top_k: int, top_p: float) -> KeptRule:
     """The kept set of temperature -> top-k -> top-p (`generate`'s order and rules) on float32 logits.
 

@@ -11,6 +11,7 @@ summary.json booleans) are never used as measurements.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -118,10 +119,17 @@ def _probs_table(use: Callable[..., Path], root: Path | str, prompt_id: str,
     did not run."""
     if not paths.stage_dir(item[0], root).exists():
         return None
-    manifest = read_manifest(item[0], root)
+    manifest = _manifest(item[0], str(root), *_stamp(paths.manifest_path(item[0], root)))
     if probs.table_is_stored(manifest):
         return use(item, prompt_id)
     return probs.read_table(use, prompt_id, manifest, item)
+
+
+@functools.lru_cache(maxsize=4)
+def _manifest(stage: str, root: str, mtime_ns: int, size: int) -> dict:
+    """A stage's manifest read once per process and version (a set's lists every prompt: read per prompt, the
+    checks would cost O(N^2) over the set). Shared: read only."""
+    return read_manifest(stage, root)
 
 
 def _where(record: dict) -> str:
@@ -163,11 +171,26 @@ def tokenizer_retokenize(tokenizer_json: Path | None, tokenizer, text: str, add_
     """The tokenize stage encoded through transformers' tokenizer; this encodes with the `tokenizers`
     library straight from the snapshot's tokenizer.json (else from the loaded tokenizer's backend)."""
     from tokenizers import Tokenizer
-    raw = Tokenizer.from_file(str(tokenizer_json)) if tokenizer_json is not None and Path(tokenizer_json).is_file() \
-        else Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    if tokenizer_json is not None and Path(tokenizer_json).is_file():
+        raw = _raw_tokenizer(str(tokenizer_json), *_stamp(Path(tokenizer_json)))
+    else:
+        raw = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     encoded = raw.encode(text, add_special_tokens=add_special_tokens).ids
     return _ids("tokenizer_retokenize", "tokens.parquet ids vs prompt.text encoded by the `tokenizers` library "
                 "from tokenizer.json (not transformers' wrapper)", encoded, stored_ids)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=4)
+def _raw_tokenizer(tokenizer_json: str, mtime_ns: int, size: int):
+    """tokenizer.json read once per process and file version (0.4 s for Qwen's 152k vocabulary, and a set
+    checks every prompt with it)."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(tokenizer_json)
 
 
 def tokenizer_round_trip(tokenizer, text: str, stored_ids: list[int], chat: bool = False) -> Check:

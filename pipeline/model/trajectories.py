@@ -26,7 +26,7 @@ from pipeline.model.decode import Step, prefill, run_branch
 from pipeline.numerics import probs
 from pipeline.numerics.aggregates import trajectory_set_metrics
 from pipeline.numerics.repetition import distinct_ratio, find_loop
-from pipeline.numerics.sampling import SamplingSettings, next_token_probs, ranks
+from pipeline.numerics.sampling import SamplingSettings, next_token_probs, rank_of, top_order
 from pipeline.store import logits_io, paths, provenance
 from pipeline.store.artifacts import StageRun, read_json, read_parquet
 
@@ -96,7 +96,7 @@ def steps_table(runs: list[Run], tokenizer, top_n: int) -> pa.Table:
             new_ids.append(s.token_id)
             logits = s.logits.float()
             probs = next_token_probs(s.logits, r.settings)
-            order = torch.argsort(logits, descending=True, stable=True)[:top_n]
+            order = torch.from_numpy(top_order(s.logits, top_n))
             values = {
                 "branch": r.branch, "kv_cache": r.kv_cache, "step": s.step, "prefix_len": s.prefix_len,
                 "token_id": s.token_id, "piece": tokenizer.convert_ids_to_tokens(s.token_id),
@@ -104,7 +104,7 @@ def steps_table(runs: list[Run], tokenizer, top_n: int) -> pa.Table:
                 "text_so_far": tokenizer.decode(new_ids, skip_special_tokens=False,
                                                 clean_up_tokenization_spaces=False),
                 "logit": float(logits[s.token_id]), "prob": s.prob,
-                "rank": int(ranks(s.logits)[s.token_id]),
+                "rank": rank_of(s.logits, s.token_id),
                 "top_ids": order.tolist(), "top_logits": logits[order].tolist(), "top_probs": probs[order].tolist(),
                 "stop_reason": s.stop_reason,
             }

@@ -7,6 +7,7 @@ the audit can recompute every number bit for bit from `logits.parquet` alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,8 @@ from pipeline.numerics.sampling import (
     filter_distribution,
     largest_logit,
     probability_table,
-    rank_order,
     ranks,
+    top_order,
 )
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import StageRun, Writer, parquet_facts, read_json, read_parquet, tables_stored
@@ -226,15 +227,16 @@ FILTERED_SCHEMA = pa.schema([
 def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int, tolerance32: float,
                         tolerance64: float, vocab: dict[int, str]) -> list[dict]:
     """Per temperature: top-N candidates, the rest mass, entropy, sums and their verdicts."""
-    order = np.argsort(-row.astype(np.float64), kind="stable")[:top_n]
+    order = top_order(torch.from_numpy(row), top_n)          # rank_order(row)[:top_n]
     out = []
     for t, tab in tables.items():
+        entropy = entropy_nats(tab.p64)
         top = [{"token_id": int(i), "text": vocab.get(int(i)), "logit": float(row[i]), "prob": float(tab.p64[i])}
                for i in order]
         out.append({
             "position": position, "temperature": t, "top": top,
             "rest": math.fsum(np.delete(tab.p64, order).tolist()),   # every id not in `top`
-            "entropy_nats": entropy_nats(tab.p64), "entropy_bits": entropy_nats(tab.p64) / math.log(2),
+            "entropy_nats": entropy, "entropy_bits": entropy / math.log(2),
             "sum_error_fp64": tab.sum_err64, "sum_error_fp32": tab.sum_err32,
             "fp64_within_tolerance": tab.sum_err64 <= tolerance64,
             "fp32_within_tolerance": tab.sum_err32 <= tolerance32,
@@ -287,7 +289,7 @@ def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures:
     on ties) and its FP64 probability, and each filter's kept count and mass, by the very
     computations of summary.json (`entropy_nats`) and filtered.parquet (`filter_distribution`)."""
     logits = torch.from_numpy(row)
-    tables, top1 = probability_table(logits, list(temperatures)), int(rank_order(logits)[0])
+    tables, top1 = probability_table(logits, list(temperatures)), int(top_order(logits, 1)[0])
     rows = []
     for t in sorted(temperatures):
         rec = {"prompt_id": prompt_id, "position": position, "temperature": t, "entropy": entropy_nats(tables[t].p64),
@@ -307,6 +309,19 @@ def prompt_id(tokenize_summary: Path) -> str:
     return recorded
 
 
+def read_vocab(vocab_path: Path) -> dict[int, str]:
+    """vocab.parquet as {token_id: text}, read once per process and file version (152k ids for Qwen: a set's
+    prompts would each read it again). Shared: read only."""
+    st = Path(vocab_path).stat()
+    return _vocab(str(vocab_path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _vocab(vocab_path: str, mtime_ns: int, size: int) -> dict[int, str]:
+    table = read_parquet(Path(vocab_path), columns=["token_id", "text"])
+    return dict(zip(table["token_id"].to_pylist(), table["text"].to_pylist()))
+
+
 # ---------------------------------------------------------------- the stage's outputs
 def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig,
           tokenize_summary: Path, kind: str = "stored") -> tuple[dict[tuple[str, str], Any], dict]:
@@ -320,8 +335,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     named = filters(probs_cfg, sampling_cfg)
     facts = parquet_facts(logits_path)
     positions = resolve_positions(probs_cfg.positions, facts["n_positions"], facts["positions"])
-    vocab_t = read_parquet(vocab_path, columns=["token_id", "text"])
-    vocab = dict(zip(vocab_t["token_id"].to_pylist(), vocab_t["text"].to_pylist()))
+    vocab = read_vocab(vocab_path)
     if len(vocab) != facts.get("output_size"):
         raise UserError(f"{vocab_path} lists {len(vocab)} ids but {logits_path} holds {facts.get('output_size')} "
                         "per position: they come from different models; re-run `dvc repro`")
@@ -335,8 +349,11 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
     for pos in positions:               # ascending: `row` is the last position's afterwards
         row = logits_io.read_position(logits_path, pos)
-        table, by_t = position_table(pos, row, probs_cfg.temperatures)
-        tables.append(table)
+        if kind == "stored":
+            table, by_t = position_table(pos, row, probs_cfg.temperatures)
+            tables.append(table)
+        else:                           # derived: the same tables, without the full-vocabulary rows and ranks
+            by_t = probability_table(torch.from_numpy(row), list(probs_cfg.temperatures))
         summary["temperatures"] += temperature_summary(
             pos, row, by_t, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance, probs_cfg.fp64_sum_tolerance, vocab)
         add_filtered(pos, row, named, kept, summary["filters"])

@@ -177,6 +177,27 @@ def ranks(logits: torch.Tensor) -> np.ndarray:
     return out
 
 
+def rank_of(logits: torch.Tensor, token_id: int) -> int:
+    """ranks(logits)[token_id] without sorting the vocabulary: 1 + the ids scoring higher + the lower ids
+    scoring the same (the stable sort's tie order). A row holding NaN (which sorts apart) takes the sort."""
+    values = logits.detach().cpu().to(torch.float64).numpy()
+    if np.isnan(values).any():
+        return int(ranks(logits)[token_id])
+    v = values[token_id]
+    return 1 + int(np.count_nonzero(values > v)) + int(np.count_nonzero(values[:token_id] == v))
+
+
+def top_order(logits: torch.Tensor, n: int) -> np.ndarray:
+    """rank_order(logits)[:n] without sorting the vocabulary: the ids scoring at least the n-th highest score,
+    sorted among themselves (logit descending, lower id first). A row holding NaN takes the full sort."""
+    values = logits.detach().cpu().to(torch.float64).numpy()
+    if n >= values.size or np.isnan(values).any():
+        return rank_order(logits)[:n]
+    kth = np.partition(values, values.size - n)[values.size - n]          # the n-th highest score
+    ids = np.flatnonzero(values >= kth)                                    # ascending: ties by lower id
+    return ids[np.argsort(-values[ids], kind="stable")][:n]
+
+
 @dataclass(frozen=True, eq=False)
 class KeptSet:
     """The ids a branch can draw, best first (probability desc, then id asc)."""

@@ -101,6 +101,8 @@ class StageRun(Writer):
         self._listed: dict[str, str] = {}                         # path -> sha256 of each input listed
         self._recorded: dict[str, tuple[str, str | None]] = {}   # path -> (sha256, stage recording it)
         self._manifests: dict[str, dict | None] = {}
+        self._outputs: dict[str, dict[str, dict]] = {}            # stage -> its manifest's outputs by path
+        self._verified: set[str] = set()                          # stages whose manifest's inputs were checked
         self._prompt_seconds: dict[str, float] = {}
         self._prompt_facts: dict[str, dict[str, Any]] = {}
         self.executor: dict[str, Any] | None = None     # where the per-prompt work ran (`pipeline.executor`)
@@ -163,13 +165,18 @@ class StageRun(Writer):
         parts = Path(rel).parts
         if len(parts) < 3 or parts[0] != paths.ARTIFACTS or parts[1] not in paths.STAGES:
             return None
-        manifest = self._manifest(parts[1])
-        return next((o for o in (manifest or {}).get("outputs") or [] if o.get("path") == rel), None)
+        self._manifest(parts[1])
+        return self._outputs[parts[1]].get(rel)
 
     def _manifest(self, stage: str) -> dict | None:
+        """A stage's manifest, read once (with its outputs indexed by path: a set's manifest lists every
+        partition, and each prompt's inputs are looked up in it)."""
         if stage not in self._manifests:
             exists = paths.manifest_path(stage, self.root).exists()
-            self._manifests[stage] = read_manifest(stage, self.root) if exists else None
+            manifest = self._manifests[stage] = read_manifest(stage, self.root) if exists else None
+            index = self._outputs[stage] = {}
+            for o in (manifest or {}).get("outputs") or []:
+                index.setdefault(o.get("path"), o)
         return self._manifests[stage]
 
     def _verify(self, record: dict[str, Any]) -> None:
@@ -197,9 +204,12 @@ class StageRun(Writer):
             # a stray partition would join every query over the dataset: only the recorded ones count
             raise UserError(f"{rel} is not a partition the recorded run of stage {stage} wrote: "
                             f"remove it or re-run `dvc repro`")
+        if stage in self._verified:       # what the manifest records holds for all its files: checked once
+            return
         for i in manifest.get("inputs") or []:
             self._agree(i.get("path"), i.get("sha256"), stage)
         self._fresh(rel, stage, manifest)
+        self._verified.add(stage)
 
     def _fresh(self, rel: str, stage: str, manifest: dict) -> None:
         """Refuse an input whose stage ran with another config than params.yaml's, or read a

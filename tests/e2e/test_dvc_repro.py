@@ -124,3 +124,21 @@ def test_compose_prompt_then_repro_names_the_prompt_in_the_report(clone):
     checks = pq.read_table(clone / "artifacts/checks/checks.parquet").to_pylist()
     assert "tokenizer_expected_ids" not in {c["name"] for c in checks}
     assert all(c["verdict"] == "pass" for c in checks if c["severity"] == "error")
+
+
+def test_dvc_repro_on_a_set_runs_and_is_then_up_to_date(clone):
+    """Issue 27's command on a set, `nexttoken compose model=tiny_qwen2 prompt.set=prompts/mine.jsonl && dvc repro`,
+    through DVC itself (a set derives its full-vocabulary tables: DVC's outs must still exist, a5939b8); then
+    nothing is out of date and `nexttoken verify` re-runs probs bit for bit."""
+    records = [json.loads(line) for line in (clone / "prompts/concepts.jsonl").read_text(encoding="utf-8").splitlines()]
+    (clone / "prompts/mine.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records[:2]),
+                                              encoding="utf-8")
+    sh(clone, "nexttoken", "compose", "model=tiny_qwen2", "prompt.set=prompts/mine.jsonl")
+    sh(clone, "dvc", "repro")
+    assert paths.prompt_ids(paths.TOKENS, clone) == sorted(r["id"] for r in records[:2])
+    assert "up to date" in sh(clone, "dvc", "status").stdout
+    proc = sh(clone, "nexttoken", "verify", "--stages", "probs")
+    assert proc.stdout.rstrip().endswith("verdict: IDENTICAL: every re-run artifact is bit-identical"), proc.stdout
+    checks = pq.read_table(clone / "artifacts/checks/checks.parquet").to_pylist()
+    assert {c["prompt_id"] for c in checks} >= {r["id"] for r in records[:2]}
+    assert all(c["verdict"] == "pass" for c in checks if c["severity"] == "error")

@@ -260,7 +260,7 @@ def range_cases() -> list[Case]:
         _r("equivalence.prompts", ["../x"], "name", shown="../x"),
         _r("equivalence.nope", 1, "key"),
         _missing("equivalence.fillers"),
-        # executor (where the per-prompt work runs; whether a cluster answers is the stage's, tests/integration/test_ray_executor.py)
+        # executor (where the per-prompt work runs; whether a cluster answers: tests/integration/test_ray_executor.py)
         _r("executor.kind", "dask", "name"),
         _r("executor.address", "auto", "range", shown="auto"),              # a cluster address with kind=serial
         _r("executor.address", "", executor__kind="ray"),

@@ -251,3 +251,31 @@ def test_a_sets_manifest_keeps_each_prompts_facts(tmp_path):
     assert m["facts"] == {"n_tokens": 5, "round_trip_ok": True, "family": "qwen2"} and "prompt_facts" not in m
     m = manifest([("a", 7, True)])                                    # a single prompt: its facts, as before
     assert "prompt_facts" not in m and m["facts"] == {"n_tokens": 7, "round_trip_ok": True, "family": "qwen2"}
+
+
+def test_a_sets_inputs_read_each_manifest_once_and_still_verify_every_file(tmp_path, monkeypatch):
+    """A stage over a set uses every prompt's partition: each producing manifest is read and its inputs and config
+    checked once (not once per partition, which made a set of N cost O(N^2)), while every file is still held to
+    its own record."""
+    pids = [f"p{i:03d}" for i in range(40)]
+    with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        for pid in pids:
+            run.write_parquet(paths.TOKENS[1], _table(), prompt_id=pid)
+    reads, fresh = [], []
+    real_read, real_fresh = artifacts.read_manifest, artifacts.StageRun._fresh
+    monkeypatch.setattr(artifacts, "read_manifest", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k))
+    monkeypatch.setattr(artifacts.StageRun, "_fresh", lambda self, *a: fresh.append(a[1]) or real_fresh(self, *a))
+    with artifacts.stage_run("forward", {}, tmp_path) as run:
+        for pid in pids:
+            run.use(paths.TOKENS, pid)
+        assert reads == ["tokenize"] and fresh == ["tokenize"]
+        assert len(run._inputs) == len(pids)
+        run.write_json("s.json", {})
+    victim = paths.partition(paths.TOKENS, pids[-1], tmp_path)
+    pa_table = pa.table({"a": pa.array([9], pa.int32())})
+    import pyarrow.parquet as pq
+    pq.write_table(pa_table, victim)                          # one partition edited after tokenize wrote it
+    with pytest.raises(UserError, match=f"prompt_id={pids[-1]}.*was not produced by the recorded run"), \
+            artifacts.stage_run("forward", {}, tmp_path) as run:
+        for pid in pids:
+            run.use(paths.TOKENS, pid)

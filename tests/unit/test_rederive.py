@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from pipeline.checks import rederive
 from pipeline.checks.rederive import TOP_P_BAND, kept_rule, ranks, relative_difference, softmax64
 
 INF = np.inf
@@ -67,3 +68,24 @@ def test_temperature_then_top_p_and_greedy():
     assert kept_rule(row, 1.0, 0, 0.5).violation(np.array([0])) is None      # 0.636
     greedy = kept_rule(np.array([3.0, 5.0, 5.0], np.float32), 0.0, 3, 0.9)
     assert greedy.violation(np.array([1])) is None and greedy.violation(np.array([2])) is not None
+
+
+def test_memoised_derivations_follow_the_rows_content_and_are_read_only():
+    """softmax64 and kept_rule remember a row by its bytes: the same content gives the same (shared, read-only)
+    result; a row changed in place, or another dtype of the same values, is derived anew."""
+    rng = np.random.default_rng(3)
+    row = rng.normal(size=1000).astype(np.float32)
+    p = rederive.softmax64(row, 0.7)
+    assert rederive.softmax64(row.copy(), 0.7) is p and not p.flags.writeable
+    with pytest.raises(ValueError):
+        p[0] = 1.0                                         # a caller cannot change what others share
+    assert rederive.softmax64(row, 1.0) is not p
+    row[0] += 5.0                                          # in place: the memo must not serve the old result
+    q = rederive.softmax64(row, 0.7)
+    x = row.astype(np.float64) / 0.7
+    e = np.exp(x - x.max())
+    assert np.array_equal(q, e / math.fsum(e.tolist())) and not np.array_equal(q, p)
+    assert rederive.softmax64(row.astype(np.float64), 0.7) is not q
+    rule = rederive.kept_rule(row, 0.7, 50, 0.9)
+    assert rederive.kept_rule(row.copy(), 0.7, 50, 0.9) is rule and not rule.allowed.flags.writeable
+    assert rederive.kept_rule(row, 0.7, 40, 0.9) is not rule

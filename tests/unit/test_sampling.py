@@ -25,8 +25,10 @@ from pipeline.numerics.sampling import (
     min_temperature,
     next_token_probs,
     probability_table,
+    rank_of,
     rank_order,
     ranks,
+    top_order,
     warp,
 )
 
@@ -141,6 +143,19 @@ def test_rank_ties_by_lower_id():
     x = torch.tensor([1.0, 3.0, 3.0, 2.0, -INF], dtype=torch.bfloat16)
     assert rank_order(x).tolist() == [1, 2, 3, 0, 4]
     assert ranks(x).tolist() == [4, 1, 2, 3, 5]
+
+
+@given(st.lists(st.sampled_from([-INF, -1.0, 0.0, 0.5, 2.0, 3.0]), min_size=1, max_size=40),
+       st.integers(1, 45), st.sampled_from([torch.bfloat16, torch.float32]))
+@hyp_settings(max_examples=200, deadline=None)
+def test_rank_of_and_top_order_are_the_full_sorts(values, n, dtype):
+    """The trajectories' rank and top-n without sorting the vocabulary: on rows full of ties and masked ids, the
+    very ranks and order of the stable sort (NaN, which sorts apart, takes the sort)."""
+    x = torch.tensor(values, dtype=dtype)
+    full = ranks(x)
+    assert [rank_of(x, i) for i in range(len(values))] == full.tolist()
+    assert top_order(x, n).tolist() == rank_order(x)[:n].tolist()
+    assert top_order(x, n).tolist() == torch.argsort(x.float(), descending=True, stable=True)[:n].tolist()
 
 
 def test_probability_table_bf16_against_numpy():
