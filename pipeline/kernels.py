@@ -163,6 +163,21 @@ def describe_difference(field: str, x: Any, y: Any) -> str:
     return f"{field} {x} -> {y}"
 
 
+def cpu_key(record: dict | None) -> str | None:
+    """What decides a CPU computation's bits, in one phrase: `portable` (the pins make every x86 CPU compute the
+    same bits), else ATen's capability and the kernel-selecting flags. `record`: a manifest's kernel path
+    (`provenance.kernel_path`) or a Ray prompt's record (`kernel_mode`, `aten_cpu_capability`, `cpu_flags`);
+    None when it holds neither."""
+    if not record:
+        return None
+    mode = record.get("mode", record.get("kernel_mode"))
+    if mode == "portable":
+        return "portable"
+    if record.get("aten_cpu_capability") is None:
+        return None
+    return f"ATen {record['aten_cpu_capability']}, flags {'+'.join(record.get('cpu_flags') or []) or 'unknown'}"
+
+
 def summary(record: dict | None) -> str:
     """A kernel-path record in one short phrase (the report, diff and verify lines)."""
     if not record:

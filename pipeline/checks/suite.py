@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline import kernels
 from pipeline.checks import next_token, recompute, tables
 from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logit_rows
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
@@ -97,8 +98,10 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str) -> Stored:
     if paths.stage_dir(item[0], root).exists():
         metrics = (use(item), own_id, use(paths.VOCAB))
     traj = parquet_facts(step_logits) if step_logits else {}
-    devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name")},
-               "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name")}}
+    devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name"),
+                           "cpu_kernels": recorded_cpu_kernels(root, "forward", prompt_id)},
+               "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name"),
+                                "cpu_kernels": recorded_cpu_kernels(root, "trajectories", prompt_id)}}
     loops_item = paths.TRAJECTORY_PROMPT_METRICS
     loops_table = (use(loops_item), own_id) if paths.stage_dir(loops_item[0], root).exists() else None
     lens = paths.manifest_path(paths.LENS[0], root).exists()                       # False: the lens stage did not run
@@ -132,6 +135,23 @@ def _manifest(stage: str, root: str, mtime_ns: int, size: int) -> dict:
     return read_manifest(stage, root)
 
 
+def recorded_cpu_kernels(root: Path | str, stage: str, prompt_id: str) -> str | None:
+    """The CPU kernels a stage computed `prompt_id` with (`kernels.cpu_key`): the prompt's own record where the
+    stage ran on Ray (a cluster may mix CPUs), else the stage process's kernel path; None when not recorded."""
+    path = paths.manifest_path(stage, root)
+    if not path.exists():
+        return None
+    manifest = _manifest(stage, str(root), *_stamp(path))
+    prompt = ((manifest.get("executor") or {}).get("prompts") or {}).get(prompt_id)
+    return kernels.cpu_key(prompt) if prompt else kernels.cpu_key(manifest.get("kernels"))
+
+
+def here_record(model, device: torch.device) -> dict:
+    """Where this process computes, as `device_difference` compares it."""
+    from pipeline.store import provenance
+    return {**loader.device_record(model, device), "cpu_kernels": kernels.cpu_key(provenance.kernel_path())}
+
+
 def _where(record: dict) -> str:
     device = torch.device(record.get("device") or "cpu")
     if device.type != "cuda":
@@ -139,11 +159,21 @@ def _where(record: dict) -> str:
     return f"{device.type} ({record.get('gpu_name') or 'GPU model not recorded'})"
 
 
+def _cpu_kernels_differ(ra: dict, rb: dict) -> bool:
+    """Both computed on the CPU with recorded kernels, and those are not the same (AVX2 vs AVX-512 give other
+    bf16 bits); unrecorded on either side: not known to differ."""
+    ka, kb = ra.get("cpu_kernels"), rb.get("cpu_kernels")
+    return _where(ra) == _where(rb) == "cpu" and ka is not None and kb is not None and ka != kb
+
+
 def device_difference(a: tuple[str, dict], b: tuple[str, dict]) -> str:
     """"" when two computations ((label, {"device", "gpu_name"})) ran on the same kind of device
     and GPU model, else a sentence saying where each ran. A CUDA run whose GPU model was not
     recorded counts as another GPU: nothing says its kernels were these."""
     (la, ra), (lb, rb) = a, b
+    if _cpu_kernels_differ(ra, rb):
+        return (f"report, not error: {la} ran on CPU kernels {ra['cpu_kernels']}, {lb} on {rb['cpu_kernels']}, "
+                "which may round differently")
     if _where(ra) == _where(rb) and "not recorded" not in _where(ra):
         return ""
     return f"report, not error: {la} ran on {_where(ra)}, {lb} on {_where(rb)}, whose kernels may round differently"
@@ -396,7 +426,7 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
     """
     ids, tensors, m, p_cfg, prompt = stored.token_ids, stored.tensors, cfg["model"], cfg["probs"], cfg["prompt"]
     # Where each compared computation ran: the stored runs, and this process (the checks stage or an audit).
-    here, fwd, traj = ("this check", loader.device_record(model, device)), ("forward", stored.devices["forward"]), \
+    here, fwd, traj = ("this check", here_record(model, device)), ("forward", stored.devices["forward"]), \
         ("trajectories", stored.devices["trajectories"])
     mode = "all" if len(stored.logit_positions) == len(ids) else "last"
     transparent, repeat = fresh_forward(model, tensors, mode, "error")

@@ -38,6 +38,25 @@ def kernel_difference_line(then: dict | None, now: dict | None, labels: tuple[st
             + "; ".join(kernels.describe_difference(*d) for d in diffs))
 
 
+def prompt_kernel_lines(manifests: dict[str, dict], now: dict | None) -> list[str]:
+    """Per stage that ran its prompts on Ray (a cluster may mix CPUs): the prompts whose recorded CPU kernels
+    (`kernels.cpu_key`) are not `now`'s, grouped by kernels and node, one line each; none when all match."""
+    here = kernels.cpu_key(now)
+    out = []
+    for stage, manifest in manifests.items():
+        prompts = ((manifest.get("executor") or {}).get("prompts")) or {}
+        groups: dict[tuple[str, str], list[str]] = {}
+        for pid, where in sorted(prompts.items()):
+            key = kernels.cpu_key(where)
+            if key is not None and here is not None and key != here:
+                groups.setdefault((key, str(where.get("node"))), []).append(pid)
+        for (key, node), pids in groups.items():
+            shown = ", ".join(pids[:5]) + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
+            out.append(f"kernel path per prompt: {stage} computed {len(pids)} prompt(s) on node {node} with CPU "
+                       f"kernels {key}, here {here} (their bits may differ): {shown}")
+    return out
+
+
 # ---------------------------------------------------------------- capture
 @dataclass(frozen=True)
 class Divergence:

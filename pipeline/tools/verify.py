@@ -47,6 +47,7 @@ from pipeline.tools.divergence import (
     divergence_line,
     first_diverging_tensor,
     kernel_difference_line,
+    prompt_kernel_lines,
     recorded_kernels,
     top1_line,
 )
@@ -116,6 +117,7 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
         _rerun(here, params, {s: manifests[s].get("config") or {} for s in rerun})
         now = revisions.load_manifests(here)
         result.lines.append(kernel_difference_line(recorded_kernels(manifests), recorded_kernels(now), LABELS))
+        result.lines += prompt_kernel_lines(manifests, recorded_kernels(now))
         for stage in rerun:
             for name, same in _compare_files(root, here, stage):
                 result.lines.append(f"{'identical' if same else 'differs  '} {stage}/{name}")

@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from pipeline import kernels
 from pipeline.checks import lens, recompute, reference, suite, tables, trajectory, verdicts
 from pipeline.config import prompt_set, schema
 from pipeline.model import decode, loader
@@ -215,6 +216,21 @@ def test_device_difference_needs_the_same_device_kind_and_gpu_model():
     # a GPU run that did not record its GPU model is not taken for this one
     assert "GPU model not recorded" in suite.device_difference(("forward", {"device": "cuda", "gpu_name": None}),
                                                                ("this check", {"device": "cuda", "gpu_name": None}))
+
+
+def test_device_difference_reads_the_cpu_kernels_each_side_recorded():
+    """Two CPU computations differ in bits when their kernels do (AVX2 vs AVX-512 bf16): a cluster may mix CPUs,
+    so the recorded kernels of each (a Ray prompt's own) decide; unrecorded on either side is not a difference."""
+    avx2, avx512 = "ATen AVX2, flags avx2+fma", "ATen AVX512, flags avx2+fma+avx512f"
+    here = ("this check", {"device": "cpu", "gpu_name": None, "cpu_kernels": avx2})
+    assert suite.device_difference(("forward", {"device": "cpu", "gpu_name": None, "cpu_kernels": avx2}), here) == ""
+    assert suite.device_difference(("forward", {"device": "cpu", "gpu_name": None, "cpu_kernels": avx512}), here) \
+        == f"report, not error: forward ran on CPU kernels {avx512}, this check on {avx2}, which may round differently"
+    assert suite.device_difference(("forward", {"device": "cpu", "gpu_name": None, "cpu_kernels": None}), here) == ""
+    portable = {"mode": "portable", "aten_cpu_capability": "DEFAULT", "cpu_flags": ["avx2"]}
+    assert kernels.cpu_key(portable) == kernels.cpu_key({**portable, "cpu_flags": ["avx2", "avx512f"]}) == "portable"
+    ray_prompt = {"kernel_mode": "native", "aten_cpu_capability": "AVX512", "cpu_flags": ["avx2", "fma", "avx512f"]}
+    assert kernels.cpu_key(ray_prompt) == avx512
 
 
 def test_kernel_bound_checks_become_reports_saying_why_on_other_devices():

@@ -160,3 +160,27 @@ def test_the_audit_of_a_set_re_derives_every_prompt_and_is_clean(set_run):
     assert result.clean, result.lines()
     assert any("re-derived" in n and "(2 prompt(s))" in n and "metrics.json" in n for n in result.notes), result.notes
     assert any(n.startswith("re-ran ") and "checks" in n for n in result.notes), result.notes
+
+
+def test_the_checks_read_each_prompts_own_kernel_path(set_run, tmp_path):
+    """Issue 29: a cluster of different CPUs mixes kernel paths, so the checks' severities read the one each prompt
+    was computed with. The forward manifest records OTHER as computed on an AVX-512 node of a Ray cluster: its
+    recomputes against this process's kernels become reports saying why; the reference prompt's stay errors."""
+    from pipeline import kernels
+    ws = copy_ws(set_run[0], tmp_path / "ws")
+    path = paths.manifest_path("forward", ws)
+    manifest = json.loads(path.read_text())
+    here = kernels.cpu_key(manifest["kernels"])
+    other = {"node": "node-b", "device": "cpu", "kernel_mode": "native", "aten_cpu_capability": "AVX512",
+             "cpu_flags": ["avx2", "fma", "avx512f", "avx512bw"]}
+    assert kernels.cpu_key(other) != here
+    manifest["executor"] = {"kind": "ray", "prompts": {OTHER: other}}
+    path.write_text(json.dumps(manifest))
+    shutil.rmtree(paths.stage_dir("checks", ws))
+    proc = run_module("stages.checks", ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, ws)))
+    assert rows[(REFERENCE, "lm_head_recompute")]["severity"] == "error"
+    moved = rows[(OTHER, "lm_head_recompute")]
+    assert moved["severity"] == "report" and "forward ran on CPU kernels ATen AVX512" in moved["detail"], moved
+    assert f"this check on {here}" in moved["detail"]

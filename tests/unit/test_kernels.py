@@ -166,3 +166,23 @@ def test_two_records_compare_field_by_field():
     assert [kernels.describe_difference(*d) for d in diffs] == [
         "aten_cpu_capability AVX512 -> AVX2", "cpu_flags -amx_bf16", "env.ONEDNN_MAX_CPU_ISA None -> AVX2"]
     assert kernels.differences(then, dict(then)) == []
+
+
+def test_verify_names_the_prompts_a_cluster_computed_on_other_cpu_kernels():
+    """issue 29: a Ray run records each prompt's kernels; verify says which prompts were computed with kernels that
+    are not this machine's, by node, and says nothing where they match or are not recorded."""
+    from pipeline.tools.divergence import prompt_kernel_lines
+    here = {"mode": "native", "aten_cpu_capability": "AVX2", "cpu_flags": ["avx2", "fma"]}
+    node = {"kernel_mode": "native", "aten_cpu_capability": "AVX2", "cpu_flags": ["avx2", "fma"], "node": "a"}
+    other = {**node, "aten_cpu_capability": "AVX512", "cpu_flags": ["avx2", "fma", "avx512f"], "node": "b"}
+    prompts = {f"p{i}": (other if i % 3 == 0 else node) for i in range(9)}
+    manifests = {"tokenize": {}, "forward": {"executor": {"kind": "ray", "prompts": prompts}}}
+    (line,) = prompt_kernel_lines(manifests, here)
+    assert line == ("kernel path per prompt: forward computed 3 prompt(s) on node b with CPU kernels ATen AVX512, "
+                    "flags avx2+fma+avx512f, here ATen AVX2, flags avx2+fma (their bits may differ): p0, p3, p6")
+    assert prompt_kernel_lines(manifests, other | {"mode": "native"}) == [
+        "kernel path per prompt: forward computed 6 prompt(s) on node a with CPU kernels ATen AVX2, flags avx2+fma, "
+        "here ATen AVX512, flags avx2+fma+avx512f (their bits may differ): p1, p2, p4, p5, p7 and 1 more"]
+    assert prompt_kernel_lines({"forward": {"executor": {"kind": "ray", "prompts": {"p0": node}}}}, here) == []
+    assert prompt_kernel_lines(manifests, None) == []           # nothing recorded here: nothing to compare
+    assert prompt_kernel_lines({"forward": {"kernels": here}}, here) == []    # serial: the run-wide line says it
