@@ -70,6 +70,12 @@ def test_code_never_turns_trust_remote_code_on_by_itself():
 
 
 # ---------------------------------------------------------------- pickle
+# The one pickle load allowed, and why: a Ray actor unpickles the PromptWork its own stage process pickled (paths
+# and configs, `pipeline.executor.cluster.Worker`), after it has pinned the kernels; the bytes travel inside Ray,
+# which unpickles everything it carries anyway, and never come from a file or a model.
+ALLOWED_PICKLE = {"cluster.py: pickle.loads("}
+
+
 def test_no_pickle_loader_in_the_code():
     bad = []
     for p in CODE:
@@ -81,7 +87,9 @@ def test_no_pickle_loader_in_the_code():
         for node, name, owner, kw in _calls(p):
             if name == "load" and owner == "torch" and not _is_true(kw.get("weights_only")):
                 bad.append(f"{p.name}:{node.lineno}: torch.load without weights_only=True")
-    assert bad == []
+    assert [b for b in bad if b not in ALLOWED_PICKLE] == []
+    cluster = (REPO / "pipeline/executor/cluster.py").read_text(encoding="utf-8")
+    assert cluster.count("pickle.loads(") == 1 and "pickle.loads(work_bytes)" in cluster     # that one, only
 
 
 def test_every_hf_load_is_local_and_model_loads_are_safetensors_only():
