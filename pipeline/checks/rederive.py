@@ -58,8 +58,6 @@ def memoised(fn):
         if len(memo) > 16:
             memo.popitem(last=False)
         return value
-
-    wrapper.cache_clear = memo.clear
     return wrapper
 
 

@@ -11,7 +11,6 @@ summary.json booleans) are never used as measurements.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,14 @@ from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model import capture, decode, loader, tokenization
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import parquet_facts, read_json, read_manifest, read_parquet, read_safetensors
+from pipeline.store.artifacts import (
+    parquet_facts,
+    read_json,
+    read_manifest_once,
+    read_once,
+    read_parquet,
+    read_safetensors,
+)
 
 
 # ---------------------------------------------------------------- stored artifacts
@@ -122,26 +128,18 @@ def _probs_table(use: Callable[..., Path], root: Path | str, prompt_id: str,
     did not run."""
     if not paths.stage_dir(item[0], root).exists():
         return None
-    manifest = _manifest(item[0], str(root), *_stamp(paths.manifest_path(item[0], root)))
+    manifest = read_manifest_once(item[0], root)        # a set's lists every prompt: not read per prompt
     if probs.table_is_stored(manifest):
         return use(item, prompt_id)
     return probs.read_table(use, prompt_id, manifest, item)
 
 
-@functools.lru_cache(maxsize=4)
-def _manifest(stage: str, root: str, mtime_ns: int, size: int) -> dict:
-    """A stage's manifest read once per process and version (a set's lists every prompt: read per prompt, the
-    checks would cost O(N^2) over the set). Shared: read only."""
-    return read_manifest(stage, root)
-
-
 def recorded_cpu_kernels(root: Path | str, stage: str, prompt_id: str) -> str | None:
     """The CPU kernels a stage computed `prompt_id` with (`kernels.cpu_key`): the prompt's own record where the
     stage ran on Ray (a cluster may mix CPUs), else the stage process's kernel path; None when not recorded."""
-    path = paths.manifest_path(stage, root)
-    if not path.exists():
+    if not paths.manifest_path(stage, root).exists():
         return None
-    manifest = _manifest(stage, str(root), *_stamp(path))
+    manifest = read_manifest_once(stage, root)
     prompt = ((manifest.get("executor") or {}).get("prompts") or {}).get(prompt_id)
     return kernels.cpu_key(prompt) if prompt else kernels.cpu_key(manifest.get("kernels"))
 
@@ -202,7 +200,7 @@ def tokenizer_retokenize(tokenizer_json: Path | None, tokenizer, text: str, add_
     library straight from the snapshot's tokenizer.json (else from the loaded tokenizer's backend)."""
     from tokenizers import Tokenizer
     if tokenizer_json is not None and Path(tokenizer_json).is_file():
-        raw = _raw_tokenizer(str(tokenizer_json), *_stamp(Path(tokenizer_json)))
+        raw = _raw_tokenizer(tokenizer_json)
     else:
         raw = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     encoded = raw.encode(text, add_special_tokens=add_special_tokens).ids
@@ -210,17 +208,12 @@ def tokenizer_retokenize(tokenizer_json: Path | None, tokenizer, text: str, add_
                 "from tokenizer.json (not transformers' wrapper)", encoded, stored_ids)
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_mtime_ns, st.st_size
-
-
-@functools.lru_cache(maxsize=4)
-def _raw_tokenizer(tokenizer_json: str, mtime_ns: int, size: int):
+@read_once
+def _raw_tokenizer(tokenizer_json: Path):
     """tokenizer.json read once per process and file version (0.4 s for Qwen's 152k vocabulary, and a set
     checks every prompt with it)."""
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(tokenizer_json)
+    return Tokenizer.from_file(str(tokenizer_json))
 
 
 def tokenizer_round_trip(tokenizer, text: str, stored_ids: list[int], chat: bool = False) -> Check:

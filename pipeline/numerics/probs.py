@@ -7,7 +7,6 @@ the audit can recompute every number bit for bit from `logits.parquet` alone.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,15 @@ from pipeline.numerics.sampling import (
     top_order,
 )
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import StageRun, Writer, parquet_facts, read_json, read_parquet, tables_stored
+from pipeline.store.artifacts import (
+    StageRun,
+    Writer,
+    parquet_facts,
+    read_json,
+    read_once,
+    read_parquet,
+    tables_stored,
+)
 
 
 def prob_column(t: float) -> str:
@@ -309,16 +316,11 @@ def prompt_id(tokenize_summary: Path) -> str:
     return recorded
 
 
+@read_once
 def read_vocab(vocab_path: Path) -> dict[int, str]:
-    """vocab.parquet as {token_id: text}, read once per process and file version (152k ids for Qwen: a set's
-    prompts would each read it again). Shared: read only."""
-    st = Path(vocab_path).stat()
-    return _vocab(str(vocab_path), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=2)
-def _vocab(vocab_path: str, mtime_ns: int, size: int) -> dict[int, str]:
-    table = read_parquet(Path(vocab_path), columns=["token_id", "text"])
+    """vocab.parquet as {token_id: text}, read once per process and file version (`read_once`: 152k ids for
+    Qwen, which a set's prompts would each read again). Shared: read only."""
+    table = read_parquet(vocab_path, columns=["token_id", "text"])
     return dict(zip(table["token_id"].to_pylist(), table["text"].to_pylist()))
 
 

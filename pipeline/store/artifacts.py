@@ -11,6 +11,7 @@ the repository files as they are now (else it is stale, and named so).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -476,6 +477,35 @@ def read_manifest(stage: str, root: Path | str = ".") -> dict[str, Any]:
     """A stage's manifest.json, refused in one line unless it is a manifest of this code's format
     (`provenance.FORMAT_VERSION`): every reader of a run's files reads it through here first."""
     return check_format(read_json(paths.manifest_path(stage, root)), paths.manifest_path(stage).as_posix())
+
+
+def read_once(reader: Callable[..., Any]) -> Callable[..., Any]:
+    """`reader(path, *args)` remembered per process by the file's path, modification time (ns) and size, and
+    args (the last 8): what a stage reads for every prompt of a set but that is one file for the whole set (a
+    manifest listing every partition, a 152k-id vocabulary or tokenizer.json), read once and again only when the
+    file changes. The result is shared: callers only read it."""
+    @functools.lru_cache(maxsize=8)
+    def cached(path: str, mtime_ns: int, size: int, *args: Any) -> Any:
+        return reader(Path(path), *args)
+
+    @functools.wraps(reader)
+    def wrapper(path: Path | str, *args: Any) -> Any:
+        try:
+            st = Path(path).stat()
+        except FileNotFoundError:              # the reader names what is missing, in its own words
+            return reader(Path(path), *args)
+        return cached(str(path), st.st_mtime_ns, st.st_size, *args)
+    return wrapper
+
+
+@read_once
+def _manifest_file(path: Path, stage: str) -> dict[str, Any]:
+    return check_format(read_json(path), paths.manifest_path(stage).as_posix())
+
+
+def read_manifest_once(stage: str, root: Path | str = ".") -> dict[str, Any]:
+    """`read_manifest`, read once per process and version of the file (`read_once`). Shared: read only."""
+    return _manifest_file(paths.manifest_path(stage, root), stage)
 
 
 def check_format(manifest: Any, where: str) -> dict[str, Any]:

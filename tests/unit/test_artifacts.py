@@ -279,3 +279,20 @@ def test_a_sets_inputs_read_each_manifest_once_and_still_verify_every_file(tmp_p
             artifacts.stage_run("forward", {}, tmp_path) as run:
         for pid in pids:
             run.use(paths.TOKENS, pid)
+
+
+def test_read_once_reads_a_file_again_only_when_it_changes(tmp_path):
+    calls = []
+
+    @artifacts.read_once
+    def reader(path, label):
+        calls.append(label)
+        return path.read_text()
+
+    f = tmp_path / "x.json"
+    f.write_text("one")
+    assert reader(f, "a") == reader(str(f), "a") == "one" and calls == ["a"]
+    f.write_text("three")                                    # another size: read again
+    assert reader(f, "a") == "three" and calls == ["a", "a"]
+    with pytest.raises(FileNotFoundError):                   # missing: the reader's own error, nothing cached
+        reader(tmp_path / "gone.json", "b")
