@@ -19,12 +19,12 @@ import torch
 from pipeline.config.schema import ProbsConfig, SamplingConfig
 from pipeline.errors import UserError, bad_value
 from pipeline.numerics.aggregates import PROBS_KEYS, probs_set_metrics
+from pipeline.numerics.exactsum import fsum
 from pipeline.numerics.sampling import (
+    Distributions,
     SamplingSettings,
     check_temperature,
-    filter_distribution,
     largest_logit,
-    probability_table,
     ranks,
     top_order,
 )
@@ -97,15 +97,13 @@ def check_temperatures(probs_cfg: ProbsConfig, named: list[NamedFilter], largest
         check_temperature("probs.temperatures", t, largest, greedy=False)
 
 
-def entropy_nats(p: np.ndarray) -> float:
-    nz = p[p > 0]
-    return float(-math.fsum((nz * np.log(nz)).tolist()))
-
-
-def position_table(position: int, row: np.ndarray, temperatures: tuple[float, ...]) -> tuple[pa.Table, dict]:
-    """table.parquet rows of one position, and its probability tables by temperature."""
+def position_table(position: int, row: np.ndarray, temperatures: tuple[float, ...],
+                   dist: Distributions | None = None) -> tuple[pa.Table, dict]:
+    """table.parquet rows of one position, and its probability tables by temperature (`dist`: the row's
+    `Distributions`, shared with the rest of `build`)."""
     logits = torch.from_numpy(row)
-    tables = probability_table(logits, list(temperatures))
+    dist = dist or Distributions(logits)
+    tables = {t: dist.table(t) for t in temperatures}
     cols = {
         "position": pa.array(np.full(row.size, position, np.int32)),
         "token_id": pa.array(np.arange(row.size, dtype=np.int32)),
@@ -190,22 +188,24 @@ def write_table(stage: Writer, outputs: dict, prompt_id: str, rows_per_position:
         stage.write_parquet(paths.FILTERED[1], outputs[paths.FILTERED], prompt_id=prompt_id, compression="zstd")
 
 
-def add_filtered(position: int, row: np.ndarray, named: list[NamedFilter], kept: dict[str, list],
-                 entries: list[dict]) -> None:
-    """filtered.parquet's rows of every filter at one position, appended to `kept` (column -> values),
-    and each filter's summary.json entry to `entries`."""
+def add_filtered(position: int, row: np.ndarray, named: list[NamedFilter], kept: dict[str, list] | None,
+                 entries: list[dict], dist: Distributions | None = None) -> None:
+    """filtered.parquet's rows of every filter at one position, appended to `kept` (column -> values; None:
+    a derived run's, which stores no rows), and each filter's summary.json entry to `entries`."""
+    dist = dist or Distributions(torch.from_numpy(row))
     for flt in named:
-        rows, entry = filtered_rows(position, row, flt)
+        rows, entry = filtered_rows(position, row, flt, dist, rows=kept is not None)
         for k, v in rows.items():
             kept[k] += v
         entries.append(entry)
 
 
-def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter) -> tuple[dict, dict]:
-    """filtered.parquet rows for one filter at one position, and its summary entry."""
-    kept = filter_distribution(torch.from_numpy(row), flt.settings)
+def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter, dist: Distributions,
+                  rows: bool = True) -> tuple[dict, dict]:
+    """filtered.parquet rows for one filter at one position (none without `rows`), and its summary entry."""
+    kept = dist.kept(flt.settings)
     s = flt.settings
-    rows = {
+    rows = {} if not rows else {
         "position": [position] * kept.count, "filter": [flt.name] * kept.count,
         "temperature": [s.temperature] * kept.count, "top_k": [s.top_k] * kept.count,
         "top_p": [s.top_p] * kept.count, "kept_rank": list(range(1, kept.count + 1)),
@@ -213,11 +213,11 @@ def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter) -> tuple[dic
         "prob_before": kept.prob_before.tolist(), "prob_after": kept.prob_after.tolist(),
     }
     # top-p minimality: without its last kept id, the set must fall below p.
-    mass_without_last = math.fsum(kept.prob_before[:-1].tolist())
+    mass_without_last = fsum(kept.prob_before[:-1])
     summary = {
         "position": position, "filter": flt.name, "temperature": s.temperature, "top_k": s.top_k,
         "top_p": s.top_p, "kept_count": kept.count, "kept_mass": kept.mass,
-        "renormalised_sum_error": abs(math.fsum(kept.prob_after.tolist()) - 1.0),
+        "renormalised_sum_error": abs(fsum(kept.prob_after) - 1.0),
         "mass_without_last_kept": mass_without_last,
         "top_id": int(kept.ids[0]), "top_prob_after": float(kept.prob_after[0]),
     }
@@ -231,18 +231,18 @@ FILTERED_SCHEMA = pa.schema([
 ])
 
 
-def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int, tolerance32: float,
-                        tolerance64: float, vocab: dict[int, str]) -> list[dict]:
+def temperature_summary(position: int, row: np.ndarray, dist: Distributions, temperatures: tuple[float, ...],
+                        top_n: int, tolerance32: float, tolerance64: float, vocab: dict[int, str]) -> list[dict]:
     """Per temperature: top-N candidates, the rest mass, entropy, sums and their verdicts."""
     order = top_order(torch.from_numpy(row), top_n)          # rank_order(row)[:top_n]
     out = []
-    for t, tab in tables.items():
-        entropy = entropy_nats(tab.p64)
+    for t in temperatures:
+        tab, entropy = dist.table(t), dist.entropy_nats(t)
         top = [{"token_id": int(i), "text": vocab.get(int(i)), "logit": float(row[i]), "prob": float(tab.p64[i])}
                for i in order]
         out.append({
             "position": position, "temperature": t, "top": top,
-            "rest": math.fsum(np.delete(tab.p64, order).tolist()),   # every id not in `top`
+            "rest": fsum(np.delete(tab.p64, order)),   # every id not in `top`
             "entropy_nats": entropy, "entropy_bits": entropy / math.log(2),
             "sum_error_fp64": tab.sum_err64, "sum_error_fp32": tab.sum_err32,
             "fp64_within_tolerance": tab.sum_err64 <= tolerance64,
@@ -251,7 +251,7 @@ def temperature_summary(position: int, row: np.ndarray, tables: dict, top_n: int
     return out
 
 
-def sweep_metrics(row: np.ndarray, sampling_filter: dict) -> dict:
+def sweep_metrics(dist: Distributions, sampling_filter: dict) -> dict:
     """The figures a sweep compares (DVC metrics, columns of `dvc exp show`): the configured filter
     at the last probability position, under short names so a sweep's table fits a terminal. `kept`
     and `mass` (the ids the filter keeps and their probability), `top_bits` (the top candidate's
@@ -262,9 +262,8 @@ def sweep_metrics(row: np.ndarray, sampling_filter: dict) -> dict:
     """
     s = sampling_filter
     t = s["temperature"] if s["temperature"] > 0 else 1.0
-    p = torch.softmax(torch.from_numpy(row).to(torch.float64) / t, dim=-1).numpy()
-    return {"kept": s["kept_count"], "mass": s["kept_mass"], "top_bits": bits(float(p.max())),
-            "entropy": entropy_nats(p) / math.log(2)}
+    return {"kept": s["kept_count"], "mass": s["kept_mass"], "top_bits": bits(float(dist.p64(t).max())),
+            "entropy": dist.entropy_nats(t) / math.log(2)}
 
 
 def bits(p: float) -> float:
@@ -290,20 +289,21 @@ def at_temperature(flt: NamedFilter, t: float) -> SamplingSettings:
 
 
 def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures: tuple[float, ...],
-                   named: list[NamedFilter], vocab: dict[int, str]) -> pa.Table:
+                   named: list[NamedFilter], vocab: dict[int, str], dist: Distributions | None = None) -> pa.Table:
     """One row per temperature (ascending) of one prompt's next-token distribution (`row`: the
     logits at its last position): entropy in nats, the top-1 id (rank 1: highest logit, lower id
     on ties) and its FP64 probability, and each filter's kept count and mass, by the very
-    computations of summary.json (`entropy_nats`) and filtered.parquet (`filter_distribution`)."""
+    computations of summary.json (`Distributions.entropy_nats`) and filtered.parquet (`Distributions.kept`;
+    `dist`: the row's, shared with the rest of `build`)."""
     logits = torch.from_numpy(row)
-    tables, top1 = probability_table(logits, list(temperatures)), int(top_order(logits, 1)[0])
+    dist, top1 = dist or Distributions(logits), int(top_order(logits, 1)[0])
     rows = []
     for t in sorted(temperatures):
-        rec = {"prompt_id": prompt_id, "position": position, "temperature": t, "entropy": entropy_nats(tables[t].p64),
-               "top1_id": top1, "top1_text": vocab.get(top1), "top1_prob": float(tables[t].p64[top1])}
+        rec = {"prompt_id": prompt_id, "position": position, "temperature": t, "entropy": dist.entropy_nats(t),
+               "top1_id": top1, "top1_text": vocab.get(top1), "top1_prob": float(dist.p64(t)[top1])}
         for f in named:
-            kept = filter_distribution(logits, at_temperature(f, t))
-            rec |= {f"{f.name}_kept": kept.count, f"{f.name}_mass": kept.mass}
+            count, mass = dist.kept_count_and_mass(at_temperature(f, t))
+            rec |= {f"{f.name}_kept": count, f"{f.name}_mass": mass}
         rows.append(rec)
     return pa.Table.from_pylist(rows, schema=metrics_schema(named))
 
@@ -349,26 +349,27 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
         largest = max(largest, largest_logit(row))
     check_temperatures(probs_cfg, named, largest)
     tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
-    for pos in positions:               # ascending: `row` is the last position's afterwards
+    dists = {}                          # position -> its row's Distributions, each softmax / filter once
+    for pos in positions:               # ascending
         row = logits_io.read_position(logits_path, pos)
-        if kind == "stored":
-            table, by_t = position_table(pos, row, probs_cfg.temperatures)
-            tables.append(table)
-        else:                           # derived: the same tables, without the full-vocabulary rows and ranks
-            by_t = probability_table(torch.from_numpy(row), list(probs_cfg.temperatures))
+        dists[pos] = dist = Distributions(torch.from_numpy(row))
+        if kind == "stored":            # derived: the same tables, without the full-vocabulary rows and ranks
+            tables.append(position_table(pos, row, probs_cfg.temperatures, dist)[0])
         summary["temperatures"] += temperature_summary(
-            pos, row, by_t, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance, probs_cfg.fp64_sum_tolerance, vocab)
-        add_filtered(pos, row, named, kept, summary["filters"])
+            pos, row, dist, probs_cfg.temperatures, probs_cfg.top_n, probs_cfg.fp32_sum_tolerance,
+            probs_cfg.fp64_sum_tolerance, vocab)
+        add_filtered(pos, row, named, kept if kind == "stored" else None, summary["filters"], dist)
     last = positions[-1]
     sampling_filter = next(f for f in summary["filters"] if f["position"] == last and f["filter"] == "sampling")
     outputs = {**({paths.TABLE: pa.concat_tables(tables)} if kind == "stored" else {}),
                **({paths.FILTERED: pa.table(kept, schema=FILTERED_SCHEMA)} if kind == "stored" else {}),
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
-               paths.PROBS_METRICS: sweep_metrics(row, sampling_filter)}   # row: the last position's
+               paths.PROBS_METRICS: sweep_metrics(dists[last], sampling_filter)}
     # this prompt as a set of one: its set keys (a set's: `record`)
+    last_row = logits_io.read_position(logits_path, last_prompt)
     outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
-        prompt_id(tokenize_summary), last_prompt, logits_io.read_position(logits_path, last_prompt),
-        probs_cfg.temperatures, named, vocab)
+        prompt_id(tokenize_summary), last_prompt, last_row, probs_cfg.temperatures, named, vocab,
+        dists.get(last_prompt) or Distributions(torch.from_numpy(last_row)))
     outputs[paths.PROBS_METRICS] = run_metrics([outputs[paths.PROBS_METRICS]])
     return outputs, {"model": facts.get("model"), "positions": positions, "rows_per_position": len(vocab),
                      "temperatures": list(probs_cfg.temperatures), "table": kind,

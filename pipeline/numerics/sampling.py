@@ -20,7 +20,6 @@ Ranks: rank 1 is the highest logit; equal logits rank by lower token id first.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +33,7 @@ from transformers.generation.logits_process import (
 )
 
 from pipeline.errors import bad_value
+from pipeline.numerics.exactsum import fsum
 
 _NEG_INF = -float("inf")
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -146,21 +146,18 @@ class ProbTable:
 
 
 def _sum_error(p: np.ndarray) -> float:
-    # fsum is exact, so the error measured is the table's, not the summation's.
-    return abs(math.fsum(p.astype(np.float64).tolist()) - 1.0)
+    # fsum is exact (math.fsum's correctly rounded sum), so the error measured is the table's, not the summation's.
+    return abs(fsum(p) - 1.0)
+
+
+def _softmax64(row: torch.Tensor, t: float) -> np.ndarray:
+    return torch.softmax(row.to(torch.float64) / t, dim=-1).numpy()
 
 
 def probability_table(logits: torch.Tensor, temperatures: list[float]) -> dict[float, ProbTable]:
     """One ProbTable per temperature (validated > 0) for a 1-D logits row of any dtype (e.g. bf16)."""
-    if logits.ndim != 1:
-        raise ValueError(f"expected 1-D logits, got shape {tuple(logits.shape)}")
-    row = logits.detach().cpu()
-    tables = {}
-    for t in temperatures:
-        p64 = torch.softmax(row.to(torch.float64) / t, dim=-1).numpy()
-        p32 = torch.softmax(row.float() / t, dim=-1).numpy()
-        tables[t] = ProbTable(t, p64, p32, _sum_error(p64), _sum_error(p32))
-    return tables
+    row = Distributions(logits)
+    return {t: row.table(t) for t in temperatures}
 
 
 def rank_order(logits: torch.Tensor) -> np.ndarray:
@@ -216,17 +213,72 @@ def filter_distribution(logits: torch.Tensor, settings: SamplingSettings) -> Kep
     on input are never kept. Greedy keeps the argmax only, and since softmax(l / 0) is
     undefined its probabilities are reported at T = 1.
     """
-    if logits.ndim != 1:
-        raise ValueError(f"expected 1-D logits, got shape {tuple(logits.shape)}")
-    row = logits.detach().cpu()
-    t = 1.0 if settings.is_greedy else settings.temperature
-    p64 = torch.softmax(row.to(torch.float64) / t, dim=-1).numpy()
-    if settings.is_greedy:
-        kept = np.array([int(torch.argmax(row))], dtype=np.int64)
-    else:
-        scores = warp(row, settings)
-        kept = torch.nonzero(scores != _NEG_INF).flatten().numpy().astype(np.int64)
-    kept = kept[np.lexsort((kept, -p64[kept]))]
-    before = p64[kept]
-    mass = math.fsum(before.tolist())
-    return KeptSet(kept, before, before / mass, int(kept.size), mass)
+    return Distributions(logits).kept(settings)
+
+
+class Distributions:
+    """One 1-D logits row's FP64 / FP32 tables by temperature and its filters' kept sets, each computed once
+    and shared (read only): the probs stage asks the same row for the same softmax, entropy and filter from
+    its tables, summaries and prompt metrics. Every value is the one `probability_table` / `filter_distribution`
+    give for the row alone (they are this class, used once)."""
+
+    def __init__(self, logits: torch.Tensor):
+        if logits.ndim != 1:
+            raise ValueError(f"expected 1-D logits, got shape {tuple(logits.shape)}")
+        self.row = logits.detach().cpu()
+        self._p64: dict[float, np.ndarray] = {}
+        self._tables: dict[float, ProbTable] = {}
+        self._entropy: dict[float, float] = {}
+        self._kept: dict[SamplingSettings, KeptSet] = {}
+        self._members: dict[SamplingSettings, np.ndarray] = {}
+
+    def p64(self, t: float) -> np.ndarray:
+        """softmax(logits / t) in float64 over every id."""
+        if t not in self._p64:
+            self._p64[t] = _softmax64(self.row, t)
+            self._p64[t].flags.writeable = False
+        return self._p64[t]
+
+    def table(self, t: float) -> ProbTable:
+        if t not in self._tables:
+            p64 = self.p64(t)
+            p32 = torch.softmax(self.row.float() / t, dim=-1).numpy()
+            self._tables[t] = ProbTable(t, p64, p32, _sum_error(p64), _sum_error(p32))
+        return self._tables[t]
+
+    def entropy_nats(self, t: float) -> float:
+        """-sum p ln p of softmax(logits / t) over the ids of p > 0 (an exact sum of the terms)."""
+        if t not in self._entropy:
+            p = self.p64(t)
+            nz = p[p > 0]
+            self._entropy[t] = float(-fsum(nz * np.log(nz)))
+        return self._entropy[t]
+
+    def _kept_ids(self, settings: SamplingSettings) -> np.ndarray:
+        """The ids the filter keeps, ascending."""
+        if settings not in self._members:
+            if settings.is_greedy:
+                ids = np.array([int(torch.argmax(self.row))], dtype=np.int64)
+            else:
+                scores = warp(self.row, settings)
+                ids = torch.nonzero(scores != _NEG_INF).flatten().numpy().astype(np.int64)
+            self._members[settings] = ids
+        return self._members[settings]
+
+    def kept(self, settings: SamplingSettings) -> KeptSet:
+        if settings not in self._kept:
+            p64 = self.p64(1.0 if settings.is_greedy else settings.temperature)
+            kept = self._kept_ids(settings)
+            kept = kept[np.lexsort((kept, -p64[kept]))]
+            before = p64[kept]
+            mass = fsum(before)
+            self._kept[settings] = KeptSet(kept, before, before / mass, int(kept.size), mass)
+        return self._kept[settings]
+
+    def kept_count_and_mass(self, settings: SamplingSettings) -> tuple[int, float]:
+        """`kept(settings)`'s count and mass without ordering the kept ids (an exact sum is the same in any
+        order)."""
+        if settings in self._kept:
+            return self._kept[settings].count, self._kept[settings].mass
+        ids = self._kept_ids(settings)
+        return int(ids.size), fsum(self.p64(1.0 if settings.is_greedy else settings.temperature)[ids])

@@ -118,12 +118,17 @@ def _warpers_with(top_p_cls=TopPLogitsWarper, k_shift: int = 0, temperature_last
 
 
 def _p64(how: Callable[[torch.Tensor, float], torch.Tensor]):
+    """A row's FP64 table (`Distributions.table`, what probability_table and the probs stage read) with p64
+    computed another way."""
     def make(orig):
-        def table(logits, temperatures):
-            return {t: dataclasses.replace(tab, p64=how(logits, t).double().numpy())
-                    for t, tab in orig(logits, temperatures).items()}
+        def table(self, t):
+            return dataclasses.replace(orig(self, t), p64=how(self.row, t).double().numpy())
         return table
     return make
+
+
+def _method(mp: pytest.MonkeyPatch, cls, name: str, make: Callable[[Callable], Callable]) -> None:
+    mp.setattr(cls, name, make(getattr(cls, name)))
 
 
 def _captured(change: Callable[[torch.nn.Module, dict], None]):
@@ -193,22 +198,23 @@ def _previous_step_logits(orig):
 
 
 def _first_position(orig):
-    def table(position, row, temperatures):
+    def table(position, row, temperatures, dist=None):
         return orig(position, logits_io.read_position(part(paths.LOGITS, "."), 0), temperatures)
     return table
 
 
 def _filter_rows_at_t1(orig):
-    def rows(position, row, flt):
-        out, summary = orig(position, row, flt)
-        out["temperature"] = [1.0] * len(out["temperature"])
+    def rows(position, row, flt, dist, rows=True):
+        out, summary = orig(position, row, flt, dist, rows)
+        if rows:
+            out["temperature"] = [1.0] * len(out["temperature"])
         return out, summary
     return rows
 
 
 def _temperature_twice(orig):
     """prompt_metrics.parquet's figures at T * T, labelled T."""
-    def table(prompt_id, position, row, temperatures, named, vocab):
+    def table(prompt_id, position, row, temperatures, named, vocab, dist=None):
         out = orig(prompt_id, position, row, tuple(t * t for t in temperatures), named, vocab)
         return out.set_column(out.schema.get_field_index("temperature"), "temperature",
                               pa.array(sorted(temperatures), pa.float64()))     # T * T keeps the order
@@ -216,8 +222,8 @@ def _temperature_twice(orig):
 
 
 def _no_renormalisation(orig):
-    def kept(logits, settings):
-        k = orig(logits, settings)
+    def kept(self, settings):
+        k = orig(self, settings)
         return dataclasses.replace(k, prob_after=k.prob_before)
     return kept
 
@@ -265,15 +271,17 @@ MUTANTS = [
     Mutant("logits.parquet rows shifted by one position", ("logits", "probs"),
            lambda mp: mp.setattr(CapturedLogits, "rows", _shift_rows(CapturedLogits.rows))),
     Mutant("FP64 table computed by a bf16 softmax", PROBS,
-           lambda mp: wrap(mp, sampling, "probability_table", _p64(lambda x, t: torch.softmax(x.bfloat16() / t, -1)))),
+           lambda mp: _method(mp, sampling.Distributions, "table",
+                              _p64(lambda x, t: torch.softmax(x.bfloat16() / t, -1)))),
     Mutant("FP64 table computed in float32", PROBS,
-           lambda mp: wrap(mp, sampling, "probability_table", _p64(lambda x, t: torch.softmax(x.float() / t, -1)))),
+           lambda mp: _method(mp, sampling.Distributions, "table",
+                              _p64(lambda x, t: torch.softmax(x.float() / t, -1)))),
     Mutant("table at the first position, labelled the last", PROBS,
            lambda mp: wrap(mp, probs, "position_table", _first_position)),
     Mutant("ranks off by one (0-based)", BOTH,
            lambda mp: wrap(mp, sampling, "ranks", lambda orig: lambda x: orig(x) - 1)),
     Mutant("renormalisation skipped (prob_after = prob_before)", PROBS,
-           lambda mp: wrap(mp, sampling, "filter_distribution", _no_renormalisation)),
+           lambda mp: _method(mp, sampling.Distributions, "kept", _no_renormalisation)),
     Mutant("top-p keeps one id too many", BOTH,
            lambda mp: mp.setattr(sampling, "warpers", _warpers_with(top_p_cls=OneMoreTopP))),
     Mutant("top-p keeps one id too few", BOTH,
@@ -286,7 +294,8 @@ MUTANTS = [
     Mutant("every filter's rows record temperature 1", PROBS,
            lambda mp: wrap(mp, probs, "filtered_rows", _filter_rows_at_t1)),
     Mutant("prompt metrics: entropy in bits (log2), labelled nats", PROBS,
-           lambda mp: wrap(mp, probs, "entropy_nats", lambda orig: lambda p: orig(p) / math.log(2))),
+           lambda mp: _method(mp, sampling.Distributions, "entropy_nats",
+                              lambda orig: lambda self, t: orig(self, t) / math.log(2))),
     Mutant("prompt metrics: temperature applied twice", PROBS,
            lambda mp: wrap(mp, probs, "prompt_metrics", _temperature_twice)),
     Mutant("prompt metrics: each filter at its own temperature, not the row's", PROBS,

@@ -17,6 +17,7 @@ from pipeline.checks import next_token as pm_check
 from pipeline.config.schema import FilterConfig, ProbsConfig, SamplingConfig
 from pipeline.errors import UserError
 from pipeline.numerics import probs
+from pipeline.numerics.sampling import Distributions
 
 INF = np.inf
 TEMPS = (0.5, 1.0, 2.0)
@@ -64,14 +65,13 @@ def test_the_same_numbers_as_summary_json_and_filtered_parquet():
     row = torch.tensor(rng.normal(0, 3, 500)).to(torch.bfloat16).float().numpy()
     named = cfg()
     t = {r["temperature"]: r for r in table(row, named).to_pylist()}
-    by_t = probs.probability_table(torch.from_numpy(row), list(TEMPS))
-    summary = probs.temperature_summary(7, row, by_t, 1, 2e-6, 1e-12, {})
+    summary = probs.temperature_summary(7, row, Distributions(torch.from_numpy(row)), TEMPS, 1, 2e-6, 1e-12, {})
     for s in summary:
         r = t[s["temperature"]]
         assert (r["entropy"], r["top1_id"], r["top1_prob"]) == (s["entropy_nats"], s["top"][0]["token_id"],
                                                                 s["top"][0]["prob"])
     for f in named:                            # at its own temperature (1.0), filtered.parquet's summary entry
-        _, entry = probs.filtered_rows(7, row, f)
+        _, entry = probs.filtered_rows(7, row, f, Distributions(torch.from_numpy(row)))
         assert (t[1.0][f"{f.name}_kept"], t[1.0][f"{f.name}_mass"]) == (entry["kept_count"], entry["kept_mass"])
 
 
@@ -79,7 +79,7 @@ def test_a_greedy_sampling_filter_keeps_the_argmax_its_mass_at_t1_as_summary_jso
     row = np.array([2.0, 5.0, 5.0, 1.0], np.float32)          # a tie at the top: the lower id
     named = cfg(sampling_t=0.0)
     rows = table(row, named).to_pylist()
-    _, entry = probs.filtered_rows(7, row, named[0])
+    _, entry = probs.filtered_rows(7, row, named[0], Distributions(torch.from_numpy(row)))
     assert {(r["top1_id"], r["sampling_kept"], r["sampling_mass"]) for r in rows} == \
         {(1, 1, entry["kept_mass"])} and entry["temperature"] == 0
 
@@ -153,33 +153,29 @@ def test_a_missing_row_or_column_fails(tmp_path, row, vocab):
     assert not got["probs_prompt_metrics_rows"].passed and not got["probs_prompt_metrics_values"].passed
 
 
-# Wrong computations inside the stage's own code: the table they make fails the check.
-def _temperature_twice(logits, temperatures):
-    return {t: tab for t, tab in zip(temperatures, ORIGINAL["probability_table"](
-        logits, [t * t for t in temperatures]).values())}
+# Wrong computations inside the stage's own code (a row's `Distributions`): the table they make fails the check.
+def _temperature_twice(self, t):
+    return ORIGINAL["p64"](self, t * t)
 
 
-def _top_p_inclusive(logits, settings):
-    kept = ORIGINAL["filter_distribution"](logits, settings)
+def _top_p_inclusive(self, settings):
+    count, mass = ORIGINAL["kept_count_and_mass"](self, settings)
     if settings.top_p < 1.0:                      # the id that reaches p kept, and the next one too
-        return ORIGINAL["filter_distribution"](logits, probs.SamplingSettings(settings.temperature, kept.count + 1))
-    return kept
+        return ORIGINAL["kept_count_and_mass"](self, probs.SamplingSettings(settings.temperature, count + 1))
+    return count, mass
 
 
-ORIGINAL = {"probability_table": probs.probability_table, "filter_distribution": probs.filter_distribution}
+ORIGINAL = {name: getattr(Distributions, name) for name in ("p64", "entropy_nats", "kept_count_and_mass")}
 
 
 @pytest.mark.parametrize("name, wrong, failing", [
-    ("probability_table", _temperature_twice, "values"),
-    ("entropy_nats", lambda p: ORIGINAL_ENTROPY(p) / math.log(2), "values"),
-    ("filter_distribution", _top_p_inclusive, "rows"),
+    ("p64", _temperature_twice, "values"),
+    ("entropy_nats", lambda self, t: ORIGINAL["entropy_nats"](self, t) / math.log(2), "values"),
+    ("kept_count_and_mass", _top_p_inclusive, "rows"),
 ])
 def test_a_wrong_computation_in_the_stage_fails_the_check(tmp_path, row, vocab, monkeypatch, name, wrong, failing):
     named = cfg()
     assert all(c.passed for c in run_check(tmp_path, table(row, named), row, named, vocab).values())
-    monkeypatch.setattr(probs, name, wrong)
+    monkeypatch.setattr(Distributions, name, wrong)
     got = run_check(tmp_path, table(row, named), row, named, vocab)
     assert not got[f"probs_prompt_metrics_{failing}"].passed, got
-
-
-ORIGINAL_ENTROPY = probs.entropy_nats

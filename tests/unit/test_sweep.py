@@ -98,8 +98,13 @@ def test_packaged_cjk_font_covers_the_reference_prompt_and_is_used():
 # ---------------------------------------------------------------- the metrics the sweep reads
 def test_probs_metrics_give_small_probabilities_in_bits():
     import numpy as np
+    import torch
 
-    from pipeline.numerics.probs import sweep_metrics
+    from pipeline.numerics import probs
+    from pipeline.numerics.sampling import Distributions
+
+    def sweep_metrics(row, sampling_filter):
+        return probs.sweep_metrics(Distributions(torch.from_numpy(row)), sampling_filter)
     row = np.log(np.array([1.3876e-05, 1 - 1.3876e-05 - 0.5, 0.5])).astype(np.float32)   # top p = 0.5: 1 bit
     m = sweep_metrics(row, {"temperature": 1.0, "kept_count": 2, "kept_mass": 0.99998})
     assert set(m) == {"kept", "mass", "top_bits", "entropy"} and m["kept"] == 2 and m["mass"] == 0.99998
