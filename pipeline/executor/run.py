@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.config.schema import ExecutorConfig
-from pipeline.executor.work import PromptWork
+from pipeline.executor.work import PromptWork, release_memory
 from pipeline.store.artifacts import StageRun
 
 SERIAL = ExecutorConfig()          # `nexttoken verify` and `audit` re-run a stage's work here, serially
@@ -25,6 +25,7 @@ def run_prompts(stage: StageRun, work: PromptWork, prompt_ids: Sequence[str], cf
         for pid in prompt_ids:
             with stage.timed(pid):
                 values.append(work.run(stage, pid))
+            release_memory()
         return values
     from pipeline.executor import cluster  # ray is imported only here
     return cluster.run_prompts(stage, work, list(prompt_ids), cfg)

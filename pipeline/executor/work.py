@@ -4,6 +4,9 @@ into the stage (`accept`: the inputs verified, then the bytes written into stagi
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -13,6 +16,26 @@ from typing import Any, Protocol
 from pipeline.errors import UserError
 from pipeline.store import paths
 from pipeline.store.artifacts import StageRun, Writer
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library: nothing to call)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_memory() -> None:
+    """Give the memory a prompt freed back to the system (glibc `malloc_trim(0)`), after each prompt of either
+    executor. A prompt allocates and frees full-vocabulary arrays (1.2 MB each in FP64 for 152k ids) among small
+    objects that live on; glibc keeps the freed blocks in its heap, and without this a stage's RSS grew by
+    about 2.4 MB per prompt (probs, 100 prompts: 447 -> 684 MB; with it flat at about 420 MB), for about 6 ms per
+    prompt. Python's own allocations stayed flat (tracemalloc): nothing was held, only not returned."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class LoadsInSetup:
@@ -88,6 +111,7 @@ def run_one(work: PromptWork, root: Path, config: dict, model: dict | None, prom
         except Exception:       # a bug, not the user's input: the stage shows its traceback
             result.crash = traceback.format_exc()
         result.used, result.seconds = out.used, time.perf_counter() - start
+    release_memory()
     return result
 
 
