@@ -8,6 +8,7 @@ compares them with the stored verdicts.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -45,6 +46,22 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
     return {pid: figures if pid == own[0] else [] for pid, figures in which.items()}
 
 
+def checked_prompts(setting: str | int, prompt_ids: list[str], figures: dict[str, list]) -> list[str]:
+    """The prompts of the run the per-prompt checks run on (`checks.prompts`), in the run's order: every one for
+    `all`, and for `auto` when the run has at most CHECKED_AUTO; else a fixed sample of that many (`auto`:
+    CHECKED_AUTO), the prompts with the lowest sha256 of their id, so the choice is the same in every run,
+    audit and verify of the set and does not follow the ids' order (a prompt added keeps or takes one place).
+    The prompt the reference figures are compared on (`references`) is always among them."""
+    n = len(prompt_ids)
+    k = n if setting == "all" else min(n, schema.CHECKED_AUTO if setting == "auto" else setting)
+    if k >= n:
+        return list(prompt_ids)
+    must = [p for p in prompt_ids if figures.get(p)]
+    rest = sorted((p for p in prompt_ids if p not in must), key=lambda p: hashlib.sha256(p.encode()).digest())
+    chosen = set(must) | set(rest[:max(k - len(must), 0)])
+    return [p for p in prompt_ids if p in chosen]
+
+
 def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
             timed: Callable[[str | None], AbstractContextManager] = lambda prompt_id: nullcontext()) \
         -> tuple[list[verdicts.Check], dict, dict]:
@@ -62,13 +79,13 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
     for pid in prompt_ids:
         with timed(pid):
             done.append(work.run(reader, pid))
-    return finish(done, source)
+    return finish(done, source, root)
 
 
 def prepare(params: dict, use: Callable[..., Path], root: Path | str) -> tuple[ChecksWork, dict, list[str]]:
     """The set-level inputs recorded and the sections validated (a bad value fails here, before any load)
     -> the per-prompt work, source.json, the run's prompt ids."""
-    cfg, _, _ = sections(params, root)
+    cfg, _, figures = sections(params, root)
     for given in (cfg["prompt"].file, cfg["prompt"].set):
         if given is not None:
             use(Path(given))                           # its sha256 goes into the manifest, as tokenize's
@@ -77,17 +94,19 @@ def prepare(params: dict, use: Callable[..., Path], root: Path | str) -> tuple[C
     prompt_ids = paths.run_prompt_ids(root)
     if not prompt_ids:
         use(paths.dataset(paths.TOKENS))               # missing: one line naming it
-    return ChecksWork(params, str(Path(root).resolve()), source), source, prompt_ids
+    checked = checked_prompts(cfg["checks"].prompts, prompt_ids, figures)
+    return ChecksWork(params, str(Path(root).resolve()), source), source, checked
 
 
-def finish(done: list[tuple[list[verdicts.Check], list[str], dict]], source: dict) \
+def finish(done: list[tuple[list[verdicts.Check], list[str], dict]], source: dict, root: Path | str = ".") \
         -> tuple[list[verdicts.Check], dict, dict]:
     results, missing = [], []
     for checks, gone, _ in done:
         results += checks
         missing += [s for s in gone if s not in missing]
     device = done[0][2] if done else {}
-    return results, source, {**device, "missing_stages": missing}
+    return results, source, {**device, "missing_stages": missing,
+                             "prompts_checked": len(done), "prompts": len(paths.run_prompt_ids(root))}
 
 
 class _Reader:
@@ -140,7 +159,7 @@ def record(stage: StageRun, params: dict, executor=None) -> list[verdicts.Check]
     work, source, prompt_ids = prepare(params, stage.use, stage.root)
     stage.model = provenance.model_record(source)
     done = ex.run_prompts(stage, work, prompt_ids, executor or ex.SERIAL) if prompt_ids else []
-    results, source, facts = finish(done, source)
+    results, source, facts = finish(done, source, stage.root)
     stage.facts = {**facts, **verdicts.summary(results)}
     stage.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
     stage.write_json(paths.METRICS[1], verdicts.metrics(results))

@@ -297,8 +297,17 @@ class SamplingConfig(Filter):
     top_n: Count
 
 
+CHECKED_AUTO = 100     # checks.prompts=auto: every prompt of a set up to this size, a sample of this many beyond
+
+
 class ChecksConfig(Section):
+    """`checks`: the tolerances, and which prompts of a set the per-prompt checks run on
+    (`pipeline.checks.stage.checked_prompts`)."""
+
     kv_cache_atol: float = Field(ge=0.0)
+    prompts: Literal["auto", "all"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description=f"auto (every prompt of a set of up to {CHECKED_AUTO}, a fixed sample of {CHECKED_AUTO} "
+                            "of a larger one), all, or an integer >= 1 (a fixed sample of that many)")
 
 
 class LensConfig(Section):
@@ -390,7 +399,8 @@ def parse(cls: type[Section], data: Any, key: str) -> Any:
 
 
 def _one_line(schema: dict, err: dict, section: str) -> UserError:
-    loc, kind, value, broken = err["loc"], err["type"], err["input"], err.get("ctx", {}).get("error")
+    loc, kind, value = _field_loc(schema, err["loc"]), err["type"], err["input"]
+    broken = err.get("ctx", {}).get("error")
     # A list item is named by its list (the value shows which), an item with keys by its index.
     # section "" (a record that is not a params.yaml section): the field's own name
     key = re.sub(r"\[\d+\]$", "", (section + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc))
@@ -405,6 +415,20 @@ def _one_line(schema: dict, err: dict, section: str) -> UserError:
     if isinstance(value, str) and len(value) > 60:
         value = value[:60] + "..."
     return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, loc), schema, kind))
+
+
+def _field_loc(schema: dict, loc: tuple) -> tuple:
+    """loc without the member tags pydantic appends for a union field (`prompts.literal['auto','all']`): up to
+    the first part that is no key of the mapping it is in. The field's description says what the union allows."""
+    node = schema
+    for i, part in enumerate(loc):
+        node = _open(node, schema)
+        fields, values = node.get("properties"), node.get("additionalProperties")
+        if isinstance(part, str) and not isinstance(values, dict) and (fields is None or part not in fields):
+            # a member tag under a union field; an unknown key itself (extra_forbidden, the last part) stays
+            return loc if fields is not None and i == len(loc) - 1 else loc[:i]
+        node = node.get("items", {}) if isinstance(part, int) else (fields or {}).get(part, values or {})
+    return loc
 
 
 def _open(node: dict, schema: dict) -> dict:

@@ -99,16 +99,17 @@ def _runs_by_prompt(runs: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def check_counts(checks: list[dict] | None, ids: list[str]) -> dict[str, tuple[int, int]] | None:
-    """Per prompt (pass, fail) counts of its checks. Rows of no prompt of the run (null or "": checks over the
-    whole run) count for none. None when there are no checks, or none of them is a prompt's."""
-    out = {p: (0, 0) for p in ids}
+def check_counts(checks: list[dict] | None, ids: list[str]) -> dict[str, tuple[int, int] | None] | None:
+    """Per prompt (pass, fail) counts of its checks; None for a prompt the checks did not run on (a set larger
+    than `checks.prompts`). Rows of no prompt of the run (null or "": checks over the whole run) count for none.
+    None when there are no checks, or none of them is a prompt's."""
+    out: dict[str, tuple[int, int] | None] = dict.fromkeys(ids)
     if checks is None or not any(c[paths.PARTITION_KEY] in out for c in checks):
         return None
     for c in checks:
         p = c[paths.PARTITION_KEY]
         if p in out:
-            ok, bad = out[p]
+            ok, bad = out[p] or (0, 0)
             out[p] = (ok + 1, bad) if c["verdict"] == "pass" else (ok, bad + 1)
     return out
 
@@ -205,6 +206,8 @@ def distribution_section(s: SetInputs, rs: list[dict], chosen: str) -> list[str]
         return f"{k} of {n} ({k / n:.1%})" if n else "-"
     counts = [["greedy run ends in a loop", share(loops, len(greedy))],
               ["sample run leaves the greedy run", share(left, len(sample))],
+              ["prompts the per-prompt checks ran on (`checks.prompts`)",
+               share(len(counted), len(rs)) if s.checks is not None else "-"],
               ["prompts with a failing check", share(len(failing), len(counted)) if s.checks is not None else "-"]]
     if failing:
         more = f", and {len(failing) - FAILING_SHOWN} more" if len(failing) > FAILING_SHOWN else ""

@@ -79,6 +79,8 @@ class Case:
 
 
 def _wrong_types(key: str, value: Any) -> list[Any]:
+    if key == "checks.prompts":          # a name or a count: 5 is allowed
+        return ["", 1.5, True]
     if isinstance(value, bool):
         return ["yes", 1]
     if isinstance(value, int):
@@ -236,6 +238,8 @@ def range_cases() -> list[Case]:
         # checks
         _r("checks.kv_cache_atol", -0.01),
         _r("checks.kv_cache_atol", math.nan),
+        _r("checks.prompts", 0),
+        _r("checks.prompts", "some", "name"),
         _r("checks.nope", 1, "key"),
         _missing("checks.kv_cache_atol"),
         # lens (whether top_k fits the model's output size: the lens stage, model_cases)

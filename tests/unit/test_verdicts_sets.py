@@ -56,3 +56,29 @@ def test_reference_figures_apply_once_in_a_set_where_the_prompt_is_the_reference
     assert stage.references(cfg, with_ref) == {"a": [], "ref": [("seed_article", "tokenizer")]}
     one = PromptSet(file=None, prompts=(PromptRecord(id="a", text="Hi"),))
     assert stage.references(cfg, one) == {"a": []}
+
+
+# ---------------------------------------------------------------- which prompts of a set are checked
+def test_checks_prompts_auto_checks_every_prompt_of_a_set_up_to_the_cap_and_a_fixed_sample_beyond():
+    from pipeline.checks.stage import checked_prompts
+    from pipeline.config.schema import CHECKED_AUTO
+    ids = [f"p{i:05d}" for i in range(CHECKED_AUTO)]
+    assert checked_prompts("auto", ids, {}) == ids and checked_prompts("all", ids, {}) == ids
+    big = [f"p{i:05d}" for i in range(10 * CHECKED_AUTO)]
+    picked = checked_prompts("auto", big, {})
+    assert len(picked) == CHECKED_AUTO and picked == sorted(picked)          # in the run's order
+    assert picked != big[:CHECKED_AUTO] and picked[-1] > big[CHECKED_AUTO]  # spread over the set, not its head
+    assert checked_prompts("auto", big[::-1], {}) == picked[::-1]           # by the ids, not their order
+    assert set(checked_prompts("auto", big + ["new"], {})) - set(picked) <= {"new"}   # a prompt added keeps the rest
+    assert len(set(checked_prompts("auto", big + ["new"], {})) & set(picked)) >= CHECKED_AUTO - 1
+    assert checked_prompts("all", big, {}) == big
+    assert checked_prompts(5, big, {}) == checked_prompts(5, big[::-1], {})[::-1]
+    assert len(checked_prompts(5, big, {})) == 5 and set(checked_prompts(5, big, {})) <= set(picked)
+
+
+def test_the_prompt_the_reference_figures_are_compared_on_is_always_checked():
+    from pipeline.checks.stage import checked_prompts
+    big = [f"p{i:05d}" for i in range(1000)]
+    outside = next(p for p in big if p not in checked_prompts(3, big, {}))
+    got = checked_prompts(3, big, {outside: ["figure"], "p00001": []})
+    assert outside in got and len(got) == 3
