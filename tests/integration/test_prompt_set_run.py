@@ -184,3 +184,23 @@ def test_the_checks_read_each_prompts_own_kernel_path(set_run, tmp_path):
     moved = rows[(OTHER, "lm_head_recompute")]
     assert moved["severity"] == "report" and "forward ran on CPU kernels ATen AVX512" in moved["detail"], moved
     assert f"this check on {here}" in moved["detail"]
+
+
+def test_checks_prompts_checks_a_fixed_sample_and_the_manifest_says_how_many(set_run, tmp_path):
+    """checks.prompts=1 on the pair: the sample of one is the prompt the reference figures are compared on, every
+    row of checks.parquet is that prompt's, and the manifest records 1 of 2 checked."""
+    import yaml
+    ws = copy_ws(set_run[0], tmp_path / "ws")
+    params = yaml.safe_load((ws / paths.PARAMS).read_text(encoding="utf-8"))
+    params["checks"]["prompts"] = 1
+    (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    shutil.rmtree(paths.stage_dir("checks", ws))
+    proc = run_module("stages.checks", ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, ws)))
+    assert {pid for pid, _ in rows} == {REFERENCE} and "ref_token_ids" in {n for _, n in rows}
+    everything = verdicts.stored_rows(read_parquet(paths.artifact(paths.CHECKS, set_run[0])))
+    assert {n for p, n in everything if p == REFERENCE} == {n for _, n in rows}
+    facts = json.loads(paths.manifest_path("checks", ws).read_text())["facts"]
+    assert (facts["prompts_checked"], facts["prompts"]) == (1, 2)
+    assert list(json.loads(paths.manifest_path("checks", ws).read_text())["prompt_seconds"]) == [REFERENCE]
