@@ -56,7 +56,7 @@ def expected_row(row: np.ndarray, t: float, filters: Sequence) -> tuple[dict, di
         s = f.settings
         greedy = s.temperature == 0
         rule = kept_rule(row, 0.0 if greedy else t, s.top_k, s.top_p)
-        ranges[f.name] = (sum(g[1] for g in rule.groups), sum(g[2] for g in rule.groups))
+        ranges[f.name] = (int(rule.lo.sum()), int(rule.hi.sum()))
         values[f.name] = np.sort(softmax64(row, 1.0 if greedy else t)[rule.allowed])[::-1]
     return exact, ranges, values
 

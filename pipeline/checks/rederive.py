@@ -36,9 +36,8 @@ def _frozen(value):
     if isinstance(value, np.ndarray):
         value.flags.writeable = False
     elif isinstance(value, KeptRule):
-        value.allowed.flags.writeable = False
-        for ids, _, _ in value.groups:
-            ids.flags.writeable = False
+        for a in (value.allowed, value.ids, value.starts, value.lo, value.hi):
+            a.flags.writeable = False
     return value
 
 
@@ -94,27 +93,51 @@ def ranks(row: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class KeptRule:
-    """What a filter must keep: `allowed` ids may be kept at all; of each tie `group` (ids with
+    """What a filter must keep: `allowed` ids may be kept at all; of each tie group (ids with
     equal scores) between `lo` and `hi` must be kept (lo == hi unless the float32 cut is
-    within TOP_P_BAND); which members of a partly kept group is the sort's choice."""
+    within TOP_P_BAND); which members of a partly kept group is the sort's choice. The groups are
+    arrays (a vocabulary without ties is 152k groups of one): group g is ids[starts[g]:starts[g + 1]]."""
 
-    allowed: np.ndarray                             # bool [vocab]
-    groups: list[tuple[np.ndarray, int, int]]       # (ids, lo, hi)
+    allowed: np.ndarray     # bool [vocab]
+    ids: np.ndarray         # int64: the allowed ids, group after group (ascending score)
+    starts: np.ndarray      # int64 [groups]: where each group starts in `ids`
+    lo: np.ndarray          # int64 [groups]
+    hi: np.ndarray          # int64 [groups]
+
+    @property
+    def groups(self) -> list[tuple[np.ndarray, int, int]]:
+        """(ids, lo, hi) per group."""
+        ends = [*self.starts[1:].tolist(), self.ids.size]
+        return [(self.ids[a:b], int(lo), int(hi)) for a, b, lo, hi in zip(self.starts.tolist(), ends, self.lo, self.hi)]
 
     def violation(self, kept: np.ndarray) -> str | None:
         """Why `kept` (ids) breaks the rule, or None."""
-        if np.unique(kept).size != kept.size:
+        if _repeats(kept):
             return "an id kept twice"
         if kept.size and (kept.min() < 0 or kept.max() >= self.allowed.size or not self.allowed[kept].all()):
-            return f"{int((~self.allowed[kept.clip(0, self.allowed.size - 1)]).sum())} kept ids outside the filter"
-        member = np.isin(np.concatenate([g for g, _, _ in self.groups]), kept)
-        at = 0
-        for ids, lo, hi in self.groups:
-            n = int(member[at:at + ids.size].sum())
-            at += ids.size
-            if not lo <= n <= hi:
-                return f"{n} of the {ids.size} tied ids {ids[:3].tolist()}... kept, {lo}-{hi} expected"
-        return None
+            inside = (kept >= 0) & (kept < self.allowed.size)       # an id past the vocabulary is outside too
+            return f"{int((~inside).sum()) + int((~self.allowed[kept[inside]]).sum())} kept ids outside the filter"
+        if not self.starts.size:
+            return None
+        mask = np.zeros(self.allowed.size, bool)
+        mask[kept] = True
+        n = np.add.reduceat(mask[self.ids].astype(np.int64), self.starts)      # kept per group
+        bad = np.flatnonzero((n < self.lo) | (n > self.hi))
+        if not bad.size:
+            return None
+        g = int(bad[0])
+        end = int(self.starts[g + 1]) if g + 1 < self.starts.size else self.ids.size
+        ids = self.ids[int(self.starts[g]):end]
+        return f"{int(n[g])} of the {ids.size} tied ids {ids[:3].tolist()}... kept, {self.lo[g]}-{self.hi[g]} expected"
+
+
+def _repeats(ids: np.ndarray) -> bool:
+    """Whether an id occurs twice (counted, for ids in a vocabulary's range; else by np.unique)."""
+    if ids.size < 2:
+        return False
+    if ids.min() >= 0 and ids.max() < 1 << 24:
+        return bool(np.bincount(ids.astype(np.int64)).max() > 1)
+    return np.unique(ids).size != ids.size
 
 
 @memoised
@@ -133,7 +156,8 @@ def kept_rule(row: np.ndarray, temperature: float, top_k: int, top_p: float) -> 
     if temperature == 0:
         allowed = np.zeros(row.size, bool)
         allowed[int(np.argmax(np.where(finite, row, -np.inf)))] = True
-        return KeptRule(allowed, [(np.flatnonzero(allowed), 1, 1)])
+        one = np.ones(1, np.int64)
+        return KeptRule(allowed, np.flatnonzero(allowed), np.zeros(1, np.int64), one, one.copy())
     scores = row / np.float32(temperature) if temperature != 1.0 else row
     allowed = finite.copy()
     if top_k:
@@ -141,16 +165,18 @@ def kept_rule(row: np.ndarray, temperature: float, top_k: int, top_p: float) -> 
         allowed &= scores >= kth
     ids = np.flatnonzero(allowed)
     values, inverse, counts = np.unique(scores[ids], return_inverse=True, return_counts=True)  # ascending
-    members = np.split(ids[np.argsort(inverse, kind="stable")], np.cumsum(counts)[:-1])       # one tie group each
+    grouped = ids[np.argsort(inverse, kind="stable")]                  # one tie group after another
+    counts = counts.astype(np.int64)
+    starts = np.cumsum(counts) - counts
     if top_p >= 1.0:
-        return KeptRule(allowed, [(m, m.size, m.size) for m in members])
-    q = softmax64(np.where(allowed, scores, -np.inf), 1.0)[[m[0] for m in members]]   # per-member mass
-    below = np.concatenate([[0.0], np.cumsum(q * counts)[:-1]])                         # mass of lower groups
-    groups = []
-    for g, m in enumerate(members):
-        cum = below[g] + q[g] * np.arange(1, m.size + 1)         # cumulative at each position of the group
-        lo, hi = int((cum > 1 - top_p + TOP_P_BAND).sum()), int((cum > 1 - top_p - TOP_P_BAND).sum())
-        if g == values.size - 1:                                 # min_tokens_to_keep = 1
-            lo, hi = max(lo, 1), max(hi, 1)
-        groups.append((m, lo, hi))
-    return KeptRule(allowed, groups)
+        return KeptRule(allowed, grouped, starts, counts, counts.copy())
+    q = softmax64(np.where(allowed, scores, -np.inf), 1.0)[grouped[starts]]    # per-member mass
+    below = np.concatenate([[0.0], np.cumsum(q * counts)[:-1]])                 # mass of lower groups
+    # the cumulative at each position j = 1..size of each group: below[g] + q[g] * j, every group at once
+    j = np.arange(1, grouped.size + 1, dtype=np.int64) - np.repeat(starts, counts)
+    cum = np.repeat(below, counts) + np.repeat(q, counts) * j.astype(np.float64)
+    lo = np.add.reduceat((cum > 1 - top_p + TOP_P_BAND).astype(np.int64), starts)
+    hi = np.add.reduceat((cum > 1 - top_p - TOP_P_BAND).astype(np.int64), starts)
+    if values.size:                                                              # min_tokens_to_keep = 1
+        lo[-1], hi[-1] = max(lo[-1], 1), max(hi[-1], 1)
+    return KeptRule(allowed, grouped, starts, lo, hi)

@@ -101,7 +101,8 @@ def table_columns(table_path: Path | pa.Table, rows: dict[int, np.ndarray]) -> l
 def _kept_sets(filtered_path: Path | pa.Table) -> dict[tuple[int, str], dict[str, np.ndarray]]:
     t = _table(filtered_path)
     out = {}
-    for key in sorted({(p, f) for p, f in zip(t["position"].to_pylist(), t["filter"].to_pylist())}):
+    keys = t.select(["position", "filter"]).group_by(["position", "filter"]).aggregate([]).to_pylist()
+    for key in sorted((k["position"], k["filter"]) for k in keys):
         part = t.filter(pc.and_(pc.equal(t["position"], key[0]), pc.equal(t["filter"], key[1])))
         out[key] = {c: part[c].to_numpy(zero_copy_only=False) for c in part.column_names}
     return out

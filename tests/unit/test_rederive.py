@@ -89,3 +89,17 @@ def test_memoised_derivations_follow_the_rows_content_and_are_read_only():
     rule = rederive.kept_rule(row, 0.7, 50, 0.9)
     assert rederive.kept_rule(row.copy(), 0.7, 50, 0.9) is rule and not rule.allowed.flags.writeable
     assert rederive.kept_rule(row, 0.7, 40, 0.9) is not rule
+
+
+def test_a_vocabulary_sized_rule_is_judged_group_by_group_at_once():
+    """152k ids, nearly all of them groups of one: each still judged (one id dropped from a top-p set, one id
+    repeated, one id outside it), as on a hand-sized row."""
+    row = np.random.default_rng(8).normal(0, 3, 152_064).astype(np.float32)
+    for top_p in (1.0, 0.9):
+        rule = kept_rule(row, 1.0, 0, top_p)
+        kept = np.concatenate([ids[:lo] for ids, lo, _ in rule.groups])       # what the filter keeps
+        assert rule.violation(kept) is None and len(rule.groups) == np.unique(row).size
+        assert (kept.size == row.size) == (top_p == 1.0)
+        assert rule.violation(kept[1:]) is not None
+        assert rule.violation(np.concatenate([kept, kept[:1]])) == "an id kept twice"
+    assert rule.violation(np.concatenate([kept, [-1]])) == "1 kept ids outside the filter"
