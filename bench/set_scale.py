@@ -93,8 +93,10 @@ def floor_child(ws: Path, n: int, steps: int) -> dict:
 
 
 def floor(n: int, steps: int) -> dict:
-    """The plain script: the prepared model, each prompt's ids through one forward and four decodings of
-    `steps` tokens (greedy and sampled, with and without the KV cache), no capture, nothing written."""
+    """The plain script: the prepared model, each prompt's ids through one forward (logits at every position, as
+    the capture computes them) and four decodings of `steps` tokens (greedy and sampled, with and without the KV
+    cache; each step the last position's logits only, `logits_to_keep=1`, as generate and the trajectories stage
+    compute them), no capture, nothing written."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM
@@ -113,7 +115,8 @@ def floor(n: int, steps: int) -> dict:
                 for cache in (True, False):
                     seq, past = x, None
                     for _ in range(steps):
-                        out = model(seq if past is None else seq[:, -1:], past_key_values=past, use_cache=cache)
+                        out = model(seq if past is None else seq[:, -1:], past_key_values=past, use_cache=cache,
+                                    logits_to_keep=1)
                         past = out.past_key_values if cache else None
                         logits = out.logits[0, -1].float()
                         nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen) if sample \

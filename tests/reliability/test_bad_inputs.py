@@ -436,8 +436,10 @@ SET_LINES = [
     ("key", "a line without text", b'{"id": "a"}\n', "1: text is missing"),
     ("range", "a negative expected id", b'{"id": "a", "text": "x", "expected_token_ids": {"qwen2": [-1]}}\n',
      "1: expected_token_ids.qwen2=-1 is not allowed"),
-    ("range", "65 prompts (prompt.max_set_size=64)", b"".join(b'{"id": "p%d", "text": "x"}\n' % i for i in range(65)),
-     "65: prompt 65 is not allowed: at most prompt.max_set_size=64"),
+    ("range", f"{schema.MAX_SET_SIZE + 1} prompts (prompt.max_set_size={schema.MAX_SET_SIZE})",
+     b"".join(b'{"id": "p%d", "text": "x"}\n' % i for i in range(schema.MAX_SET_SIZE + 1)),
+     f"{schema.MAX_SET_SIZE + 1}: prompt {schema.MAX_SET_SIZE + 1} is not allowed: at most "
+     f"prompt.max_set_size={schema.MAX_SET_SIZE}"),
 ]
 
 
