@@ -93,10 +93,10 @@ def floor_child(ws: Path, n: int, steps: int) -> dict:
 
 
 def floor(n: int, steps: int) -> dict:
-    """The plain script: the prepared model, each prompt's ids through one forward (logits at every position, as
-    the capture computes them) and four decodings of `steps` tokens (greedy and sampled, with and without the KV
-    cache; each step the last position's logits only, `logits_to_keep=1`, as generate and the trajectories stage
-    compute them), no capture, nothing written."""
+    """The plain script: the prepared model, each prompt's ids through one forward (the last position's logits,
+    as the capture computes them with positions=last) and four decodings of `steps` tokens (greedy and sampled,
+    with and without the KV cache; each step the last position's logits only, `logits_to_keep=1`, as generate
+    and the trajectories stage compute them), no capture, nothing written."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM
@@ -110,7 +110,7 @@ def floor(n: int, steps: int) -> dict:
     with torch.inference_mode():
         for prompt in ids:
             x = torch.tensor([prompt])
-            model(x)
+            model(x, logits_to_keep=1)             # as the capture computes positions=last
             for sample in (False, True):
                 for cache in (True, False):
                     seq, past = x, None

@@ -215,7 +215,8 @@ class Run:
 
     @property
     def checks(self):
-        """checks.parquet: one row per prompt and check (pandas)."""
+        """checks.parquet: one row per checked prompt and check (pandas; a large set's prompts outside the
+        `checks.prompts` sample have none)."""
         return self._parquet(paths.CHECKS)
 
     def metrics(self, stage: str) -> dict:

@@ -48,15 +48,15 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
 
 def checked_prompts(setting: str | int, prompt_ids: list[str], figures: dict[str, list]) -> list[str]:
     """The prompts of the run the per-prompt checks run on (`checks.prompts`), in the run's order: every one for
-    `all`, and for `auto` when the run has at most CHECKED_AUTO; else a fixed sample of that many (`auto`:
-    CHECKED_AUTO), the prompts with the lowest sha256 of their id, so the choice is the same in every run,
-    audit and verify of the set and does not follow the ids' order (a prompt added keeps or takes one place).
-    The prompt the reference figures are compared on (`references`) is always among them."""
+    `all`, and for `auto` when the run has at most CHECKED_AUTO; else a fixed sample of that many in all (`auto`:
+    CHECKED_AUTO): the run's first prompt (its ids sorted: the one the report details by default) and the prompt
+    the reference figures are compared on (`references`), then the prompts with the lowest sha256 of their id.
+    So the choice is the same in every run, audit and verify of the set and does not follow the ids' order."""
     n = len(prompt_ids)
     k = n if setting == "all" else min(n, schema.CHECKED_AUTO if setting == "auto" else setting)
     if k >= n:
         return list(prompt_ids)
-    must = [p for p in prompt_ids if figures.get(p)]
+    must = [min(prompt_ids)] + [p for p in prompt_ids if figures.get(p) and p != min(prompt_ids)]
     rest = sorted((p for p in prompt_ids if p not in must), key=lambda p: hashlib.sha256(p.encode()).digest())
     chosen = set(must) | set(rest[:max(k - len(must), 0)])
     return [p for p in prompt_ids if p in chosen]
@@ -69,8 +69,8 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
 
     `use(item, prompt_id=None)` resolves an input item (StageRun.use records it; `nexttoken audit`
     passes `paths.lookup` to re-run a past run's checks with these same calls). Every prompt of the
-    run (its tokenize partitions) is checked in turn, inside `timed(prompt_id)` (StageRun.timed); one
-    model load.
+    run (its tokenize partitions) that `checked_prompts` picks is checked in turn, inside
+    `timed(prompt_id)` (StageRun.timed); one model load.
     """
     work, source, prompt_ids = prepare(params, use, root)
     work.setup()

@@ -352,7 +352,9 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     dists = {}                          # position -> its row's Distributions, each softmax / filter once
     for pos in positions:               # ascending
         row = logits_io.read_position(logits_path, pos)
-        dists[pos] = dist = Distributions(torch.from_numpy(row))
+        dist = Distributions(torch.from_numpy(row))
+        if pos in (positions[-1], last_prompt):     # read again below; the others' tables are let go
+            dists[pos] = dist
         if kind == "stored":            # derived: the same tables, without the full-vocabulary rows and ranks
             tables.append(position_table(pos, row, probs_cfg.temperatures, dist)[0])
         summary["temperatures"] += temperature_summary(

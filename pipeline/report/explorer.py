@@ -470,6 +470,11 @@ function trajectories() {
 }
 function checks() {
   if (!D.checks) { $("checks").append(el("tr", {}, el("td", {}, "the checks stage has not run"))); return; }
+  if (!D.checks.length) {
+    $("checks-summary").append(el("p", {},
+      "checks: none ran on this prompt (outside the checks.prompts sample of a large set)"));
+    return;
+  }
   const failed = D.checks.filter((c) => c.verdict !== "pass");
   const errors = failed.filter((c) => c.severity === "error").length;
   $("checks-summary").append(el("p", {}, `checks: ${D.checks.length - failed.length} of ${D.checks.length} pass; ` +

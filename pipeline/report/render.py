@@ -320,6 +320,9 @@ def checks(inp: Inputs) -> list[str]:
     out = ["## 10. Checks", ""]
     if inp.checks is None:
         return out + [f"`{src(paths.CHECKS)}` is missing: the checks stage has not run (`dvc repro checks`).", ""]
+    if not inp.checks:
+        return out + [f"No check ran on this prompt: a set larger than `checks.prompts` is checked on a fixed sample "
+                      f"of its prompts, and this one is outside it (`{src(paths.CHECKS)}`; docs/prompt_sets.md).", ""]
     failed = [c for c in inp.checks if c["verdict"] != "pass"]
     errors = [c for c in failed if c["severity"] == "error"]
     rows = [[name(c["name"]), c["what"], _measured(c["measured"]), _measured(c["tolerance"]),

@@ -211,3 +211,13 @@ def test_a_set_of_50_keeps_one_line_per_prompt_and_51_gets_the_distribution():
     assert len([ln for ln in small if ln.startswith("| `p0")]) == overview.PER_PROMPT_MAX
     large = overview.section(large_inputs(overview.PER_PROMPT_MAX + 1, checks=False), "p00000", [])
     assert not [ln for ln in large if ln.startswith("| `p0")] and "| prompts with a failing check | - |" in large
+
+
+def test_a_prompt_outside_the_checks_sample_is_said_to_be_unchecked_not_clean():
+    from types import SimpleNamespace
+
+    from pipeline.report import render
+    assert any("No check ran on this prompt" in line for line in render.checks(SimpleNamespace(checks=[])))
+    assert any("has not run" in line for line in render.checks(SimpleNamespace(checks=None)))
+    one = [{"name": "a", "what": "w", "measured": 0.0, "tolerance": 0.0, "verdict": "pass", "severity": "error"}]
+    assert any(line.startswith("1 checks: 1 pass, 0 fail") for line in render.checks(SimpleNamespace(checks=one)))
