@@ -49,16 +49,17 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
 def checked_prompts(setting: str | int, prompt_ids: list[str], figures: dict[str, list]) -> list[str]:
     """The prompts of the run the per-prompt checks run on (`checks.prompts`), in the run's order: every one for
     `all`, and for `auto` when the run has at most CHECKED_AUTO; else a fixed sample of that many in all (`auto`:
-    CHECKED_AUTO): the run's first prompt (its ids sorted: the one the report details by default) and the prompt
-    the reference figures are compared on (`references`), then the prompts with the lowest sha256 of their id.
+    CHECKED_AUTO): the prompt the reference figures are compared on (`references`) and the run's first prompt (its
+    ids sorted: the one the report details by default), then the prompts with the lowest sha256 of their id.
     So the choice is the same in every run, audit and verify of the set and does not follow the ids' order."""
     n = len(prompt_ids)
     k = n if setting == "all" else min(n, schema.CHECKED_AUTO if setting == "auto" else setting)
     if k >= n:
         return list(prompt_ids)
-    must = [min(prompt_ids)] + [p for p in prompt_ids if figures.get(p) and p != min(prompt_ids)]
+    first = min(prompt_ids)
+    must = ([p for p in prompt_ids if figures.get(p)] + [first])[:k]      # the reference figures' prompt first
     rest = sorted((p for p in prompt_ids if p not in must), key=lambda p: hashlib.sha256(p.encode()).digest())
-    chosen = set(must) | set(rest[:max(k - len(must), 0)])
+    chosen = set(must) | set(rest[:k - len(must)])
     return [p for p in prompt_ids if p in chosen]
 
 

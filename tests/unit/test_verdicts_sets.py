@@ -82,3 +82,11 @@ def test_the_prompt_the_reference_figures_are_compared_on_is_always_checked():
     outside = next(p for p in big[2:] if p not in checked_prompts(3, big, {}))
     got = checked_prompts(3, big, {outside: ["figure"], big[1]: []})       # an empty list forces nothing
     assert outside in got and big[0] in got and len(got) == 3
+
+
+def test_a_sample_of_n_holds_n_prompts_the_reference_figures_prompt_first():
+    from pipeline.checks.stage import checked_prompts
+    big = [f"p{i:05d}" for i in range(1000)]
+    assert checked_prompts(1, big, {"p00500": ["figure"]}) == ["p00500"]
+    assert checked_prompts(2, big, {"p00500": ["figure"]}) == ["p00000", "p00500"]
+    assert checked_prompts(1, big, {}) == ["p00000"]
