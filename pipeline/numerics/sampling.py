@@ -265,9 +265,13 @@ class Distributions:
             self._members[settings] = ids
         return self._members[settings]
 
+    def _filter_p64(self, settings: SamplingSettings) -> np.ndarray:
+        """The FP64 distribution a filter's probabilities are reported in: at its temperature, greedy at T = 1."""
+        return self.p64(1.0 if settings.is_greedy else settings.temperature)
+
     def kept(self, settings: SamplingSettings) -> KeptSet:
         if settings not in self._kept:
-            p64 = self.p64(1.0 if settings.is_greedy else settings.temperature)
+            p64 = self._filter_p64(settings)
             kept = self._kept_ids(settings)
             kept = kept[np.lexsort((kept, -p64[kept]))]
             before = p64[kept]
@@ -281,4 +285,4 @@ class Distributions:
         if settings in self._kept:
             return self._kept[settings].count, self._kept[settings].mass
         ids = self._kept_ids(settings)
-        return int(ids.size), fsum(self.p64(1.0 if settings.is_greedy else settings.temperature)[ids])
+        return int(ids.size), fsum(self._filter_p64(settings)[ids])
