@@ -25,16 +25,21 @@ repro: setup
 	$(RUN) nexttoken compose --check
 	$(RUN) dvc repro
 
-# The test suite: ruff (lint), then unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone).
+# The test suite: ruff (lint), then unit, integration (tiny_qwen2) and end-to-end (dvc repro in a temp clone),
+# on TEST_WORKERS pytest-xdist workers. --dist loadfile keeps each test file on one worker: a module's
+# fixtures (a clone run through dvc repro) are built once, and the tests that run in order stay in order.
+# Much of the suite waits on fresh interpreters, imports and dvc, so two workers use two cores better
+# than one. TEST_WORKERS=0 runs it in this process, in file order.
+TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray]'
 	$(RUN) ruff check .
-	$(RUN) python -m pytest -q
+	$(RUN) python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Unit and integration tests only (skips the slow end-to-end runs).
 test-fast: setup
 	$(RUN) ruff check .
-	$(RUN) python -m pytest -q -m "not slow"
+	$(RUN) python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
 # ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.
