@@ -112,6 +112,8 @@ class KeptRule:
 
     def violation(self, kept: np.ndarray) -> str | None:
         """Why `kept` (ids) breaks the rule, or None."""
+        if not kept.size:
+            kept = kept.astype(np.int64)          # np.array([]) is float64, which cannot index
         if _repeats(kept):
             return "an id kept twice"
         if kept.size and (kept.min() < 0 or kept.max() >= self.allowed.size or not self.allowed[kept].all()):

@@ -40,6 +40,7 @@ def test_top_k_keeps_ties_and_never_a_masked_id():
     assert rule.violation(np.array([1])) is not None                  # a tie with the k-th score is kept
     assert rule.violation(np.array([1, 2, 4])) == "1 kept ids outside the filter"
     assert kept_rule(np.array([1.0, -INF], np.float32), 1.0, 5, 1.0).violation(np.array([0])) is None
+    assert rule.violation(np.array([])) == "0 of the 2 tied ids [1, 2]... kept, 2-2 expected"   # nothing kept
 
 
 def test_top_p_counts_a_tie_at_the_cut_not_its_members():

@@ -90,3 +90,16 @@ def test_a_sample_of_n_holds_n_prompts_the_reference_figures_prompt_first():
     assert checked_prompts(1, big, {"p00500": ["figure"]}) == ["p00500"]
     assert checked_prompts(2, big, {"p00500": ["figure"]}) == ["p00000", "p00500"]
     assert checked_prompts(1, big, {}) == ["p00000"]
+
+
+def test_the_audit_re_runs_every_prompt_of_a_run_recorded_before_checks_prompts(monkeypatch):
+    """Such a run checked every prompt of its set: the audit must not sample it (a stored row of an unsampled
+    prompt would read as a check the re-derivation lost). A run that records the setting keeps it."""
+    from pipeline.checks import stage
+    from pipeline.tools import audit
+
+    seen = []
+    monkeypatch.setattr(stage, "compute", lambda params, use, root: (seen.append(params["checks"]), ([], {}, {}))[1])
+    audit.checks_verdicts("/nowhere", {"checks": {"atol": 1}})
+    audit.checks_verdicts("/nowhere", {"checks": {"atol": 1, "prompts": 7}})
+    assert seen == [{"atol": 1, "prompts": "all"}, {"atol": 1, "prompts": 7}]
