@@ -31,6 +31,24 @@ for var, val in (("GIT_AUTHOR_NAME", "nexttoken tests"), ("GIT_AUTHOR_EMAIL", "t
     os.environ.setdefault(var, val)
 
 
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """What a test changes in this process's environment variables, working directory and torch thread count
+    is put back after it. `make test` runs the files on pytest-xdist workers in an order that varies from run
+    to run, so a leak would make a later test's result depend on which file ran before it in the same
+    worker (a CUBLAS_WORKSPACE_CONFIG left behind showed up as a kernel-path difference in verify)."""
+    env, cwd = dict(os.environ), os.getcwd()
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+    yield
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
+    if threads is not None and sys.modules["torch"].get_num_threads() != threads:
+        sys.modules["torch"].set_num_threads(threads)
+
+
 def run_module(module: str, cwd: Path, *args: str, check: bool = False, env: dict | None = None,
                timeout: int = 900) -> subprocess.CompletedProcess:
     """Run `python -m module` in cwd the way DVC runs a stage."""
