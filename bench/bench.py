@@ -267,13 +267,14 @@ def _loaded(ws: Workspace):
 
 # ---------------------------------------------------------------- the command
 def report(result: dict) -> str:
-    """What `nexttoken bench` prints: the ratios, then the scale table when it ran."""
-    from bench import chain_scale, set_scale
-    scale = "\n\n".join(chain_scale.table(s) for s in result["sections"].get("scale", {}).values()
-                        if isinstance(s, dict) and "runs" in s)
-    if "runs" in result["sections"].get("sets", {}):
-        scale += "\n\n" + set_scale.table(result["sections"]["sets"])
-    return table(result["ratios"]) + ("\n\n" + scale.strip() if scale.strip() else "")
+    """What `nexttoken bench` prints: the ratios, then the scale tables and the stages' imports where they ran."""
+    from bench import chain_scale, scale, set_scale
+    sections = result["sections"]
+    parts = [chain_scale.table(s) for s in sections.get("scale", {}).values() if isinstance(s, dict) and "runs" in s]
+    if "runs" in sections.get("sets", {}):
+        parts.append(set_scale.table(sections["sets"]))
+    parts.append(scale.importtime_table(sections.get("dvc", {})))
+    return "\n\n".join([table(result["ratios"]), *filter(None, (p.strip() for p in parts))])
 
 
 def table(ratios: dict) -> str:

@@ -244,10 +244,67 @@ def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
             else:
                 chain_runs.append(child(scratch, {"kind": "chain", "stages": list(stages)}, timeout=4 * 3600))
     imports = child(clone, {"kind": "imports"})
+    timed = list(IMPORTTIME_QUICK) if plan.quick else list(stages)
     return {"model": name, "command": " ".join(dvc_command(plan.dvc_stages)), "stages": list(stages),
             **_isolation(clone, stages, dvc_runs[-1], chain_runs[-1], imports),
+            "stage_imports": {s: stage_importtime(clone, s) for s in timed},
             "runs": {"dvc_s": [r["total_s"] for r in dvc_runs],
                      "in_process_s": [r["process_wall_s"] for r in chain_runs]}}
+
+
+# --quick: one stage that must not load torch and one that runs the model (its inputs are there once
+# the quick dvc section's tokenize and forward ran), not every stage again
+IMPORTTIME_QUICK = ("logits", "forward")
+HEAVY = ("torch", "transformers", "pandas", "pyarrow", "numpy", "matplotlib", "pydantic", "omegaconf", "hydra",
+         "ray", "duckdb", "safetensors", "tokenizers", "dvc")
+
+
+def parse_importtime(stderr: str) -> dict:
+    """`python -X importtime` output -> the import time in seconds (the top-level imports' cumulative
+    times; nested ones are inside them), the number of modules, which of HEAVY were imported, and
+    the five top-level imports that cost most."""
+    top, names = [], set()
+    for line in stderr.splitlines():
+        if not line.startswith("import time:") or "imported package" in line:
+            continue
+        _, cumulative, name = line.split("|")
+        names.add(name.strip())
+        if not name[1:].startswith(" "):            # "| pkg": top level; "|   pkg": imported inside another
+            top.append((int(cumulative), name.strip()))
+    top.sort(reverse=True)
+    roots = {n.split(".")[0] for n in names}
+    return {"import_s": round(sum(us for us, _ in top) / 1e6, 3), "modules": len(names),
+            "heavy": [h for h in HEAVY if h in roots],
+            "top": [{"module": n, "cumulative_s": round(us / 1e6, 3)} for us, n in top[:5]]}
+
+
+def stage_importtime(clone: Path, stage: str) -> dict:
+    """The stage run once more in `clone` as DVC runs it (`python -m stages.<stage>`), under
+    `python -X importtime`: what it imports, and what that costs, against its whole wall time."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", f"stages.{stage}"], cwd=clone,
+                          capture_output=True, text=True, timeout=1800, env=worktree.tool_env(**OFFLINE))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"stages.{stage} under -X importtime failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {**parse_importtime(proc.stderr), "wall_s": round(wall, 3)}
+
+
+def importtime_table(section: dict) -> str:
+    """The printed per-stage import table of the dvc section's models."""
+    lines = []
+    for name, rec in section.items():
+        if not isinstance(rec, dict) or not rec.get("stage_imports"):
+            continue
+        lines += [f"stage imports ({name}, python -X importtime -m stages.<stage>, a fresh process each)",
+                  f"{'stage':<14} {'imports s':>9} {'wall s':>7} {'modules':>7}  "
+                  "heavy packages; costliest top-level import",
+                  "-" * 100]
+        for stage, r in rec["stage_imports"].items():
+            first = r["top"][0] if r["top"] else {"module": "-", "cumulative_s": 0}
+            lines.append(f"{stage:<14} {r['import_s']:>9.2f} {r['wall_s']:>7.2f} {r['modules']:>7}  "
+                         f"{','.join(r['heavy']) or '-'}; {first['module']} {first['cumulative_s']:.2f} s")
+    return "\n".join(lines)
 
 
 def _isolation(clone: Path, stages: tuple[str, ...], d: dict, c: dict, imports: dict) -> dict:

@@ -141,6 +141,25 @@ def test_logits_io_section_measures_the_zstd_file_and_its_uncompressed_floor(tmp
     assert floor["target"] is None and floor["pass"] is None and floor["value"] > 0 and "zstd" in floor["note"]
 
 
+def test_importtime_counts_top_level_imports_once_and_names_the_heavy_packages():
+    from bench import scale
+    text = """import time: self [us] | cumulative | imported package
+import time:       196 |        196 |   _io
+import time:      1789 |      21086 | site
+stage progress line
+import time:       500 |       2500 |     torch._C
+import time:      1000 |    2000000 |   torch.nn
+import time:      9000 |    2500000 | torch
+import time:       700 |     400000 | pyarrow.parquet
+"""
+    got = scale.parse_importtime(text)
+    # 21086 + 2500000 + 400000 us: nested imports are inside their parents' cumulative times
+    assert got["import_s"] == 2.921 and got["modules"] == 6 and got["heavy"] == ["torch", "pyarrow"]
+    assert [t["module"] for t in got["top"]] == ["torch", "pyarrow.parquet", "site"]
+    rows = scale.importtime_table({"tiny": {"stage_imports": {"forward": {**got, "wall_s": 4.0}}}}).splitlines()
+    assert rows[-1].split()[:4] == ["forward", "2.92", "4.00", "6"] and rows[-1].endswith("torch 2.50 s")
+
+
 def test_dvc_command_runs_every_stage_after_prepare_model_or_the_named_ones():
     assert scale.dvc_command(None) == ["dvc", "repro", "--force", "--downstream", "tokenize"]
     assert scale.dvc_command(("tokenize",)) == ["dvc", "repro", "--force", "--single-item", "tokenize"]
@@ -207,6 +226,11 @@ def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
     dvc = s["dvc"]["tiny_qwen2"]
     assert dvc["rc"] == 0 and set(dvc["per_stage"]) == {"tokenize", "forward"}
     assert dvc["extra_breakdown"]["python_start_and_imports_s"] > 0
+    # -X importtime per stage: the logits stage computes nothing with torch and must not import it
+    imports = dvc["stage_imports"]
+    assert set(imports) == {"logits", "forward"} and "torch" in imports["forward"]["heavy"], imports
+    assert "torch" not in imports["logits"]["heavy"] and "pyarrow" in imports["logits"]["heavy"], imports
+    assert 0 < imports["logits"]["import_s"] < imports["forward"]["import_s"] <= imports["forward"]["wall_s"]
     assert "available" in s["nnsight"]["transformer_lens"]
     if "memory" in s["nnsight"]:          # nnsight installed (`.[bench]`, as `make test` does)
         assert s["nnsight"]["same_logits"] is True and s["nnsight"]["nnsight_tensors_differing_from_capture"] == []
@@ -231,6 +255,7 @@ def test_quick_bench_prints_ratios_and_the_scale_table(quick_result):
     for name in result["ratios"]:
         assert name in stdout
     assert "chain scale tiny_qwen2 (positions=all)" in stdout and "slope" in stdout
+    assert "stage imports (tiny_qwen2, python -X importtime" in stdout and "\nlogits " in stdout
     assert "wrote artifacts/bench/bench.json" in stdout
     assert not list((ws / "artifacts" / "bench").glob(".bench-*"))
 
