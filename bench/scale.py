@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -244,10 +245,9 @@ def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
             else:
                 chain_runs.append(child(scratch, {"kind": "chain", "stages": list(stages)}, timeout=4 * 3600))
     imports = child(clone, {"kind": "imports"})
-    timed = list(IMPORTTIME_QUICK) if plan.quick else list(stages)
+    timed = {s: stage_importtime(clone, s) for s in (IMPORTTIME_QUICK if plan.quick else stages)}
     return {"model": name, "command": " ".join(dvc_command(plan.dvc_stages)), "stages": list(stages),
-            **_isolation(clone, stages, dvc_runs[-1], chain_runs[-1], imports),
-            "stage_imports": {s: stage_importtime(clone, s) for s in timed},
+            **_isolation(clone, stages, dvc_runs[-1], chain_runs[-1], imports, timed), "stage_imports": timed,
             "runs": {"dvc_s": [r["total_s"] for r in dvc_runs],
                      "in_process_s": [r["process_wall_s"] for r in chain_runs]}}
 
@@ -259,34 +259,49 @@ HEAVY = ("torch", "transformers", "pandas", "pyarrow", "numpy", "matplotlib", "p
          "ray", "duckdb", "safetensors", "tokenizers", "dvc")
 
 
+IMPORTTIME_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
+
+
 def parse_importtime(stderr: str) -> dict:
     """`python -X importtime` output -> the import time in seconds (the top-level imports' cumulative
-    times; nested ones are inside them), the number of modules, which of HEAVY were imported, and
-    the five top-level imports that cost most."""
-    top, names = [], set()
+    times; a nested import's is inside its parent's), the number of modules, each of HEAVY's own
+    cumulative time where it was imported (under `-m stages.<stage>` it is nested in the stage's own
+    modules), the five costliest top-level imports, and how many "import time:" lines did not parse.
+    (CPython also times an import that fails, e.g. an optional one in a try; those count as modules.)"""
+    top, names, heavy, odd = [], set(), {}, 0
     for line in stderr.splitlines():
         if not line.startswith("import time:") or "imported package" in line:
             continue
-        _, cumulative, name = line.split("|")
-        names.add(name.strip())
-        if not name[1:].startswith(" "):            # "| pkg": top level; "|   pkg": imported inside another
-            top.append((int(cumulative), name.strip()))
+        m = IMPORTTIME_LINE.match(line)
+        if m is None:
+            odd += 1
+            continue
+        cumulative, indent, name = int(m[2]), m[3], m[4]
+        names.add(name)
+        if not indent:                               # "| pkg": top level; "|   pkg": imported inside another
+            top.append((cumulative, name))
+        if name in HEAVY:
+            heavy[name] = round(cumulative / 1e6, 3)
     top.sort(reverse=True)
-    roots = {n.split(".")[0] for n in names}
     return {"import_s": round(sum(us for us, _ in top) / 1e6, 3), "modules": len(names),
-            "heavy": [h for h in HEAVY if h in roots],
-            "top": [{"module": n, "cumulative_s": round(us / 1e6, 3)} for us, n in top[:5]]}
+            "heavy": [h for h in HEAVY if h in {n.split(".")[0] for n in names}],
+            "heavy_s": {h: heavy[h] for h in HEAVY if h in heavy},
+            "top": [{"module": n, "cumulative_s": round(us / 1e6, 3)} for us, n in top[:5]], "unparsed_lines": odd}
 
 
 def stage_importtime(clone: Path, stage: str) -> dict:
     """The stage run once more in `clone` as DVC runs it (`python -m stages.<stage>`), under
     `python -X importtime`: what it imports, and what that costs, against its whole wall time."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", f"stages.{stage}"], cwd=clone,
-                          capture_output=True, text=True, timeout=1800, env=worktree.tool_env(**OFFLINE))
+    try:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", f"stages.{stage}"], cwd=clone,
+                              capture_output=True, text=True, timeout=1800, env=worktree.tool_env(**OFFLINE))
+    except subprocess.TimeoutExpired:
+        return {"error": "did not finish in 1800 s"}
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"stages.{stage} under -X importtime failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        tail = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")][-20:]
+        return {"error": f"exit {proc.returncode}: " + "\n".join(tail)}
     return {**parse_importtime(proc.stderr), "wall_s": round(wall, 3)}
 
 
@@ -296,20 +311,25 @@ def importtime_table(section: dict) -> str:
     for name, rec in section.items():
         if not isinstance(rec, dict) or not rec.get("stage_imports"):
             continue
-        lines += [f"stage imports ({name}, python -X importtime -m stages.<stage>, a fresh process each)",
-                  f"{'stage':<14} {'imports s':>9} {'wall s':>7} {'modules':>7}  "
-                  "heavy packages; costliest top-level import",
-                  "-" * 100]
+        lines += [f"stage imports ({name}: python -X importtime -m stages.<stage>, each stage run once more, "
+                  "alone, after the dvc runs)",
+                  f"{'stage':<14} {'imports s':>9} {'wall s':>7} {'modules':>7} {'torch s':>8} {'transf. s':>9}  "
+                  "other heavy packages", "-" * 100]
         for stage, r in rec["stage_imports"].items():
-            first = r["top"][0] if r["top"] else {"module": "-", "cumulative_s": 0}
-            lines.append(f"{stage:<14} {r['import_s']:>9.2f} {r['wall_s']:>7.2f} {r['modules']:>7}  "
-                         f"{','.join(r['heavy']) or '-'}; {first['module']} {first['cumulative_s']:.2f} s")
+            if "error" in r:
+                lines.append(f"{stage:<14} failed: {r['error'].splitlines()[-1] if r['error'] else ''}")
+                continue
+            t = {h: "-" if h not in r["heavy_s"] else f"{r['heavy_s'][h]:.2f}" for h in ("torch", "transformers")}
+            others = [h for h in r["heavy"] if h not in ("torch", "transformers")]
+            lines.append(f"{stage:<14} {r['import_s']:>9.2f} {r['wall_s']:>7.2f} {r['modules']:>7} {t['torch']:>8} "
+                         f"{t['transformers']:>9}  {','.join(others) or '-'}")
     return "\n".join(lines)
 
 
-def _isolation(clone: Path, stages: tuple[str, ...], d: dict, c: dict, imports: dict) -> dict:
+def _isolation(clone: Path, stages: tuple[str, ...], d: dict, c: dict, imports: dict, timed: dict) -> dict:
     """Where dvc's extra time goes: per stage, its wall time under dvc minus the same stage in the
-    one-process chain; overall, interpreter starts + imports, repeated loads, dvc itself, the rest."""
+    one-process chain; overall, interpreter starts + imports (a stage's own -X importtime figure where
+    `timed` has one, else a process importing torch and transformers), repeated loads, dvc itself, the rest."""
     manifests = {s: json.loads(paths.manifest_path(s, clone).read_text())
                  for s in stages if paths.manifest_path(s, clone).exists()}
     per_stage = {s: {"wall_in_dvc_s": d["stage_wall_s"].get(s), "in_process_s": c["stage_s"].get(s),
@@ -323,7 +343,8 @@ def _isolation(clone: Path, stages: tuple[str, ...], d: dict, c: dict, imports: 
     start = imports["process_wall_s"]
     n_model = sum("model" in per_stage[s]["loads"] for s in ran)
     n_tok = sum("tokenizer" in per_stage[s]["loads"] for s in ran)
-    parts = {"python_start_and_imports_s": len(ran) * start,
+    measured = {s: timed[s]["import_s"] for s in ran if "import_s" in timed.get(s, {})}
+    parts = {"python_start_and_imports_s": sum(measured.get(s, start) for s in ran),
              "model_reloads_s": max(0, n_model - 1) * c["load_s"]["model"],
              "tokenizer_reloads_s": max(0, n_tok - 1) * c["load_s"]["tokenizer"],
              "dvc_before_first_stage_s": d["before_first_stage_s"]}

@@ -1,6 +1,6 @@
 """Shared fixtures: the real conf/ composed and shrunk to the tiny model, temp workspaces.
 
-Nothing loads at import time. The two workspace fixtures are built once per session, in
+Nothing loads at import time. The two workspace fixtures are built once per session (per xdist worker), in
 fresh processes as DVC would run the stages, and are read-only: `tiny_workspace`
 (prepare_model, tokenize) and `tiny_chain` (a copy of it, run through lens). A test
 that runs a stage or changes a file works on its own copy (`copy_ws`); each fixture checks
@@ -40,9 +40,12 @@ def _process_state_restored():
     env, cwd = dict(os.environ), os.getcwd()
     threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
     yield
-    if dict(os.environ) != env:
-        os.environ.clear()
-        os.environ.update(env)
+    for key in set(env) | set(os.environ):   # only what changed: threads of the test may still read the rest
+        if key != "PYTEST_CURRENT_TEST" and os.environ.get(key) != env.get(key):
+            if key in env:
+                os.environ[key] = env[key]
+            else:
+                del os.environ[key]
     if os.getcwd() != cwd:
         os.chdir(cwd)
     if threads is not None and sys.modules["torch"].get_num_threads() != threads:

@@ -99,7 +99,7 @@ def audit_folder(root: Path, label: str) -> Audit:
     if "trajectories" in manifests:
         rederived.rederive_trajectories(root, manifests["trajectories"], result, same_code)
     if "checks" in manifests:
-        rederive_checks(root, params, result)
+        rederive_checks(root, schema.checks_as_recorded(params, manifests["checks"]), result)  # the prompts it checked
     environment(manifests, result)
     kernel_path(manifests, result)
     return result
@@ -305,14 +305,8 @@ def _check_name(key: tuple[str, str]) -> str:
 
 
 def checks_verdicts(root: Path, params: dict) -> dict[tuple[str, str], tuple[str, float, str]]:
-    """(prompt_id, name) -> (verdict, measured, device note), computed by the checks stage's own function.
-
-    A run recorded before `checks.prompts` existed checked every prompt: its checks are re-run on every
-    prompt (the setting's default now samples a set of more than CHECKED_AUTO)."""
+    """(prompt_id, name) -> (verdict, measured, device note), computed by the checks stage's own function."""
     from pipeline.checks import stage  # torch and the model load only when re-deriving the checks
-    checks = params.get("checks")
-    if isinstance(checks, dict) and "prompts" not in checks:
-        params = {**params, "checks": {**checks, "prompts": "all"}}
     results, _, _ = stage.compute(params, paths.lookup(root), root)
     return {(c.prompt_id, c.name): (c.verdict, c.measured, c.device_note) for c in results}
 

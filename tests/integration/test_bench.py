@@ -142,22 +142,29 @@ def test_logits_io_section_measures_the_zstd_file_and_its_uncompressed_floor(tmp
 
 
 def test_importtime_counts_top_level_imports_once_and_names_the_heavy_packages():
-    from bench import scale
+    # as under `python -X importtime -m stages.forward`: torch and transformers nested in the stage's own modules
     text = """import time: self [us] | cumulative | imported package
 import time:       196 |        196 |   _io
 import time:      1789 |      21086 | site
 stage progress line
-import time:       500 |       2500 |     torch._C
-import time:      1000 |    2000000 |   torch.nn
-import time:      9000 |    2500000 | torch
+import time:       500 |       2500 |       torch._C
+import time:      9000 |    2500000 |     torch
+import time:      1000 |     900000 |     transformers
+import time:      3000 |    3403000 |   pipeline.model.loader
+import time:       400 |    3500000 | pipeline.model.forward
 import time:       700 |     400000 | pyarrow.parquet
+import time: 12 | garbled
 """
     got = scale.parse_importtime(text)
-    # 21086 + 2500000 + 400000 us: nested imports are inside their parents' cumulative times
-    assert got["import_s"] == 2.921 and got["modules"] == 6 and got["heavy"] == ["torch", "pyarrow"]
-    assert [t["module"] for t in got["top"]] == ["torch", "pyarrow.parquet", "site"]
-    rows = scale.importtime_table({"tiny": {"stage_imports": {"forward": {**got, "wall_s": 4.0}}}}).splitlines()
-    assert rows[-1].split()[:4] == ["forward", "2.92", "4.00", "6"] and rows[-1].endswith("torch 2.50 s")
+    # 21086 + 3500000 + 400000 us: nested imports are inside their parents' cumulative times
+    assert got["import_s"] == 3.921 and got["modules"] == 8 and got["unparsed_lines"] == 1
+    assert got["heavy"] == ["torch", "transformers", "pyarrow"]
+    assert got["heavy_s"] == {"torch": 2.5, "transformers": 0.9}      # pyarrow.parquet is not pyarrow's own line
+    assert [t["module"] for t in got["top"]] == ["pipeline.model.forward", "pyarrow.parquet", "site"]
+    rows = scale.importtime_table({"tiny": {"stage_imports": {"forward": {**got, "wall_s": 4.0},
+                                                              "lens": {"error": "exit 2: no capture"}}}}).splitlines()
+    assert rows[-2].split() == ["forward", "3.92", "4.00", "8", "2.50", "0.90", "pyarrow"]
+    assert rows[-1].split() == ["lens", "failed:", "exit", "2:", "no", "capture"]
 
 
 def test_dvc_command_runs_every_stage_after_prepare_model_or_the_named_ones():
@@ -230,7 +237,8 @@ def test_quick_bench_sections_hold_what_the_ratios_come_from(quick_result):
     imports = dvc["stage_imports"]
     assert set(imports) == {"logits", "forward"} and "torch" in imports["forward"]["heavy"], imports
     assert "torch" not in imports["logits"]["heavy"] and "pyarrow" in imports["logits"]["heavy"], imports
-    assert 0 < imports["logits"]["import_s"] < imports["forward"]["import_s"] <= imports["forward"]["wall_s"]
+    assert imports["logits"]["import_s"] > 0 and imports["forward"]["import_s"] <= imports["forward"]["wall_s"]
+    assert imports["forward"]["heavy_s"]["torch"] > 0 and imports["logits"]["unparsed_lines"] == 0
     assert "available" in s["nnsight"]["transformer_lens"]
     if "memory" in s["nnsight"]:          # nnsight installed (`.[bench]`, as `make test` does)
         assert s["nnsight"]["same_logits"] is True and s["nnsight"]["nnsight_tensors_differing_from_capture"] == []
@@ -255,7 +263,7 @@ def test_quick_bench_prints_ratios_and_the_scale_table(quick_result):
     for name in result["ratios"]:
         assert name in stdout
     assert "chain scale tiny_qwen2 (positions=all)" in stdout and "slope" in stdout
-    assert "stage imports (tiny_qwen2, python -X importtime" in stdout and "\nlogits " in stdout
+    assert "stage imports (tiny_qwen2: python -X importtime" in stdout and "\nlogits " in stdout
     assert "wrote artifacts/bench/bench.json" in stdout
     assert not list((ws / "artifacts" / "bench").glob(".bench-*"))
 
