@@ -257,8 +257,6 @@ def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
 IMPORTTIME_QUICK = ("logits", "forward")
 HEAVY = ("torch", "transformers", "pandas", "pyarrow", "numpy", "matplotlib", "pydantic", "omegaconf", "hydra",
          "ray", "duckdb", "safetensors", "tokenizers", "dvc")
-
-
 IMPORTTIME_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
 
 

@@ -113,10 +113,7 @@ def cuda_flags():
 
 
 def test_cuda_determinism_sets_every_flag(cuda_flags, monkeypatch):
-    # set, then deleted: monkeypatch restores the variable as it was (a delenv of an unset one records nothing,
-    # and the value deterministic_cuda sets would stay in this process for every later test)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset by this test")
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     torch.backends.cudnn.allow_tf32 = True
     kernels.deterministic_cuda()

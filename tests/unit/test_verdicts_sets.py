@@ -92,7 +92,6 @@ def test_a_sample_of_n_holds_n_prompts_the_reference_figures_prompt_first():
     assert checked_prompts(1, big, {}) == ["p00000"]
 
 
-
 def test_audit_and_verify_re_run_every_prompt_of_a_run_recorded_before_checks_prompts():
     """Such a run checked every prompt of its set, and its manifest records no prompts_checked: its checks are
     re-run on all of them (a sample would read its unsampled prompts' stored rows as checks now absent). A run
