@@ -8,7 +8,8 @@ that child (wall s, CPU s, its own peak RSS; `tests/helpers/stage_peak.py`); its
 `prompt_seconds` give the stage work per prompt (set-up such as a model load or a Ray start not
 counted). Disk: every file of the stage's folder, per prompt. Beside them, the floor: one child
 (`python -m bench.set_scale floor N STEPS`) that loads the model and does the same forward and the
-same four decodings (sample / greedy, with and without the KV cache) per prompt in a plain loop.
+same four decodings (sample / greedy, with and without the KV cache) per prompt in a plain loop, over
+the set's first FLOOR_PROMPTS (1000) prompts at most.
 
 Targets: the chain's stage work <= 0.25 s per prompt; each stage's peak RSS grows with N by a
 log-log slope <= 0.1; disk <= 1.5 MB per prompt. Printed as a table; `bench_sets` records the ratios.
@@ -35,6 +36,7 @@ STEPS = 4
 PER_PROMPT_TARGET = 0.25      # s of stage work per prompt, the whole chain
 RSS_EXPONENT_TARGET = 0.1
 DISK_TARGET_MB = 1.5
+FLOOR_PROMPTS = 1000    # the floor runs at most this many of a set's prompts: its s/prompt does not depend on N
 SUBJECTS = ("the sea", "a cat", "the moon", "bread", "a river", "the city", "music", "winter", "a clock", "snow")
 VERBS = ("is", "seems", "becomes", "was", "feels", "looks", "sounds")
 
@@ -75,7 +77,7 @@ def measure_size(src: Path, dest: Path, n: int, steps: int, executor: list[str])
             where = list(manifest["executor"]["prompts"].values())
             stages[stage]["ray_worker_rss_mb"] = sorted({w.get("rss_mb") for w in where if w.get("rss_mb")})
         print(f"[sets] N={n} {stage}: {stages[stage]}", file=sys.stderr, flush=True)
-    floor = floor_child(ws, n, steps)
+    floor = floor_child(ws, min(n, FLOOR_PROMPTS), steps)
     work = sum(s["work_s"] for s in stages.values())
     disk = sum(s["disk_mb_per_prompt"] for s in stages.values())
     return {"N": n, "steps": steps, "executor": executor or ["executor=serial"], "stages": stages,
@@ -93,9 +95,10 @@ def floor_child(ws: Path, n: int, steps: int) -> dict:
 
 
 def floor(n: int, steps: int) -> dict:
-    """The plain script: the prepared model, each prompt's ids through one forward (the last position's logits,
-    as the capture computes them with positions=last) and four decodings of `steps` tokens (greedy and sampled,
-    with and without the KV cache; each step the last position's logits only, `logits_to_keep=1`, as generate
+    """The plain script: the prepared model, the ids of each of the set's first `n` prompts (`FLOOR_PROMPTS` at
+    most: its s/prompt does not depend on N) through one forward (the last position's logits, as the capture
+    computes them with positions=last) and four decodings of `steps` tokens (greedy and sampled, with and without
+    the KV cache; each step the last position's logits only, `logits_to_keep=1`, as generate
     and the trajectories stage compute them), no capture, nothing written."""
     import pyarrow.parquet as pq
     import torch
@@ -104,7 +107,7 @@ def floor(n: int, steps: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(paths.stage_dir("prepare_model"), dtype=torch.bfloat16,
                                                  attn_implementation="eager", local_files_only=True).eval()
     ids = [pq.read_table(p, columns=["token_id"])["token_id"].to_pylist()
-           for p in sorted(paths.dataset(paths.TOKENS).glob("*/tokens.parquet"))]
+           for p in sorted(paths.dataset(paths.TOKENS).glob("*/tokens.parquet"))[:n]]
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     with torch.inference_mode():
