@@ -61,7 +61,9 @@ class Writer:
 
     def write_json(self, name: str, obj: Any, prompt_id: str | None = None) -> Path:
         p = self.out(name, prompt_id)
-        p.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
+        with open(p, "w", encoding="utf-8") as f:     # streamed: json.dumps(indent=...) holds every piece of the
+            json.dump(obj, f, indent=2, ensure_ascii=False, sort_keys=False)   # text at once (a 10,000-prompt
+            f.write("\n")                              # forward manifest: 49 MB of text, ~400 MB of pieces)
         return p
 
     def write_parquet(self, name: str, table, facts: dict[str, Any] | None = None, prompt_id: str | None = None,
@@ -105,7 +107,7 @@ class StageRun(Writer):
         self._outputs: dict[str, dict[str, dict]] = {}            # stage -> its manifest's outputs by path
         self._verified: set[str] = set()                          # stages whose manifest's inputs were checked
         self._prompt_seconds: dict[str, float] = {}
-        self._prompt_facts: dict[str, dict[str, Any]] = {}
+        self._prompt_facts: dict[str, str] = {}           # prompt -> its facts as compact JSON text (`_keep_facts`)
         self.executor: dict[str, Any] | None = None     # where the per-prompt work ran (`pipeline.executor`)
         self._started = time.time()
         self.staging = self.root / paths.STAGING / f"{stage}-{os.getpid()}"
@@ -272,14 +274,20 @@ class StageRun(Writer):
             key = prompt_id or ""
             self._prompt_seconds[key] = self._prompt_seconds.get(key, 0.0) + time.perf_counter() - start
             if self.facts is not facts:
-                self._prompt_facts[key] = self.facts
+                self._keep_facts(key, self.facts)
 
     def prompt_done(self, prompt_id: str, seconds: float, facts: dict[str, Any] | None) -> None:
         """A prompt's work done elsewhere (a Ray worker): its seconds there and the facts it set, as
         `timed` records them for work done here."""
         self._prompt_seconds[prompt_id] = self._prompt_seconds.get(prompt_id, 0.0) + seconds
         if facts is not None:
-            self.facts = self._prompt_facts[prompt_id] = facts
+            self.facts = facts
+            self._keep_facts(prompt_id, facts)
+
+    def _keep_facts(self, prompt_id: str, facts: dict[str, Any]) -> None:
+        # As text, parsed again one prompt at a time when the manifest is written: a 10,000-prompt set's
+        # forward facts (tensor shapes, input ids) are ~140 MB as Python objects and 25 MB as text.
+        self._prompt_facts[prompt_id] = json.dumps(facts, ensure_ascii=False, separators=(",", ":"))
 
     def _set_facts(self) -> dict[str, Any]:
         """The manifest's `facts` and, for a set whose prompts' facts differ, `prompt_facts`: `facts` holds
@@ -288,10 +296,15 @@ class StageRun(Writer):
         per = self._prompt_facts
         if len(per) < 2:
             return {"facts": self.facts}
-        first = next(iter(per.values()))
-        shared = {k: v for k, v in first.items() if all(k in f and f[k] == v for f in per.values())}
-        own = {pid: {k: v for k, v in f.items() if k not in shared} for pid, f in per.items()}
-        return {"facts": shared, **({"prompt_facts": own} if any(own.values()) else {})}
+        texts = iter(per.values())
+        shared = json.loads(next(texts))
+        keys = set(shared)
+        for text in texts:                      # one prompt's facts in memory at a time
+            f = json.loads(text)
+            keys |= f.keys()
+            shared = {k: v for k, v in shared.items() if k in f and f[k] == v}
+        own = keys - shared.keys()              # some prompt's own value of these
+        return {"facts": shared, **({"prompt_facts": _OwnFacts(per, shared)} if own else {})}
 
     # ------------------------------------------------------------ commit
     def commit(self) -> Path:
@@ -324,6 +337,19 @@ class StageRun(Writer):
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class _OwnFacts(dict):
+    """The manifest's `prompt_facts`: {prompt id: its facts but the shared ones}, each prompt's parsed from its
+    text only as `json.dump` reaches it (its encoder iterates `items()`), so a set's are never all in memory."""
+
+    def __init__(self, texts: dict[str, str], shared: Any):
+        super().__init__(dict.fromkeys(texts))          # the keys, for len() and `in`; the values come from items()
+        self._texts, self._shared = texts, set(shared)
+
+    def items(self):
+        for pid, text in self._texts.items():
+            yield pid, {k: v for k, v in json.loads(text).items() if k not in self._shared}
 
 
 def _remove_stale_staging(staging_root: Path, stage: str) -> None:

@@ -253,6 +253,27 @@ def test_a_sets_manifest_keeps_each_prompts_facts(tmp_path):
     assert "prompt_facts" not in m and m["facts"] == {"n_tokens": 7, "round_trip_ok": True, "family": "qwen2"}
 
 
+def test_a_sets_prompt_facts_kept_as_text_give_the_manifest_json_dumps_would(tmp_path):
+    """Each prompt's facts are held as text and parsed back one prompt at a time as the manifest is streamed
+    out: the same facts (nested values, a key one prompt lacks, text outside ASCII, a Ray prompt's facts
+    reported by `prompt_done`), in prompt order, and byte for byte the text `json.dumps(indent=2)` gives."""
+    with artifacts.stage_run("forward", {}, root=tmp_path) as run:
+        for pid, n in (("p2", 3), ("p0", 5)):
+            with run.timed(pid):
+                run.facts = {"model": "m", "names": {"embed": {"shape": [1, n, 4]}}, "ids": list(range(n)),
+                             "text": "Grüße " * n}
+        run.prompt_done("p1", 0.1, {"model": "m", "names": {"embed": {"shape": [1, 5, 4]}}, "ids": [0, 1, 2, 3, 4],
+                                    "text": "Grüße " * 5, "node": "n1"})
+        run.write_json("s.json", {})
+    text = (tmp_path / "artifacts/forward/manifest.json").read_text(encoding="utf-8")
+    m = json.loads(text)
+    assert text == json.dumps(m, indent=2, ensure_ascii=False) + "\n"
+    assert m["facts"] == {"model": "m"} and list(m["prompt_facts"]) == ["p2", "p0", "p1"]
+    assert m["prompt_facts"]["p2"] == {"names": {"embed": {"shape": [1, 3, 4]}}, "ids": [0, 1, 2], "text": "Grüße " * 3}
+    assert m["prompt_facts"]["p1"] == {**m["prompt_facts"]["p0"], "node": "n1"}
+    assert m["prompt_facts"]["p0"]["ids"] == [0, 1, 2, 3, 4]
+
+
 def test_a_sets_inputs_read_each_manifest_once_and_still_verify_every_file(tmp_path, monkeypatch):
     """A stage over a set uses every prompt's partition: each producing manifest is read and its inputs and config
     checked once (not once per partition, which made a set of N cost O(N^2)), while every file is still held to
