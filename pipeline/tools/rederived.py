@@ -61,8 +61,8 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
                  result, not same_code)
     if per_prompt:
         items.append(paths.PROBS_PROMPT_METRICS)
-        _compare(paths.artifact(paths.PROBS_PROMPT_METRICS, root), probs.set_table(per_prompt), root,
-                 recorded, result, False)
+        want = probs.set_table([r for t in per_prompt for r in t.to_pylist()], per_prompt[0].schema)
+        _compare(paths.artifact(paths.PROBS_PROMPT_METRICS, root), want, root, recorded, result, False)
     result.notes.append(f"re-derived {', '.join(i[1] for i in items)} from {paths.LOGITS[1]} "
                         f"({len(prompt_ids)} prompt(s))")
     if table == "derived":
