@@ -137,7 +137,6 @@ class ForwardWork(LoadsInSetup):
         out.write_json(paths.FORWARD_FACTS[1], result.facts, prompt_id=pid)
 
 
-
 PARTITION_ONLY = ("input_ids", "names")
 
 
