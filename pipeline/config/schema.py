@@ -55,7 +55,7 @@ Text = Annotated[str, Field(min_length=1)]
 Int = Annotated[int, Strict()]
 Count = Annotated[int, Field(ge=1)]
 Positive = Annotated[float, Field(gt=0.0)]
-MAX_SET_SIZE = 1000  # prompt.max_set_size's default: the largest set measured through the whole chain (docs/scale.md)
+MAX_SET_SIZE = 10000  # prompt.max_set_size's default: the largest set measured through the whole chain (docs/scale.md)
 # A prompt's id in a set (prompt_set.PromptRecord) and in report.prompt_id: it names a partition folder.
 PROMPT_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 PROMPT_ID_ALLOWED = ("1 to 64 of A-Z a-z 0-9 _ . -, not starting with . or - (it names the prompt's partition, "

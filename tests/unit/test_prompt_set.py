@@ -81,7 +81,7 @@ def test_exactly_the_limit_is_allowed(tmp_path):
 
 def test_the_limit_is_the_config_key_default_64(tmp_path):
     prompt = schema.load_section({"prompt": REFERENCE}, "prompt")
-    assert prompt.max_set_size == schema.MAX_SET_SIZE == 1000
+    assert prompt.max_set_size == schema.MAX_SET_SIZE == 10000
     changed = schema.load_section({"prompt": {**REFERENCE, "max_set_size": 3}}, "prompt")
     assert changed.max_set_size == 3
     with pytest.raises(UserError, match=r"^prompt\.max_set_size=0 is not allowed: an integer >= 1$"):
