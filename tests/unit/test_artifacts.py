@@ -254,9 +254,9 @@ def test_a_sets_manifest_keeps_each_prompts_facts(tmp_path):
 
 
 def test_a_sets_prompt_facts_kept_as_text_give_the_manifest_json_dumps_would(tmp_path):
-    """Each prompt's facts are held as text and parsed back one prompt at a time as the manifest is streamed
-    out: the same facts (nested values, a key one prompt lacks, text outside ASCII, a Ray prompt's facts
-    reported by `prompt_done`), in prompt order, and byte for byte the text `json.dumps(indent=2)` gives."""
+    """Each prompt's facts are held as text and parsed back when the manifest is written (streamed): the same
+    facts (nested values, a key one prompt lacks, text outside ASCII, a Ray prompt's facts reported by
+    `prompt_done`), in prompt order, and byte for byte the text `json.dumps(indent=2)` gives."""
     with artifacts.stage_run("forward", {}, root=tmp_path) as run:
         for pid, n in (("p2", 3), ("p0", 5)):
             with run.timed(pid):
