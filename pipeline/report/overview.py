@@ -19,7 +19,7 @@ from pipeline.checks import verdicts
 from pipeline.numerics.aggregates import aggregate_temperature
 from pipeline.report.markdown import code, name, prob, src, table
 from pipeline.store import paths
-from pipeline.store.artifacts import read_json, read_parquet
+from pipeline.store.artifacts import read_json, read_manifest_once, read_parquet
 
 Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records an input, returns its path
 UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
@@ -61,7 +61,11 @@ def load(use: Use, ids: list[str], root: Path | str = ".") -> SetInputs:
     """Read the set-level artifacts the report shows; those of a stage that has not run are None."""
     def table_rows(item: tuple[str, str]) -> list[dict] | None:
         return read_parquet(use(item)).to_pylist() if paths.artifact(item, root).exists() else None
-    manifests = {s: read_json(use(paths.manifest_path(s))) for s in UPSTREAM if paths.manifest_path(s, root).exists()}
+    manifests = {}
+    for s in UPSTREAM:
+        if paths.manifest_path(s, root).exists():
+            use(paths.manifest_path(s))
+            manifests[s] = read_manifest_once(s, root)      # the one parsed copy the stage run holds too
     checks = None
     if paths.artifact(paths.CHECKS, root).exists():
         checks = list(verdicts.stored_rows(read_parquet(use(paths.CHECKS))).values())

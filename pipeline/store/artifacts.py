@@ -173,10 +173,13 @@ class StageRun(Writer):
 
     def _manifest(self, stage: str) -> dict | None:
         """A stage's manifest, read once (with its outputs indexed by path: a set's manifest lists every
-        partition, and each prompt's inputs are looked up in it)."""
+        partition, and each prompt's inputs are looked up in it). It is the process's one parsed copy
+        (`read_manifest_once`), the one the checks and the report read too: a 10,000-prompt manifest
+        parses to some ten times its size in Python objects, and two copies of each were the report's
+        and the checks' growth with the set."""
         if stage not in self._manifests:
             exists = paths.manifest_path(stage, self.root).exists()
-            manifest = self._manifests[stage] = read_manifest(stage, self.root) if exists else None
+            manifest = self._manifests[stage] = read_manifest_once(stage, self.root) if exists else None
             index = self._outputs[stage] = {}
             for o in (manifest or {}).get("outputs") or []:
                 index.setdefault(o.get("path"), o)
@@ -490,12 +493,15 @@ def read_manifest(stage: str, root: Path | str = ".") -> dict[str, Any]:
     return check_format(read_json(paths.manifest_path(stage, root)), paths.manifest_path(stage).as_posix())
 
 
-def read_once(reader: Callable[..., Any]) -> Callable[..., Any]:
+def read_once(reader: Callable[..., Any] | None = None, *, maxsize: int = 8) -> Callable[..., Any]:
     """`reader(path, *args)` remembered per process by the file's path, modification time (ns) and size, and
-    args (the last 8): what a stage reads for every prompt of a set but that is one file for the whole set (a
-    manifest listing every partition, a 152k-id vocabulary or tokenizer.json), read once and again only when the
-    file changes. The result is shared: callers only read it."""
-    @functools.lru_cache(maxsize=8)
+    args (the last `maxsize`): what a stage reads for every prompt of a set but that is one file for the whole
+    set (a manifest listing every partition, a 152k-id vocabulary or tokenizer.json), read once and again only
+    when the file changes. The result is shared: callers only read it. `@read_once` or `@read_once(maxsize=N)`."""
+    if reader is None:
+        return functools.partial(read_once, maxsize=maxsize)
+
+    @functools.lru_cache(maxsize=maxsize)
     def cached(path: str, mtime_ns: int, size: int, *args: Any) -> Any:
         return reader(Path(path), *args)
 
@@ -509,7 +515,7 @@ def read_once(reader: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@read_once
+@read_once(maxsize=len(paths.STAGES))      # every stage's manifest at once (the report reads them all)
 def _manifest_file(path: Path, stage: str) -> dict[str, Any]:
     return check_format(read_json(path), paths.manifest_path(stage).as_posix())
 

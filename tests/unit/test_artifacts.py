@@ -283,14 +283,16 @@ def test_a_sets_inputs_read_each_manifest_once_and_still_verify_every_file(tmp_p
         for pid in pids:
             run.write_parquet(paths.TOKENS[1], _table(), prompt_id=pid)
     reads, fresh = [], []
-    real_read, real_fresh = artifacts.read_manifest, artifacts.StageRun._fresh
-    monkeypatch.setattr(artifacts, "read_manifest", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k))
+    real_read, real_fresh = artifacts.read_manifest_once, artifacts.StageRun._fresh
+    monkeypatch.setattr(artifacts, "read_manifest_once", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k))
     monkeypatch.setattr(artifacts.StageRun, "_fresh", lambda self, *a: fresh.append(a[1]) or real_fresh(self, *a))
     with artifacts.stage_run("forward", {}, tmp_path) as run:
         for pid in pids:
             run.use(paths.TOKENS, pid)
         assert reads == ["tokenize"] and fresh == ["tokenize"]
         assert len(run._inputs) == len(pids)
+        # the stage run holds the process's one parsed copy, the one the checks and the report read too
+        assert run._manifest("tokenize") is real_read("tokenize", tmp_path)
         run.write_json("s.json", {})
     victim = paths.partition(paths.TOKENS, pids[-1], tmp_path)
     pa_table = pa.table({"a": pa.array([9], pa.int32())})
