@@ -174,9 +174,10 @@ class StageRun(Writer):
     def _manifest(self, stage: str) -> dict | None:
         """A stage's manifest, read once (with its outputs indexed by path: a set's manifest lists every
         partition, and each prompt's inputs are looked up in it). It is the process's one parsed copy
-        (`read_manifest_once`), the one the checks and the report read too: a 10,000-prompt manifest
-        parses to some ten times its size in Python objects, and two copies of each were the report's
-        and the checks' growth with the set."""
+        (`read_manifest_once`), the one the checks and the report read too: a manifest parses to about
+        twice its JSON size in Python objects (forward's at 1,000 prompts: 1.15 MB, 2.4 MB parsed), the
+        manifests a late stage reads at 10,000 prompts hold some 60 MB of JSON, and the report and the
+        checks each held two copies."""
         if stage not in self._manifests:
             exists = paths.manifest_path(stage, self.root).exists()
             manifest = self._manifests[stage] = read_manifest_once(stage, self.root) if exists else None
