@@ -55,6 +55,8 @@ def main(root: Path, before: bool) -> None:
                        compression="zstd")
         kept += (tmp / "f.parquet").stat().st_size
         src = paths.partition(paths.STEP_LOGITS, pid, root)
+        if not src.is_file():               # not stored (sampling.step_logits): nothing on disk to compare
+            continue
         rows = logits_io.read_step_logits(src)
         meta = {k: v for k, v in pq.read_schema(src).metadata.items() if k != logits_io.STEP_META_KEY}
         logits_io.write_logits(tmp / "s.parquet", [(p, r) for _, p, r in rows], meta,

@@ -182,10 +182,23 @@ class Run:
 
     def step_logits(self, prompt_id: str | None = None) -> dict:
         """step_logits.parquet: (branch, kv_cache, step) -> that step's full float32 logits row (numpy),
-        XOR-decoded and widened exactly (`logits_io.read_step_logits`)."""
-        from pipeline.store import logits_io
-        return {(k["branch"], k["kv_cache"], k["step"]): row
-                for k, _, row in logits_io.read_step_logits(self.path(paths.STEP_LOGITS, prompt_id))}
+        XOR-decoded and widened exactly (`logits_io.read_step_logits`). A prompt whose rows the run did not store
+        (`sampling.step_logits`: a large set stores a fixed sample's) has them re-derived here, by the stage's own
+        decoding on the run's model (loaded once per Run), and proven bit for bit against the sha256 of every row
+        in trajectories.json (`trajectories.step_rows`; refused in one line otherwise)."""
+        from pipeline.model import trajectories
+        rows = trajectories.step_rows(self._find, self.root, self._prompt(prompt_id), self._model)
+        return {(k["branch"], k["kv_cache"], k["step"]): row for k, _, row in rows}
+
+    def _find(self, item, prompt_id: str | None = None) -> Path:
+        return self.path(item, prompt_id) if isinstance(item, tuple) else paths.locate(item, self.root)
+
+    def _model(self):
+        """The run's model as its trajectories stage loaded it (`trajectories.recorded_model`), loaded once."""
+        if not hasattr(self, "_loaded"):
+            from pipeline.model import trajectories
+            self._loaded = trajectories.recorded_model(self._find, self.root)
+        return self._loaded
 
     def filtered(self, prompt_id: str | None = None):
         """filtered.parquet: the top-k / top-p kept sets, before and after renormalising (pandas); a set's

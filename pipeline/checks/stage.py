@@ -8,7 +8,6 @@ compares them with the stored verdicts.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -47,20 +46,9 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
 
 
 def checked_prompts(setting: str | int, prompt_ids: list[str], figures: dict[str, list]) -> list[str]:
-    """The prompts of the run the per-prompt checks run on (`checks.prompts`), in the run's order: every one for
-    `all`, and for `auto` when the run has at most CHECKED_AUTO; else a fixed sample of that many in all (`auto`:
-    CHECKED_AUTO): the prompt the reference figures are compared on (`references`) and the run's first prompt (its
-    ids sorted: the one the report details by default), then the prompts with the lowest sha256 of their id.
-    So the choice is the same in every run, audit and verify of the set and does not follow the ids' order."""
-    n = len(prompt_ids)
-    k = n if setting == "all" else min(n, schema.CHECKED_AUTO if setting == "auto" else setting)
-    if k >= n:
-        return list(prompt_ids)
-    first = min(prompt_ids)
-    must = ([p for p in prompt_ids if figures.get(p)] + [first])[:k]      # the reference figures' prompt first
-    rest = sorted((p for p in prompt_ids if p not in must), key=lambda p: hashlib.sha256(p.encode()).digest())
-    chosen = set(must) | set(rest[:k - len(must)])
-    return [p for p in prompt_ids if p in chosen]
+    """The prompts of the run the per-prompt checks run on (`checks.prompts`), in the run's order
+    (`prompt_set.fixed_sample`): the prompt the reference figures are compared on (`references`) comes first."""
+    return prompt_set.fixed_sample(setting, prompt_ids, [p for p in prompt_ids if figures.get(p)])
 
 
 def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",

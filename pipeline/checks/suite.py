@@ -23,9 +23,9 @@ import torch
 
 from pipeline import kernels
 from pipeline.checks import next_token, recompute, tables
-from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logit_rows
+from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logits_sha256
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
-from pipeline.model import capture, decode, loader, tokenization
+from pipeline.model import capture, decode, loader, tokenization, trajectories
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import (
@@ -55,7 +55,7 @@ class Stored:
     table: Path | pa.Table | None        # a derived table (`probs.table`): re-derived from logits.parquet
     filtered: Path | pa.Table | None     # likewise
     steps: Path | None
-    step_logits: Path | None
+    step_logits: Path | None             # None with steps: not stored (`sampling.step_logits`), re-derived here
     token_bytes: list[bytes | None] = field(default_factory=list)   # tokens.parquet piece_bytes_hex
     token_special: list[bool] = field(default_factory=list)
     # trajectories/prompt_metrics.parquet and this prompt's id in it; None when trajectories did not run
@@ -66,6 +66,7 @@ class Stored:
     # lens/lens.parquet and lens_summary.parquet; None when the lens stage did not run
     lens: Path | None = None
     lens_summary: Path | None = None
+    trajectories: Path | None = None     # trajectories.json: every step logits row's recorded sha256
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -99,11 +100,13 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str) -> Stored:
 
     tokens = read_parquet(use(paths.TOKENS, prompt_id), columns=["token_id", "text", "piece_bytes_hex", "is_special"])
     own_id = read_json(use(paths.TOKENIZE_SUMMARY, prompt_id)).get("prompt_id")
-    facts, step_logits = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEP_LOGITS)
+    facts, steps = read_json(use(paths.FORWARD_FACTS, prompt_id)), optional(paths.STEPS)
+    from pipeline.model.trajectories import step_logits_stored
+    step_logits = optional(paths.STEP_LOGITS) if steps is not None and step_logits_stored(steps) else None
     metrics, item = None, paths.PROBS_PROMPT_METRICS     # after this prompt's own inputs: a missing one is named first
     if paths.stage_dir(item[0], root).exists():
         metrics = (use(item), own_id, use(paths.VOCAB))
-    traj = parquet_facts(step_logits) if step_logits else {}
+    traj = parquet_facts(steps) if steps else {}
     devices = {"forward": {"device": facts.get("device"), "gpu_name": facts.get("gpu_name"),
                            "cpu_kernels": recorded_cpu_kernels(root, "forward", prompt_id)},
                "trajectories": {"device": traj.get("device"), "gpu_name": traj.get("gpu_name"),
@@ -114,11 +117,12 @@ def load(use: Callable[..., Path], root: Path | str, prompt_id: str) -> Stored:
     return Stored(tokens["token_id"].to_pylist(), tokens["text"].to_pylist(),
                   read_safetensors(use(paths.CAPTURE, prompt_id)), devices, use(paths.LOGITS, prompt_id),
                   _probs_table(use, root, prompt_id), _probs_table(use, root, prompt_id, paths.FILTERED),
-                  optional(paths.STEPS),
+                  steps,
                   step_logits, [None if h is None else bytes.fromhex(h) for h in tokens["piece_bytes_hex"].to_pylist()],
                   tokens["is_special"].to_pylist(),
                   loops_table, metrics, use(paths.LENS, prompt_id) if lens else None,
-                  use(paths.LENS_SUMMARY, prompt_id) if lens else None)
+                  use(paths.LENS_SUMMARY, prompt_id) if lens else None,
+                  use(paths.TRAJECTORIES, prompt_id) if steps is not None else None)
 
 
 def _probs_table(use: Callable[..., Path], root: Path | str, prompt_id: str,
@@ -455,9 +459,17 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
                                         probs.filters(p_cfg, cfg["sampling"]), vocab)
     if stored.steps is None:
         return out + [outputs_missing("trajectories")]
-    steps, step_rows = read_parquet(stored.steps).to_pylist(), step_logit_rows(stored.step_logits)
+    steps, recorded = read_parquet(stored.steps).to_pylist(), read_json(stored.trajectories)
+    if stored.step_logits is not None:
+        rows = logits_io.read_step_logits(stored.step_logits)
+        hashes = step_logits_sha256(rows, recorded, "stored", "error")
+    else:           # not stored (`sampling.step_logits`): re-derived here by the stage's own decoding
+        rows, _ = trajectories.rederive_step_logits(model, ids, cfg["sampling"], recorded)
+        hashes = kernel_bound(step_logits_sha256(rows, recorded, "re-derived", "error"), traj, here)
+    step_rows = {(k["branch"], k["kv_cache"], k["step"]): row for k, _, row in rows}
     one_row = recompute.lm_head_rows(model, tensors[capture.act_name("final_norm_out")], 1)[0, -1].float().cpu()
     return out + [
+        *hashes,
         *kernel_bound(step1_logits(step_rows, one_row.numpy(), stored.last_row(), "error"), traj, here),
         *greedy_argmax(steps, step_rows),                               # the stored rows' own argmax
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),

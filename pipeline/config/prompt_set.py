@@ -19,6 +19,7 @@ tokenize.json (`prompt_id`), the key the per-prompt tables join on; tokenize loo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -27,9 +28,8 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipeline.config.schema import PROMPT_ID_ALLOWED as ID_ALLOWED  # the id rule is schema's (report.prompt_id too)
-from pipeline.config.schema import PROMPT_ID_PATTERN as ID_PATTERN
 from pipeline.config.schema import (
+    CHECKED_AUTO,
     PromptConfig,
     RuleError,
     Section,
@@ -40,6 +40,8 @@ from pipeline.config.schema import (
     rule,
     text_sha256,
 )
+from pipeline.config.schema import PROMPT_ID_ALLOWED as ID_ALLOWED  # the id rule is schema's (report.prompt_id too)
+from pipeline.config.schema import PROMPT_ID_PATTERN as ID_PATTERN
 from pipeline.errors import UserError, bad_value
 
 KEYS = ("id", "text", "messages", "expected_token_ids")
@@ -224,6 +226,25 @@ def detailed(wanted: str | None, ids: Sequence[str]) -> str:
     if wanted not in ids:
         raise bad_value("report.prompt_id", wanted, "null or one of the run's prompt ids: " + ", ".join(ids))
     return wanted
+
+
+def fixed_sample(setting: str | int, prompt_ids: Sequence[str], must: Sequence[str] = ()) -> list[str]:
+    """The prompts of a run a per-prompt choice (`checks.prompts`, `sampling.step_logits`) takes, in the run's
+    order: every one for `all`, and for `auto` when the run has at most `schema.CHECKED_AUTO`; else a fixed sample
+    of that many in all (`auto`: CHECKED_AUTO): `must` (in its order, as room allows), then the run's first
+    prompt (its ids sorted: the one the report details by default), then the prompts with the lowest sha256 of
+    their id. So the choice is the same in every run, audit and verify of the set and does not follow the ids'
+    order; the checks' sample and the stored step logits' are the same prompts when `must` is."""
+    n = len(prompt_ids)
+    k = n if setting == "all" else min(n, CHECKED_AUTO if setting == "auto" else int(setting))
+    if k >= n:
+        return list(prompt_ids)
+    first = min(prompt_ids)
+    chosen = list(dict.fromkeys([*(p for p in must if p in prompt_ids), first]))[:k]
+    taken = set(chosen)
+    rest = sorted((p for p in prompt_ids if p not in taken), key=lambda p: hashlib.sha256(p.encode()).digest())
+    taken |= set(rest[:k - len(chosen)])
+    return [p for p in prompt_ids if p in taken]
 
 
 def where(prompt: PromptConfig, record: PromptRecord) -> str:

@@ -295,6 +295,12 @@ class SamplingConfig(Filter):
     branches: Annotated[items(Literal["sample", "greedy"], "a non-empty list of sample, greedy"), rule(_repeats)]
     kv_cache: Annotated[items(Annotated[bool, Strict()], "a non-empty list of true/false"), rule(_repeats)]
     top_n: Count
+    # Which prompts' step_logits.parquet is written (`prompt_set.fixed_sample`, the checks' rule): the others'
+    # rows are re-derived bit for bit by re-running the stage's decoding when read, proven by the sha256 of
+    # every row that trajectories.json records (`pipeline.model.trajectories.step_rows`; issue 29: a set's disk)
+    step_logits: Literal["auto", "all"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="auto (every prompt of a set of up to 100, a fixed sample of 100 of a larger one: the "
+                            "checks' own sample), all, or an integer >= 1 (a fixed sample of that many)")
 
 
 CHECKED_AUTO = 100     # checks.prompts=auto: every prompt of a set up to this size, a sample of this many beyond

@@ -24,7 +24,7 @@ from pipeline.config import prompt_set
 from pipeline.config.schema import CaptureConfig, EquivalenceConfig
 from pipeline.equivalence import variations as v
 from pipeline.errors import bad_value
-from pipeline.model import capture, loader
+from pipeline.model import capture, loader, trajectories
 from pipeline.numerics import compare
 from pipeline.store import logits_io, paths, provenance, variant_logits
 from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
@@ -81,12 +81,14 @@ def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fil
                 {**var.ran_with, "seconds": seconds}, var.logits
 
 
-def step_runs(steps_path: Path, step_logits_path: Path) -> dict[tuple[str, bool], list[tuple[int, int, np.ndarray]]]:
-    """(branch, kv_cache) -> [(step, token_id, float32 logits row)], from the trajectories stage's files."""
+def step_runs(steps_path: Path, step_rows: Path | list) -> dict[tuple[str, bool], list[tuple[int, int, np.ndarray]]]:
+    """(branch, kv_cache) -> [(step, token_id, float32 logits row)], from the trajectories stage's files: steps.parquet
+    and its step logits (a step_logits.parquet, or the rows `trajectories.step_rows` gives)."""
     tokens = {(r["branch"], r["kv_cache"], r["step"]): r["token_id"]
               for r in read_parquet(steps_path, columns=["branch", "kv_cache", "step", "token_id"]).to_pylist()}
     out: dict = {}
-    for k, _, logits in logits_io.read_step_logits(step_logits_path):
+    rows = logits_io.read_step_logits(step_rows) if isinstance(step_rows, Path) else step_rows
+    for k, _, logits in rows:
         key = (k["branch"], k["kv_cache"], k["step"])
         out.setdefault(key[:2], []).append((key[2], tokens[key], logits))
     return {k: sorted(rows, key=lambda r: r[0]) for k, rows in out.items()}
@@ -163,7 +165,8 @@ def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_p
                 if logits is not None:
                     variants.append((r["variation"], logits))
             if "kv_cache" in cfg.variations:
-                rows += kv_rows(step_runs(stage.use(paths.STEPS, pid), stage.use(paths.STEP_LOGITS, pid)))
+                rows += kv_rows(step_runs(stage.use(paths.STEPS, pid),
+                                          trajectories.step_rows(stage.use, stage.root, pid, lambda: model)))
             stage.write_parquet(paths.EQUIVALENCE[1], pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names}
                                                                             for r in rows], SCHEMA), prompt_id=pid)
             variant_logits.write(stage.out(paths.VARIANT_LOGITS[1], pid), variants, rec.positions,

@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from pipeline.config.schema import CaptureConfig, ModelConfig, SamplingConfig
-from pipeline.errors import bad_value
+from pipeline.errors import UserError, bad_value
 from pipeline.executor.work import LoadsInSetup
 from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
@@ -28,7 +29,7 @@ from pipeline.numerics.aggregates import trajectory_set_metrics
 from pipeline.numerics.repetition import distinct_ratio, find_loop
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, rank_of, top_order
 from pipeline.store import logits_io, paths, provenance
-from pipeline.store.artifacts import StageRun, read_json, read_parquet
+from pipeline.store.artifacts import StageRun, parquet_facts, read_json, read_parquet
 
 STEPS_SCHEMA = pa.schema([
     ("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32()), ("prefix_len", pa.int32()),
@@ -124,6 +125,8 @@ def step_logit_rows(runs: list[Run]) -> tuple[list[tuple[int, torch.Tensor]], li
 
 
 def summary(runs: list[Run], tokenizer) -> dict:
+    """trajectories.json: per run its settings, ids, text, stop reason and `step_logits_sha256`, each step's
+    logits row hashed (`logits_io.row_sha256`), whether step_logits.parquet stores the rows or not."""
     out = {}
     for r in runs:
         ids = [s.token_id for s in r.steps]
@@ -131,8 +134,42 @@ def summary(runs: list[Run], tokenizer) -> dict:
             "branch": r.branch, "kv_cache": r.kv_cache, "settings": asdict(r.settings), "token_ids": ids,
             "text": tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
             "stop_reason": r.steps[-1].stop_reason if r.steps else None,
+            "step_logits_sha256": [logits_io.row_sha256(logits_io.widened(s.logits)) for s in r.steps],
         }
     return out
+
+
+def stored_step_logits(sampling: SamplingConfig, prompt_ids: list[str]) -> set[str]:
+    """The prompts whose step_logits.parquet the stage writes (`sampling.step_logits`, `prompt_set.fixed_sample`)."""
+    from pipeline.config.prompt_set import fixed_sample
+    return set(fixed_sample(sampling.step_logits, prompt_ids))
+
+
+def step_logits_stored(steps_path: Path) -> bool:
+    """Whether the trajectories stage wrote the step_logits.parquet of the prompt whose steps.parquet this is (the
+    `step_logits` fact in its metadata; a run made before `sampling.step_logits` stored every prompt's)."""
+    return parquet_facts(steps_path).get("step_logits", "stored") == "stored"
+
+
+def rederive_step_logits(model, prompt_ids: list[int], sampling: SamplingConfig, recorded: dict) \
+        -> tuple[list[tuple[dict, int, np.ndarray]], list[str]]:
+    """A prompt's step logits rows re-derived by the stage's own decoding (`run_all`, the recorded `sampling`),
+    in step_logits.parquet's order and form (`logits_io.read_step_logits`), and the rows whose sha256 is not
+    the one trajectories.json (`recorded`) holds, named `<run> step <n>` (empty: every row bit for bit as the
+    stage computed it). Same numbers need the same kernel path: the prompt's recorded `cpu_kernels`."""
+    rows, keys = step_logit_rows(run_all(model, prompt_ids, sampling, loader.eos_ids(model)))
+    out, differ = [], []
+    for (position, row), key in zip(rows, keys):
+        values = logits_io.widened(row)
+        name = f"{key['branch']}{'_kv' if key['kv_cache'] else ''}"
+        hashes = (recorded.get(name) or {}).get("step_logits_sha256") or []
+        if key["step"] > len(hashes) or hashes[key["step"] - 1] != logits_io.row_sha256(values):
+            differ.append(f"{name} step {key['step']}")
+        out.append((key, position, values))
+    expected = sum(len(v.get("step_logits_sha256") or []) for v in recorded.values())
+    if expected != len(out):
+        differ.append(f"{len(out)} rows re-derived, {expected} recorded")
+    return out, differ
 
 
 def sweep_metrics(summary_by_run: dict) -> dict:
@@ -192,6 +229,43 @@ def prompt_metrics(prompt_id: str, summary_by_run: dict) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=PROMPT_METRICS_SCHEMA)
 
 
+def step_rows(find, root: Path | str, prompt_id: str, model=None) -> list[tuple[dict, int, np.ndarray]]:
+    """One prompt's step logits rows as `logits_io.read_step_logits` gives them, whether the stage stored them or
+    not (`sampling.step_logits`): read from step_logits.parquet, else re-derived (`rederive_step_logits`) with the
+    sampling the trajectories stage recorded, and refused in one line unless every row's sha256 is the one
+    trajectories.json records. `find(item, prompt_id)`: a run's file (`paths.lookup`, StageRun.use); `model`: a
+    zero-argument callable giving the model to re-derive on (None: `recorded_model`, loaded here)."""
+    if step_logits_stored(find(paths.STEPS, prompt_id)):
+        return logits_io.read_step_logits(find(paths.STEP_LOGITS, prompt_id))
+    from pipeline.config.schema import parse
+    sampling = parse(SamplingConfig, _recorded_config(find, root)["sampling"], "sampling")
+    ids = read_parquet(find(paths.TOKENS, prompt_id), columns=["token_id"])["token_id"].to_pylist()
+    recorded = read_json(find(paths.TRAJECTORIES, prompt_id))
+    rows, differ = rederive_step_logits((model or (lambda: recorded_model(find, root)))(), ids, sampling, recorded)
+    if differ:
+        raise UserError(f"prompt {prompt_id!r}: its step logits are not stored (sampling.step_logits) and the rows "
+                        f"re-derived here differ from the sha256 trajectories.json records ({', '.join(differ[:4])}): "
+                        "another kernel path gives other bits; re-derive on the recorded one (the trajectories "
+                        "manifest's kernels; capture.kernels=portable pins them)")
+    return rows
+
+
+def recorded_model(find, root: Path | str):
+    """The run's model as its trajectories stage loaded it: the recorded capture keys (dtype, device, attention)
+    and trust_remote_code, from the prepared snapshot."""
+    from types import SimpleNamespace
+    config = _recorded_config(find, root)
+    snapshot = loader.snapshot_dir(find(paths.stage_dir("prepare_model")), read_json(find(paths.SOURCE)))
+    return loader.load_captured(snapshot, SimpleNamespace(**config["capture"]), config["model"]["trust_remote_code"])
+
+
+def _recorded_config(find, root: Path | str) -> dict:
+    """The config the run's trajectories stage recorded (its manifest, found through `find`: a stage records it)."""
+    from pipeline.store.artifacts import read_manifest_once
+    find(paths.manifest_path(paths.STEPS[0]))
+    return read_manifest_once(paths.STEPS[0], root)["config"]
+
+
 def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig,
            executor=None) -> None:
     """The trajectories stage: per prompt, every run on its stored ids -> steps, step logits, summary
@@ -207,7 +281,8 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling
                longest if len(lengths) > 1 else None)
     stage.model = provenance.model_record(source)
     stage.seeds["sample"] = sampling.seed
-    work = TrajectoriesWork(snapshot, cap, sampling, model_cfg.trust_remote_code)
+    work = TrajectoriesWork(snapshot, cap, sampling, model_cfg.trust_remote_code,
+                            stored=frozenset(stored_step_logits(sampling, pids)))
     summaries = ex.run_prompts(stage, work, pids, executor or ex.SERIAL)
     files = set_files(summaries)
     stage.write_json(paths.TRAJECTORIES_METRICS[1], files[paths.TRAJECTORIES_METRICS])
@@ -221,6 +296,7 @@ class TrajectoriesWork(LoadsInSetup):
     cap: CaptureConfig
     sampling: SamplingConfig
     trust_remote_code: bool
+    stored: frozenset[str] = frozenset()     # the prompts whose step logits are written (`stored_step_logits`)
     stage: str = "trajectories"
 
     def setup(self) -> None:
@@ -232,12 +308,15 @@ class TrajectoriesWork(LoadsInSetup):
         ids = read_parquet(out.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
         prompt_id = probs.prompt_id(out.use(paths.TOKENIZE_SUMMARY, pid))
         runs = run_all(model, ids, sampling, loader.eos_ids(model))
+        stored = pid in self.stored
         out.facts = {**loader.device_record(model, loader.resolve_device(self.cap.device)),
-                     "compute_dtype": self.cap.dtype, "prompt_len": len(ids)}
+                     "compute_dtype": self.cap.dtype, "prompt_len": len(ids),
+                     "step_logits": "stored" if stored else "derived"}
         out.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
                           compression="zstd")
-        rows, keys = step_logit_rows(runs)
-        logits_io.write_step_logits(out.out(paths.STEP_LOGITS[1], pid), rows, keys, out.parquet_metadata())
+        if stored:          # else re-derived when read (`rederive_step_logits`), proven by the recorded sha256
+            rows, keys = step_logit_rows(runs)
+            logits_io.write_step_logits(out.out(paths.STEP_LOGITS[1], pid), rows, keys, out.parquet_metadata())
         summary_by_run = summary(runs, tokenizer)
         out.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
         return prompt_id, summary_by_run

@@ -27,6 +27,7 @@ parallel into one preallocated array, positions from the statistics.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -231,6 +232,25 @@ def _raw_bits(row) -> tuple[str, np.ndarray]:
     return name, row.view(signed).numpy().view(_STEP_DTYPES[name])
 
 
+def widened(row) -> np.ndarray:
+    """A step logits row (torch in its own dtype, or numpy) as the float32 values `read_step_logits` gives for it,
+    widened the same exact way (bf16: a 16-bit shift; fp16 and float32 exactly)."""
+    name, bits = _raw_bits(row)
+    return _widen(bits, name)
+
+
+def _widen(bits: np.ndarray, name: str) -> np.ndarray:
+    return safetensors_io.widen(bits, "BF16") if name == "BF16" else \
+        bits.view(np.float16).astype(np.float32) if name == "F16" else bits.view(np.float32).copy()
+
+
+def row_sha256(values: np.ndarray) -> str:
+    """sha256 (hex) of a step logits row as float32 little-endian bytes (`widened`, or a row `read_step_logits`
+    gave): what trajectories.json records per step, so a row re-derived instead of stored is proven bit for bit
+    (the widening is exact and one to one, so the float32 bytes pin the model dtype's bits)."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
+
+
 def _planes(bits: np.ndarray) -> bytes:
     """The bytes of `bits`, plane by plane: byte 0 of every value, then byte 1, ..."""
     return bits.view(np.uint8).reshape(bits.size, bits.itemsize).T.tobytes()
@@ -326,8 +346,7 @@ def read_step_logits(path: Path) -> list[tuple[dict, int, np.ndarray]]:
                 raise UserError(f"{path}: row {i} is XORed with row {base}, not an earlier one: corrupt")
             bits ^= raw[base]
         raw.append(bits)
-        values = safetensors_io.widen(bits, "BF16") if layout["dtype"] == "BF16" else \
-            bits.view(np.float16).astype(np.float32) if layout["dtype"] == "F16" else bits.view(np.float32).copy()
+        values = _widen(bits, layout["dtype"])
         out.append(({"branch": rec["branch"], "kv_cache": rec["kv_cache"], "step": rec["step"]},
                     rec["position"], values))
     return out

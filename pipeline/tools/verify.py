@@ -239,17 +239,40 @@ def table_lines(root: Path, here: Path, items: tuple[tuple[str, str], ...], pid:
     out = []
     for item in items:
         files = [paths.lookup(r)(item, pid) for r in (root, here)]
-        derived = [item in (paths.TABLE, paths.FILTERED) and not _table_stored(r) for r in (root, here)]
+        derived = [item in (paths.TABLE, paths.FILTERED) and not _table_stored(r) or
+                   item == paths.STEP_LOGITS and not _step_logits_stored(r, pid) for r in (root, here)]
         if missing := [label for label, f, d in zip(LABELS, files, derived) if not d and not f.is_file()]:
             out.append(f"{item[0]} {item[1]}: not there {' and '.join(missing)}")
             continue
-        if item == paths.STEP_LOGITS:
+        if item == paths.STEP_LOGITS and any(derived):      # not stored: the rows' recorded sha256 tell
+            diff = step_hashes_difference(*(read_json(paths.partition(paths.TRAJECTORIES, pid, r))
+                                            for r in (root, here)))
+        elif item == paths.STEP_LOGITS:
             diff = step_logits_difference(*files)
         else:
             diff = table_difference(*(_table(r, item, pid, d) for r, d in zip((root, here), derived)))
         if diff:
             out.append(f"{item[0]} {item[1]}: " + diff.replace("stored", "then").replace("re-derived", "now"))
     return out
+
+
+def _step_logits_stored(root: Path, pid: str) -> bool:
+    from pipeline.model.trajectories import step_logits_stored
+    return step_logits_stored(paths.partition(paths.STEPS, pid, root))
+
+
+def step_hashes_difference(a: dict, b: dict) -> str | None:
+    """The first step whose logits row's recorded sha256 (trajectories.json, `logits_io.row_sha256`) differs
+    between two runs, where a run did not store the rows (`sampling.step_logits`); None when all agree."""
+    for name in sorted(a.keys() | b.keys()):
+        ha, hb = ((x.get(name) or {}).get("step_logits_sha256") or [] for x in (a, b))
+        step = next((i + 1 for i in range(max(len(ha), len(hb)))
+                     if i >= min(len(ha), len(hb)) or ha[i] != hb[i]), 0)
+        if step:
+            then, now = (h[step - 1][:12] if step <= len(h) else "-" for h in (ha, hb))
+            return f"{name} step {step}: the row's sha256 differs (stored {then}, re-derived {now}; " \
+                   "rows not stored: sampling.step_logits)"
+    return None
 
 
 def _table_stored(root: Path) -> bool:

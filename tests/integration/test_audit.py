@@ -238,7 +238,8 @@ def as_gpu_run(root: Path) -> None:
         meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **RTX}).encode()}
         pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
     forge(root, part(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
-    forge(root, part(paths.STEP_LOGITS, root).relative_to(root).as_posix(), step_logits)
+    for item in (paths.STEPS, paths.STEP_LOGITS):       # the checks read where trajectories ran from steps.parquet
+        forge(root, part(item, root).relative_to(root).as_posix(), step_logits)
 
 
 def kernels_differ_here(monkeypatch) -> None:

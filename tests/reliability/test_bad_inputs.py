@@ -79,7 +79,7 @@ class Case:
 
 
 def _wrong_types(key: str, value: Any) -> list[Any]:
-    if key == "checks.prompts":          # a name or a count: 5 is allowed
+    if key in ("checks.prompts", "sampling.step_logits"):          # a name or a count: 5 is allowed
         return ["", 1.5, True]
     if isinstance(value, bool):
         return ["yes", 1]
@@ -235,6 +235,8 @@ def range_cases() -> list[Case]:
         _r("sampling.top_n", 0),
         _r("sampling.nope", 1, "key"),
         _missing("sampling.seed"),
+        _r("sampling.step_logits", 0),
+        _r("sampling.step_logits", "some", "name"),
         # checks
         _r("checks.kv_cache_atol", -0.01),
         _r("checks.kv_cache_atol", math.nan),

@@ -104,3 +104,65 @@ def test_audit_and_verify_re_run_every_prompt_of_a_run_recorded_before_checks_pr
     assert checks_as_recorded({**params, "checks": {"prompts": 7}}, old)["checks"] == {"prompts": "all"}
     new = {"facts": {"checks": 10, "prompts_checked": 100}}
     assert checks_as_recorded(params, new) is params and checks_as_recorded(params, None) is params
+
+
+def test_the_stored_step_logits_sample_is_the_checks_sample_without_the_reference_prompt():
+    """`sampling.step_logits` (trajectories) and `checks.prompts` pick by one rule (`prompt_set.fixed_sample`): with no
+    reference figures in the set, the prompts the checks read are exactly the ones whose rows are stored."""
+    from pipeline.checks.stage import checked_prompts
+    from pipeline.config.prompt_set import fixed_sample
+    big = [f"p{i:05d}" for i in range(1000)]
+    for setting in ("auto", "all", 1, 7):
+        assert fixed_sample(setting, big) == checked_prompts(setting, big, {})
+    assert fixed_sample(1, big) == [big[0]]                     # a sample of one: the run's first prompt
+    with_ref = checked_prompts(3, big, {"p00500": [("seed_article", "tokenizer")]})
+    assert "p00500" in with_ref and big[0] in with_ref and len(with_ref) == 3
+    assert len(set(with_ref) & set(fixed_sample(3, big))) == 2   # the reference prompt displaces one: re-derived
+
+
+# ---------------------------------------------------------------- step logits rows vs their recorded sha256
+def _rows_and_record(n_steps: int = 3):
+    import numpy as np
+
+    from pipeline.store import logits_io
+    rng = np.random.default_rng(0)
+    rows, recorded = [], {}
+    for branch in ("sample", "greedy"):
+        hashes = []
+        for step in range(1, n_steps + 1):
+            row = rng.standard_normal(64).astype(np.float32)
+            rows.append(({"branch": branch, "kv_cache": False, "step": step}, 4 + step, row))
+            hashes.append(logits_io.row_sha256(row))
+        recorded[branch] = {"branch": branch, "kv_cache": False, "step_logits_sha256": hashes}
+    return rows, recorded
+
+
+def test_step_logits_sha256_passes_the_rows_the_stage_computed_and_fails_one_flipped_bit():
+    import numpy as np
+
+    from pipeline.checks.trajectory import step_logits_sha256
+    rows, recorded = _rows_and_record()
+    (ok,) = step_logits_sha256(rows, recorded, "stored", "error")
+    assert ok.passed and ok.measured == 0
+    flipped = [(k, p, r.copy()) for k, p, r in rows]
+    flipped[4][2].view(np.uint32)[7] ^= 1                       # greedy step 2, one id's lowest bit
+    (bad,) = step_logits_sha256(flipped, recorded, "re-derived", "error")
+    assert not bad.passed and bad.measured == 1 and "greedy step 2" in bad.detail
+    (short,) = step_logits_sha256(rows[:-1], recorded, "stored", "error")   # a row missing
+    assert short.measured == 1 and "greedy step 3" in short.detail
+    old = {name: {k: v for k, v in run.items() if k != "step_logits_sha256"} for name, run in recorded.items()}
+    assert step_logits_sha256(rows, old, "stored", "error") == []           # a run made before the hashes
+
+
+def test_row_sha256_of_a_bf16_row_is_that_of_the_row_read_back_from_its_file(tmp_path):
+    import torch
+
+    from pipeline.store import logits_io
+    row = torch.randn(1000).to(torch.bfloat16)
+    logits_io.write_step_logits(tmp_path / "s.parquet", [(3, row)], [{"branch": "greedy", "kv_cache": False,
+                                                                     "step": 1}], {})
+    ((_, _, back),) = logits_io.read_step_logits(tmp_path / "s.parquet")
+    assert logits_io.row_sha256(back) == logits_io.row_sha256(logits_io.widened(row))
+    other = row.clone()
+    other.view(torch.int16)[0] ^= 1                              # one bf16 ulp on one id
+    assert logits_io.row_sha256(logits_io.widened(other)) != logits_io.row_sha256(back)
