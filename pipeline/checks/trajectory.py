@@ -31,12 +31,10 @@ def step_logits_sha256(rows: list[tuple[dict, int, np.ndarray]], recorded: dict,
                        severity: str) -> list[Check]:
     """Every step logits row (stored in step_logits.parquet, or re-derived where the stage did not store it) vs
     the sha256 trajectories.json records for it (`logits_io.row_sha256`): the rows the other checks read are the
-    ones the stage computed, bit for bit. Value: the rows differing, or missing on either side. None for a run
-    whose trajectories.json records no sha256 (made before `sampling.step_logits`, every row stored)."""
+    ones the stage computed, bit for bit. Value: the rows differing, or missing on either side (a run that
+    records no sha256 fails: every run of format 4 records them)."""
     want = {(v["branch"], v["kv_cache"], i + 1): h for v in recorded.values()
             for i, h in enumerate(v.get("step_logits_sha256") or [])}
-    if not any("step_logits_sha256" in v for v in recorded.values()):
-        return []
     got = {(k["branch"], k["kv_cache"], k["step"]): logits_io.row_sha256(row) for k, _, row in rows}
     bad = sorted(key for key in want.keys() | got.keys() if want.get(key) != got.get(key))
     return [Check("step_logits_sha256", f"every step logits row ({source}) vs the sha256 trajectories.json records "

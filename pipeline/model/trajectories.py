@@ -147,7 +147,7 @@ def stored_step_logits(sampling: SamplingConfig, prompt_ids: list[str]) -> set[s
 
 def step_logits_stored(steps_path: Path) -> bool:
     """Whether the trajectories stage wrote the step_logits.parquet of the prompt whose steps.parquet this is (the
-    `step_logits` fact in its metadata; a run made before `sampling.step_logits` stored every prompt's)."""
+    `step_logits` fact in its metadata, `stored` or `derived`)."""
     return parquet_facts(steps_path).get("step_logits", "stored") == "stored"
 
 

@@ -28,7 +28,7 @@ from pipeline import kernels
 # The layout of a run's files (manifest fields, file names, partitions, columns, the logical hash).
 # Every manifest records it; every reader refuses a run of another format (`format_refusal`):
 # auditing a run made by other code means checking out that code. Change the layout, bump this.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 # Distributions whose versions decide the numbers (or how they are stored).
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow", "pandas",

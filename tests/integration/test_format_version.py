@@ -14,7 +14,7 @@ from pipeline.store import paths, provenance
 from pipeline.tools import audit, rundiff, sweep, verify
 from tests.conftest import copy_ws, run_module
 
-LINE = (r"^artifacts/forward/manifest\.json: format_version 1 is not this code's 3 \(nexttoken \S+"
+LINE = (r"^artifacts/forward/manifest\.json: format_version 1 is not this code's 4 \(nexttoken \S+"
         r"( at [0-9a-f]{12})?\): check out the nexttoken revision that made this run to read or audit it "
         r"\(git checkout [0-9a-f]{12}\)$")
 
@@ -34,7 +34,7 @@ def old_format(tiny_chain, tmp_path_factory):
 def test_a_fresh_run_records_this_codes_format_in_every_manifest(tiny_chain):
     for stage in ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories"):
         manifest = json.loads(paths.manifest_path(stage, tiny_chain).read_text())
-        assert manifest["format_version"] == provenance.FORMAT_VERSION == 3, stage
+        assert manifest["format_version"] == provenance.FORMAT_VERSION == 4, stage
         assert "schema_version" not in manifest
         assert all("logical_hash_scheme" not in o for o in manifest["outputs"])
 
@@ -59,5 +59,5 @@ def test_a_stage_refuses_an_input_of_another_format(old_format, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("nexttoken logits: error: artifacts/forward/manifest.json: format_version 1 is not "
-                           "this code's 3 (nexttoken "), proc.stderr
+                           "this code's 4 (nexttoken "), proc.stderr
     assert line.endswith("(git checkout 4de426500000)")

@@ -12,7 +12,7 @@ from pipeline.errors import UserError
 from pipeline.store import artifacts, paths, provenance
 from pipeline.tools import revisions
 
-REFUSAL = (r"^artifacts/forward/manifest\.json: format_version {found} is not this code's 3 \(nexttoken \S+"
+REFUSAL = (r"^artifacts/forward/manifest\.json: format_version {found} is not this code's 4 \(nexttoken \S+"
            r"( at [0-9a-f]{{12}})?\): check out the nexttoken revision that made this run to read or audit it "
            r"\({checkout}\)$")
 
@@ -23,10 +23,10 @@ def _manifest(root, stage: str, **fields) -> None:
     path.write_text(json.dumps({"stage": stage, "outputs": [], **fields}))
 
 
-def test_this_code_writes_and_reads_format_3(tmp_path):
-    assert provenance.FORMAT_VERSION == 3
-    _manifest(tmp_path, "forward", format_version=3, git={"commit": "a" * 40})
-    assert artifacts.read_manifest("forward", tmp_path)["format_version"] == 3
+def test_this_code_writes_and_reads_format_4(tmp_path):
+    assert provenance.FORMAT_VERSION == 4
+    _manifest(tmp_path, "forward", format_version=4, git={"commit": "a" * 40})
+    assert artifacts.read_manifest("forward", tmp_path)["format_version"] == 4
     assert list(revisions.load_manifests(tmp_path)) == ["forward"]
 
 
@@ -34,8 +34,9 @@ def test_this_code_writes_and_reads_format_3(tmp_path):
     ({"schema_version": 1, "git": {"commit": "4de4265" + "0" * 33}}, "none", "git checkout 4de426500000"),
     ({"format_version": 1, "git": {"commit": "b" * 40}}, "1", "git checkout " + "b" * 12),
     ({"format_version": 2, "git": {"commit": "c" * 40}}, "2", "git checkout " + "c" * 12),
-    ({"format_version": 4, "git": {"commit": None}}, "4", "the manifest records no commit"),
-    ({"format_version": "3"}, "'3'", "the manifest records no commit"),
+    ({"format_version": 3, "git": {"commit": "d" * 40}}, "3", "git checkout " + "d" * 12),
+    ({"format_version": 5, "git": {"commit": None}}, "5", "the manifest records no commit"),
+    ({"format_version": "4"}, "'4'", "the manifest records no commit"),
 ])
 def test_a_manifest_of_another_format_is_one_line_naming_both_versions(tmp_path, fields, found, checkout):
     _manifest(tmp_path, "forward", **fields)
@@ -56,7 +57,7 @@ def test_the_refusal_names_this_codes_nexttoken_version(tmp_path):
 def test_a_file_that_is_no_manifest_is_refused_as_such(tmp_path):
     path = paths.manifest_path("forward", tmp_path)
     path.parent.mkdir(parents=True)
-    for text in ("[1, 2]", '{"format_version": 3}'):
+    for text in ("[1, 2]", '{"format_version": 4}'):
         path.write_text(text)
         with pytest.raises(UserError, match=r"^artifacts/forward/manifest\.json is not a stage manifest "
                                             r"\(no `outputs` list; corrupt\?\): re-run `dvc repro`$"):

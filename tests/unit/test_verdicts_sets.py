@@ -151,7 +151,8 @@ def test_step_logits_sha256_passes_the_rows_the_stage_computed_and_fails_one_fli
     (short,) = step_logits_sha256(rows[:-1], recorded, "stored", "error")   # a row missing
     assert short.measured == 1 and "greedy step 3" in short.detail
     old = {name: {k: v for k, v in run.items() if k != "step_logits_sha256"} for name, run in recorded.items()}
-    assert step_logits_sha256(rows, old, "stored", "error") == []           # a run made before the hashes
+    (none,) = step_logits_sha256(rows, old, "stored", "error")              # no hashes recorded: every row fails
+    assert not none.passed and none.measured == len(rows)
 
 
 def test_row_sha256_of_a_bf16_row_is_that_of_the_row_read_back_from_its_file(tmp_path):
