@@ -45,7 +45,7 @@ def main(root: Path, before: bool) -> None:
         return
     from pipeline.numerics import probs
     manifest, tmp = read_manifest("probs", root), Path(tempfile.mkdtemp())
-    table = kept = steps_long = steps_now = 0
+    table = kept = steps_long = steps_now = stored = 0
     for pid in ids:
         t = probs.read_table(paths.lookup(root), pid, manifest)
         positions = read_json(paths.partition(paths.PROBS_SUMMARY, pid, root))["positions"]
@@ -63,10 +63,11 @@ def main(root: Path, before: bool) -> None:
                                extra_schema=logits_io.STEP_KEY_SCHEMA, extra_values=[k for k, _, _ in rows])
         steps_long += (tmp / "s.parquet").stat().st_size
         steps_now += src.stat().st_size
+        stored += 1
+    k = max(stored, 1)
     print(f"before: table.parquet {table / n / 1e6:.3f}, filtered.parquet {kept / n / 1e6:.3f} MB/prompt "
-          f"(stored: {probs.table_is_stored(manifest)}); step_logits.parquet long layout {steps_long / n / 1e6:.3f}"
-          f" MB/prompt, this layout {steps_now / n / 1e6:.3f}")
-
+          f"(stored: {probs.table_is_stored(manifest)}); step_logits.parquet per prompt that stores it "
+          f"({stored} of {n}): long layout {steps_long / k / 1e6:.3f} MB, this layout {steps_now / k / 1e6:.3f}")
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), "--before" in sys.argv[2:])

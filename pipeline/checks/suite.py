@@ -35,6 +35,7 @@ from pipeline.store.artifacts import (
     read_once,
     read_parquet,
     read_safetensors,
+    recorded_cpu_kernels,
 )
 
 
@@ -136,16 +137,6 @@ def _probs_table(use: Callable[..., Path], root: Path | str, prompt_id: str,
     if probs.table_is_stored(manifest):
         return use(item, prompt_id)
     return probs.read_table(use, prompt_id, manifest, item)
-
-
-def recorded_cpu_kernels(root: Path | str, stage: str, prompt_id: str) -> str | None:
-    """The CPU kernels a stage computed `prompt_id` with (`kernels.cpu_key`): the prompt's own record where the
-    stage ran on Ray (a cluster may mix CPUs), else the stage process's kernel path; None when not recorded."""
-    if not paths.manifest_path(stage, root).exists():
-        return None
-    manifest = read_manifest_once(stage, root)
-    prompt = ((manifest.get("executor") or {}).get("prompts") or {}).get(prompt_id)
-    return kernels.cpu_key(prompt) if prompt else kernels.cpu_key(manifest.get("kernels"))
 
 
 def here_record(model, device: torch.device) -> dict:
@@ -462,16 +453,18 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
     steps, recorded = read_parquet(stored.steps).to_pylist(), read_json(stored.trajectories)
     if stored.step_logits is not None:
         rows = logits_io.read_step_logits(stored.step_logits)
-        hashes = step_logits_sha256(rows, recorded, "stored", "error")
     else:           # not stored (`sampling.step_logits`): re-derived here by the stage's own decoding
         rows, _ = trajectories.rederive_step_logits(model, ids, cfg["sampling"], recorded)
-        hashes = kernel_bound(step_logits_sha256(rows, recorded, "re-derived", "error"), traj, here)
     step_rows = {(k["branch"], k["kv_cache"], k["step"]): row for k, _, row in rows}
+    hashes = step_logits_sha256(rows, recorded, "stored" if stored.step_logits else "re-derived", "error")
+    own = greedy_argmax(steps, step_rows)                       # the recorded greedy tokens vs the rows' argmax
+    if stored.step_logits is None:  # rows decoded here: on another kernel path they may differ and follow
+        hashes, own = kernel_bound(hashes, traj, here), kernel_bound(own, traj, here)   # another prefix
     one_row = recompute.lm_head_rows(model, tensors[capture.act_name("final_norm_out")], 1)[0, -1].float().cpu()
     return out + [
         *hashes,
         *kernel_bound(step1_logits(step_rows, one_row.numpy(), stored.last_row(), "error"), traj, here),
-        *greedy_argmax(steps, step_rows),                               # the stored rows' own argmax
+        *own,
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),
         *kernel_bound(generate_parity(model, ids, steps, step_rows, cfg["sampling"], eos_ids, device, "error"),
                       traj, here),

@@ -243,10 +243,18 @@ def step_rows(find, root: Path | str, prompt_id: str, model=None) -> list[tuple[
     recorded = read_json(find(paths.TRAJECTORIES, prompt_id))
     rows, differ = rederive_step_logits((model or (lambda: recorded_model(find, root)))(), ids, sampling, recorded)
     if differ:
+        from pipeline import kernels
+        from pipeline.store.artifacts import recorded_cpu_kernels
+        facts = parquet_facts(find(paths.STEPS, prompt_id))
+        then = f"{facts['device']} ({facts.get('gpu_name') or 'GPU model not recorded'})" \
+            if str(facts.get("device") or "cpu").startswith("cuda") else \
+            f"CPU kernels {recorded_cpu_kernels(root, paths.STEPS[0], prompt_id) or 'not recorded'}"
         raise UserError(f"prompt {prompt_id!r}: its step logits are not stored (sampling.step_logits) and the rows "
                         f"re-derived here differ from the sha256 trajectories.json records ({', '.join(differ[:4])}): "
-                        "another kernel path gives other bits; re-derive on the recorded one (the trajectories "
-                        "manifest's kernels; capture.kernels=portable pins them)")
+                        f"they were computed on {then}, these on CPU kernels "
+                        f"{kernels.cpu_key(provenance.kernel_path())}; re-derive on "
+                        "the recorded kernel path (a run made with capture.kernels=portable: in a process that calls "
+                        "pipeline.kernels.pin('portable') before importing torch, as audit and verify do)")
     return rows
 
 

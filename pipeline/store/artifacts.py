@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pipeline import progress
+from pipeline import kernels, progress
 from pipeline.config import registry, schema
 from pipeline.errors import EXIT_USER_ERROR, UserError, interrupted
 from pipeline.store import paths, provenance
@@ -524,6 +524,16 @@ def _manifest_file(path: Path, stage: str) -> dict[str, Any]:
 def read_manifest_once(stage: str, root: Path | str = ".") -> dict[str, Any]:
     """`read_manifest`, read once per process and version of the file (`read_once`). Shared: read only."""
     return _manifest_file(paths.manifest_path(stage, root), stage)
+
+
+def recorded_cpu_kernels(root: Path | str, stage: str, prompt_id: str) -> str | None:
+    """The CPU kernels a stage computed `prompt_id` with (`kernels.cpu_key`): the prompt's own record where the
+    stage ran on Ray (a cluster may mix CPUs), else the stage process's kernel path; None when not recorded."""
+    if not paths.manifest_path(stage, root).exists():
+        return None
+    manifest = read_manifest_once(stage, root)
+    prompt = ((manifest.get("executor") or {}).get("prompts") or {}).get(prompt_id)
+    return kernels.cpu_key(prompt) if prompt else kernels.cpu_key(manifest.get("kernels"))
 
 
 def check_format(manifest: Any, where: str) -> dict[str, Any]:

@@ -270,8 +270,8 @@ def step_hashes_difference(a: dict, b: dict) -> str | None:
                      if i >= min(len(ha), len(hb)) or ha[i] != hb[i]), 0)
         if step:
             then, now = (h[step - 1][:12] if step <= len(h) else "-" for h in (ha, hb))
-            return f"{name} step {step}: the row's sha256 differs (stored {then}, re-derived {now}; " \
-                   "rows not stored: sampling.step_logits)"
+            return f"{name} step {step}: the row's sha256 differs (then {then}, now {now}; a run that does not " \
+                   "keep the rows: sampling.step_logits)"
     return None
 
 

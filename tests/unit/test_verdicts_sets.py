@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.checks import verdicts
@@ -167,3 +169,17 @@ def test_row_sha256_of_a_bf16_row_is_that_of_the_row_read_back_from_its_file(tmp
     other = row.clone()
     other.view(torch.int16)[0] ^= 1                              # one bf16 ulp on one id
     assert logits_io.row_sha256(logits_io.widened(other)) != logits_io.row_sha256(back)
+
+
+def test_verify_names_the_first_step_whose_recorded_row_sha256_differs():
+    from pipeline.tools.verify import step_hashes_difference
+    _, a = _rows_and_record()
+    assert step_hashes_difference(a, json.loads(json.dumps(a))) is None
+    b = json.loads(json.dumps(a))
+    b["greedy"]["step_logits_sha256"][1] = "f" * 64
+    got = step_hashes_difference(a, b)
+    assert got.startswith("greedy step 2: the row's sha256 differs (then ") and f"now {'f' * 12}" in got
+    assert "stored" not in got and "re-derived" not in got      # verify's then/now labels stay whole
+    b["greedy"]["step_logits_sha256"].pop()                     # a run with a step fewer
+    b["greedy"]["step_logits_sha256"][1] = a["greedy"]["step_logits_sha256"][1]
+    assert step_hashes_difference(a, b).startswith("greedy step 3: ") and "now -" in step_hashes_difference(a, b)
