@@ -140,3 +140,26 @@ def test_checks_of_re_derived_rows_recorded_on_another_device_are_kernel_bound(r
         assert "trajectories ran on cuda (NVIDIA GeForce RTX 3090)" in rows[(derived, name)]["detail"]
         assert rows[(stored, name)]["severity"] == "error", rows[(stored, name)]
         assert rows[(derived, name)]["verdict"] == rows[(stored, name)]["verdict"] == "pass"
+
+
+def test_the_checks_fail_a_re_derived_row_whose_recorded_sha256_is_wrong(runs, tmp_path):
+    """The checks' own re-derivation (not the API's) is held to the recorded sha256: one wrong hash of a derived
+    prompt fails step_logits_sha256 as an error on the recording machine, naming the step."""
+    from tests.integration.test_audit import forge
+    one, _ = runs
+    ws = copy_ws(one, tmp_path / "ws")
+    pid = "temperature_question"             # derived: the sample of one is capital_france
+
+    def wrong(path):
+        recorded = json.loads(path.read_text())
+        recorded["greedy"]["step_logits_sha256"][2] = "0" * 64
+        path.write_text(json.dumps(recorded))
+    forge(ws, paths.partition(paths.TRAJECTORIES, pid, ws).relative_to(ws).as_posix(), wrong)
+    with pytest.raises(SystemExit) as e:
+        run_chain(ws, ("checks",))
+    assert e.value.code == 1                 # a failed check, not a crash
+    rows = {(r["prompt_id"], r["name"]): r for r in read_parquet(paths.artifact(paths.CHECKS, ws)).to_pylist()}
+    bad = rows[(pid, "step_logits_sha256")]
+    assert (bad["verdict"], bad["severity"], bad["measured"]) == ("fail", "error", 1), bad
+    assert "greedy step 3" in bad["detail"], bad
+    assert all(rows[(p, "step_logits_sha256")]["verdict"] == "pass" for p in IDS if p != pid)
