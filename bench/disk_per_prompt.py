@@ -69,5 +69,6 @@ def main(root: Path, before: bool) -> None:
           f"(stored: {probs.table_is_stored(manifest)}); step_logits.parquet per prompt that stores it "
           f"({stored} of {n}): long layout {steps_long / k / 1e6:.3f} MB, this layout {steps_now / k / 1e6:.3f}")
 
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]), "--before" in sys.argv[2:])

@@ -227,19 +227,23 @@ def forge(root: Path, rel: str, write) -> None:
         save_manifest(root, folder.name, m)
 
 
+def ran_on(device: dict):
+    """A `forge` writer: the parquet file's facts say it was computed on `device` (its rows unchanged)."""
+    def write(path):
+        pf = pq.ParquetFile(path)
+        table = pf.read()
+        meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **device}).encode()}
+        pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
+    return write
+
+
 def as_gpu_run(root: Path) -> None:
     """The run's records say: forward on an H200, trajectories on an RTX 3090 (the numbers are the CPU's)."""
     def facts(path):
         path.write_text(json.dumps({**json.loads(path.read_text()), **H200}, indent=2) + "\n")
-
-    def step_logits(path):
-        pf = pq.ParquetFile(path)
-        table = pf.read()
-        meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **RTX}).encode()}
-        pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
     forge(root, part(paths.FORWARD_FACTS, root).relative_to(root).as_posix(), facts)
     for item in (paths.STEPS, paths.STEP_LOGITS):       # the checks read where trajectories ran from steps.parquet
-        forge(root, part(item, root).relative_to(root).as_posix(), step_logits)
+        forge(root, part(item, root).relative_to(root).as_posix(), ran_on(RTX))
 
 
 def kernels_differ_here(monkeypatch) -> None:

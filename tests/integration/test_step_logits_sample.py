@@ -118,21 +118,12 @@ def test_checks_of_re_derived_rows_recorded_on_another_device_are_kernel_bound(r
     """Rows re-derived here rest on this machine's kernels: where the trajectories ran on another device, the
     hashes and the recorded greedy tokens vs the rows' argmax are reports, as every re-computation is; a stored
     prompt's rows are the recorded ones, so its checks stay errors."""
-    import pyarrow.parquet as pq
-
-    from pipeline.store.artifacts import PARQUET_META_KEY, parquet_facts
-    from tests.integration.test_audit import RTX, forge
+    from tests.integration.test_audit import RTX, forge, ran_on
     one, _ = runs
     ws = copy_ws(one, tmp_path / "ws")
     derived, stored = "temperature_question", min(IDS)
-
-    def on_rtx(path):
-        pf = pq.ParquetFile(path)
-        table = pf.read()
-        meta = {**table.schema.metadata, PARQUET_META_KEY: json.dumps({**parquet_facts(path), **RTX}).encode()}
-        pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=pf.metadata.row_group(0).num_rows)
     for pid in (derived, stored):       # the checks read where trajectories ran from steps.parquet
-        forge(ws, paths.partition(paths.STEPS, pid, ws).relative_to(ws).as_posix(), on_rtx)
+        forge(ws, paths.partition(paths.STEPS, pid, ws).relative_to(ws).as_posix(), ran_on(RTX))
     run_chain(ws, ("checks",))
     rows = {(r["prompt_id"], r["name"]): r for r in read_parquet(paths.artifact(paths.CHECKS, ws)).to_pylist()}
     for name in ("step_logits_sha256", "greedy_tokens_argmax"):
