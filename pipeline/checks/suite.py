@@ -29,6 +29,7 @@ from pipeline.model import capture, decode, loader, tokenization, trajectories
 from pipeline.numerics import probs
 from pipeline.store import logits_io, paths
 from pipeline.store.artifacts import (
+    device_where,
     parquet_facts,
     read_json,
     read_manifest_once,
@@ -145,18 +146,13 @@ def here_record(model, device: torch.device) -> dict:
     return {**loader.device_record(model, device), "cpu_kernels": kernels.cpu_key(provenance.kernel_path())}
 
 
-def _where(record: dict) -> str:
-    device = torch.device(record.get("device") or "cpu")
-    if device.type != "cuda":
-        return device.type
-    return f"{device.type} ({record.get('gpu_name') or 'GPU model not recorded'})"
 
 
 def _cpu_kernels_differ(ra: dict, rb: dict) -> bool:
     """Both computed on the CPU with recorded kernels, and those are not the same (AVX2 vs AVX-512 give other
     bf16 bits); unrecorded on either side: not known to differ."""
     ka, kb = ra.get("cpu_kernels"), rb.get("cpu_kernels")
-    return _where(ra) == _where(rb) == "cpu" and ka is not None and kb is not None and ka != kb
+    return device_where(ra) == device_where(rb) == "cpu" and ka is not None and kb is not None and ka != kb
 
 
 def device_difference(a: tuple[str, dict], b: tuple[str, dict]) -> str:
@@ -167,9 +163,10 @@ def device_difference(a: tuple[str, dict], b: tuple[str, dict]) -> str:
     if _cpu_kernels_differ(ra, rb):
         return (f"report, not error: {la} ran on CPU kernels {ra['cpu_kernels']}, {lb} on {rb['cpu_kernels']}, "
                 "which may round differently")
-    if _where(ra) == _where(rb) and "not recorded" not in _where(ra):
+    if device_where(ra) == device_where(rb) and "not recorded" not in device_where(ra):
         return ""
-    return f"report, not error: {la} ran on {_where(ra)}, {lb} on {_where(rb)}, whose kernels may round differently"
+    return (f"report, not error: {la} ran on {device_where(ra)}, {lb} on {device_where(rb)}, whose kernels may "
+            "round differently")
 
 
 def kernel_bound(checks: Sequence[Check], a: tuple[str, dict], b: tuple[str, dict]) -> list[Check]:

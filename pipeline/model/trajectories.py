@@ -244,11 +244,10 @@ def step_rows(find, root: Path | str, prompt_id: str, model=None) -> list[tuple[
     rows, differ = rederive_step_logits((model or (lambda: recorded_model(find, root)))(), ids, sampling, recorded)
     if differ:
         from pipeline import kernels
-        from pipeline.store.artifacts import recorded_cpu_kernels
-        facts = parquet_facts(find(paths.STEPS, prompt_id))
-        then = f"{facts['device']} ({facts.get('gpu_name') or 'GPU model not recorded'})" \
-            if str(facts.get("device") or "cpu").startswith("cuda") else \
-            f"CPU kernels {recorded_cpu_kernels(root, paths.STEPS[0], prompt_id) or 'not recorded'}"
+        from pipeline.store.artifacts import device_where, recorded_cpu_kernels
+        then = device_where(parquet_facts(find(paths.STEPS, prompt_id)))
+        if then == "cpu":
+            then = f"CPU kernels {recorded_cpu_kernels(root, paths.STEPS[0], prompt_id) or 'not recorded'}"
         raise UserError(f"prompt {prompt_id!r}: its step logits are not stored (sampling.step_logits) and the rows "
                         f"re-derived here differ from the sha256 trajectories.json records ({', '.join(differ[:4])}): "
                         f"they were computed on {then}, these on CPU kernels "

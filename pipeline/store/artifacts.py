@@ -526,6 +526,15 @@ def read_manifest_once(stage: str, root: Path | str = ".") -> dict[str, Any]:
     return _manifest_file(paths.manifest_path(stage, root), stage)
 
 
+def device_where(record: dict) -> str:
+    """Where a recorded computation ran ({"device", "gpu_name"}), as the checks and the refusals name it: the
+    device type (`cpu`), or for CUDA the type and GPU model (`cuda (NVIDIA H200)`)."""
+    kind = str(record.get("device") or "cpu").split(":")[0]
+    if kind != "cuda":
+        return kind
+    return f"{kind} ({record.get('gpu_name') or 'GPU model not recorded'})"
+
+
 def recorded_cpu_kernels(root: Path | str, stage: str, prompt_id: str) -> str | None:
     """The CPU kernels a stage computed `prompt_id` with (`kernels.cpu_key`): the prompt's own record where the
     stage ran on Ray (a cluster may mix CPUs), else the stage process's kernel path; None when not recorded."""
