@@ -30,6 +30,7 @@ class Step:
     logits: torch.Tensor  # [vocab], model dtype, bit-exact copy of the last position's row (on CPU)
     prob: float  # float32 probability of token_id under the distribution drawn from (greedy: raw softmax)
     stop_reason: str | None  # "eos" | "max_new_tokens" | None
+    probs: torch.Tensor | None = None  # [vocab] float32, `next_token_probs(logits, settings)`: what was drawn from
 
 
 def _check(prompt_ids: list[int]) -> None:
@@ -48,7 +49,8 @@ def _check_logits(logits: torch.Tensor, settings: SamplingSettings, step: int, p
                         f"id, is allowed); no token chosen")
     if not torch.isfinite(values).any():
         raise UserError(f"step {step}: logits at position {position} are -inf for every id: no token chosen")
-    check_temperature("sampling.temperature", settings.temperature, largest_logit(values))
+    if not settings.is_greedy:              # greedy divides nothing
+        check_temperature("sampling.temperature", settings.temperature, largest_logit(values))
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -138,15 +140,16 @@ def run_branch(
             else:
                 logits, cache = next_logits(model, ids, cache if kv_cache else None)
             _check_logits(logits, settings, step, len(ids) - 1)
-            token = choose(logits, settings, generator)
-            prob = float(next_token_probs(logits, settings)[token])
+            probs = next_token_probs(logits, settings)
+            token = choose(logits, settings, generator, probs)
+            prob = float(probs[token])
             if token in eos_ids:
                 stop = "eos"
             elif step == max_new_tokens:
                 stop = "max_new_tokens"
             else:
                 stop = None
-            steps.append(Step(step, len(ids), token, logits, prob, stop))
+            steps.append(Step(step, len(ids), token, logits, prob, stop, probs))
             ids.append(token)
             if stop is not None:
                 break

@@ -22,6 +22,7 @@ from pipeline.numerics.aggregates import PROBS_KEYS, probs_set_metrics
 from pipeline.numerics.exactsum import fsum
 from pipeline.numerics.sampling import (
     Distributions,
+    KeptFigures,
     SamplingSettings,
     check_temperature,
     largest_logit,
@@ -203,23 +204,26 @@ def add_filtered(position: int, row: np.ndarray, named: list[NamedFilter], kept:
 def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter, dist: Distributions,
                   rows: bool = True) -> tuple[dict, dict]:
     """filtered.parquet rows for one filter at one position (none without `rows`), and its summary entry."""
-    kept = dist.kept(flt.settings)
     s = flt.settings
-    rows = {} if not rows else {
-        "position": [position] * kept.count, "filter": [flt.name] * kept.count,
-        "temperature": [s.temperature] * kept.count, "top_k": [s.top_k] * kept.count,
-        "top_p": [s.top_p] * kept.count, "kept_rank": list(range(1, kept.count + 1)),
-        "token_id": kept.ids.tolist(), "logit": row[kept.ids].astype(np.float32).tolist(),
-        "prob_before": kept.prob_before.tolist(), "prob_after": kept.prob_after.tolist(),
-    }
-    # top-p minimality: without its last kept id, the set must fall below p.
-    mass_without_last = fsum(kept.prob_before[:-1])
+    if rows:
+        kept = dist.kept(s)
+        figures = KeptFigures.of(kept)
+        rows = {
+            "position": [position] * kept.count, "filter": [flt.name] * kept.count,
+            "temperature": [s.temperature] * kept.count, "top_k": [s.top_k] * kept.count,
+            "top_p": [s.top_p] * kept.count, "kept_rank": list(range(1, kept.count + 1)),
+            "token_id": kept.ids.tolist(), "logit": row[kept.ids].astype(np.float32).tolist(),
+            "prob_before": kept.prob_before.tolist(), "prob_after": kept.prob_after.tolist(),
+        }
+    else:                   # the same figures without ordering the kept ids (a set: no rows stored)
+        figures, rows = dist.kept_figures(s), {}
     summary = {
         "position": position, "filter": flt.name, "temperature": s.temperature, "top_k": s.top_k,
-        "top_p": s.top_p, "kept_count": kept.count, "kept_mass": kept.mass,
-        "renormalised_sum_error": abs(fsum(kept.prob_after) - 1.0),
-        "mass_without_last_kept": mass_without_last,
-        "top_id": int(kept.ids[0]), "top_prob_after": float(kept.prob_after[0]),
+        "top_p": s.top_p, "kept_count": figures.count, "kept_mass": figures.mass,
+        "renormalised_sum_error": figures.renormalised_sum_error,
+        # top-p minimality: without its last kept id, the set must fall below p.
+        "mass_without_last_kept": figures.mass_without_last,
+        "top_id": figures.top_id, "top_prob_after": figures.top_prob_after,
     }
     return rows, summary
 
@@ -325,6 +329,9 @@ def read_vocab(vocab_path: Path) -> dict[int, str]:
 
 
 # ---------------------------------------------------------------- the stage's outputs
+KEEP_ROWS = 2       # `build` keeps the rows it checked when it tabulates at most this many positions (else re-reads)
+
+
 def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_cfg: SamplingConfig,
           tokenize_summary: Path, kind: str = "stored") -> tuple[dict[tuple[str, str], Any], dict]:
     """Every output of the probs stage (artifact item -> table or JSON object) and its facts.
@@ -342,16 +349,18 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
         raise UserError(f"{vocab_path} lists {len(vocab)} ids but {logits_path} holds {facts.get('output_size')} "
                         "per position: they come from different models; re-run `dvc repro`")
     last_prompt = facts["n_positions"] - 1                     # the next-token distribution's row
-    largest = 0.0
+    largest, rows = 0.0, {}             # rows: position -> its logits, read once while few (capture.positions=last)
     for pos in sorted(set(positions) | {last_prompt}):   # refuse before any work
         row = logits_io.read_position(logits_path, pos)
         check_finite(pos, row)
         largest = max(largest, largest_logit(row))
+        if len(positions) <= KEEP_ROWS:
+            rows[pos] = row
     check_temperatures(probs_cfg, named, largest)
     tables, kept, summary = [], {n: [] for n in FILTERED_SCHEMA.names}, {"temperatures": [], "filters": []}
     dists = {}                          # position -> its row's Distributions, each softmax / filter once
     for pos in positions:               # ascending
-        row = logits_io.read_position(logits_path, pos)
+        row = rows[pos] if pos in rows else logits_io.read_position(logits_path, pos)
         dist = Distributions(torch.from_numpy(row))
         if pos in (positions[-1], last_prompt):     # read again below; the others' tables are let go
             dists[pos] = dist
@@ -368,7 +377,7 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
                paths.PROBS_SUMMARY: {"positions": positions, **summary},
                paths.PROBS_METRICS: sweep_metrics(dists[last], sampling_filter)}
     # this prompt as a set of one: its set keys (a set's: `record`)
-    last_row = logits_io.read_position(logits_path, last_prompt)
+    last_row = rows[last_prompt] if last_prompt in rows else logits_io.read_position(logits_path, last_prompt)
     outputs[paths.PROBS_PROMPT_METRICS] = prompt_metrics(
         prompt_id(tokenize_summary), last_prompt, last_row, probs_cfg.temperatures, named, vocab,
         dists.get(last_prompt) or Distributions(torch.from_numpy(last_row)))

@@ -89,22 +89,29 @@ def next_token_probs(logits_row: torch.Tensor, settings: SamplingSettings) -> to
     return nn.functional.softmax(scores, dim=-1)[0]
 
 
-def choose(logits_row: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> int:
+def choose(logits_row: torch.Tensor, settings: SamplingSettings, generator: torch.Generator,
+           probs: torch.Tensor | None = None) -> int:
     """Next token id: argmax of the raw logits when greedy, else one multinomial draw.
 
     argmax returns the lowest id among equal maxima (as generate's). The draw uses the
-    caller's CPU generator, which replays `torch.manual_seed(seed)`'s global stream.
+    caller's CPU generator, which replays `torch.manual_seed(seed)`'s global stream. `probs`:
+    `next_token_probs(logits_row, settings)` where the caller has it already.
     """
     if settings.is_greedy:
         return int(torch.argmax(logits_row))
-    probs = next_token_probs(logits_row.cpu(), settings).reshape(1, -1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
+    probs = next_token_probs(logits_row.cpu(), settings) if probs is None else probs
+    return int(torch.multinomial(probs.reshape(1, -1), num_samples=1, generator=generator)[0, 0])
 
 
 # ---------------------------------------------------------------- temperatures the logits allow
 def largest_logit(logits: torch.Tensor | np.ndarray) -> float:
     """max |logit| over the finite ids (masked -inf ids excluded); 0.0 when none is finite."""
-    values = torch.as_tensor(logits).detach().float()
+    values = torch.as_tensor(logits).detach()
+    if values.numel() == 0:
+        return 0.0
+    largest = values.abs().max()            # in the row's own dtype: |x| and max are exact
+    if torch.isfinite(largest):             # no inf or NaN: every id is finite
+        return float(largest)
     finite = values[torch.isfinite(values)]
     return float(finite.abs().max()) if finite.numel() else 0.0
 
@@ -177,22 +184,22 @@ def ranks(logits: torch.Tensor) -> np.ndarray:
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
     """ranks(logits)[token_id] without sorting the vocabulary: 1 + the ids scoring higher + the lower ids
     scoring the same (the stable sort's tie order). A row holding NaN (which sorts apart) takes the sort."""
-    values = logits.detach().cpu().to(torch.float64).numpy()
-    if np.isnan(values).any():
+    values = logits.detach().cpu()          # compared in the row's own dtype: exact, as after widening to float64
+    if values.isnan().any():
         return int(ranks(logits)[token_id])
     v = values[token_id]
-    return 1 + int(np.count_nonzero(values > v)) + int(np.count_nonzero(values[:token_id] == v))
+    return 1 + int((values > v).sum()) + int((values[:token_id] == v).sum())
 
 
 def top_order(logits: torch.Tensor, n: int) -> np.ndarray:
     """rank_order(logits)[:n] without sorting the vocabulary: the ids scoring at least the n-th highest score,
     sorted among themselves (logit descending, lower id first). A row holding NaN takes the full sort."""
-    values = logits.detach().cpu().to(torch.float64).numpy()
-    if n >= values.size or np.isnan(values).any():
+    values = logits.detach().cpu()          # compared in the row's own dtype: exact, as after widening to float64
+    if n >= values.numel() or values.isnan().any():
         return rank_order(logits)[:n]
-    kth = np.partition(values, values.size - n)[values.size - n]          # the n-th highest score
-    ids = np.flatnonzero(values >= kth)                                    # ascending: ties by lower id
-    return ids[np.argsort(-values[ids], kind="stable")][:n]
+    kth = torch.topk(values, n).values[-1]                                 # the n-th highest score
+    ids = torch.nonzero(values >= kth).flatten().numpy()                   # ascending: ties by lower id
+    return ids[np.argsort(-values[ids].to(torch.float64).numpy(), kind="stable")][:n]
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,6 +211,24 @@ class KeptSet:
     prob_after: np.ndarray  # [count] float64, renormalised over the kept ids
     count: int
     mass: float  # sum of prob_before over the kept ids
+
+
+@dataclass(frozen=True)
+class KeptFigures:
+    """What a filter's summary entry records of its KeptSet: count and mass, the first kept id (`ids[0]`) and its
+    renormalised probability, the mass without the last kept id (`fsum(prob_before[:-1])`) and |fsum(prob_after) - 1|."""
+
+    count: int
+    mass: float
+    top_id: int
+    top_prob_after: float
+    mass_without_last: float
+    renormalised_sum_error: float
+
+    @classmethod
+    def of(cls, kept: KeptSet) -> KeptFigures:
+        return cls(kept.count, kept.mass, int(kept.ids[0]), float(kept.prob_after[0]), fsum(kept.prob_before[:-1]),
+                   abs(fsum(kept.prob_after) - 1.0))
 
 
 def filter_distribution(logits: torch.Tensor, settings: SamplingSettings) -> KeptSet:
@@ -231,6 +256,8 @@ class Distributions:
         self._entropy: dict[float, float] = {}
         self._kept: dict[SamplingSettings, KeptSet] = {}
         self._members: dict[SamplingSettings, np.ndarray] = {}
+        self._total: dict[float, float] = {}
+        self._mass: dict[SamplingSettings, float] = {}
 
     def p64(self, t: float) -> np.ndarray:
         """softmax(logits / t) in float64 over every id."""
@@ -239,11 +266,18 @@ class Distributions:
             self._p64[t].flags.writeable = False
         return self._p64[t]
 
+    def total(self, t: float) -> float:
+        """fsum(p64(t)): the exact sum of every id's FP64 probability, rounded once (a table's sum error, and the
+        mass of a filter that keeps every id)."""
+        if t not in self._total:
+            self._total[t] = fsum(self.p64(t))
+        return self._total[t]
+
     def table(self, t: float) -> ProbTable:
         if t not in self._tables:
             p64 = self.p64(t)
             p32 = torch.softmax(self.row.float() / t, dim=-1).numpy()
-            self._tables[t] = ProbTable(t, p64, p32, _sum_error(p64), _sum_error(p32))
+            self._tables[t] = ProbTable(t, p64, p32, abs(self.total(t) - 1.0), _sum_error(p32))
         return self._tables[t]
 
     def entropy_nats(self, t: float) -> float:
@@ -272,17 +306,30 @@ class Distributions:
     def kept(self, settings: SamplingSettings) -> KeptSet:
         if settings not in self._kept:
             p64 = self._filter_p64(settings)
-            kept = self._kept_ids(settings)
-            kept = kept[np.lexsort((kept, -p64[kept]))]
+            kept = self._kept_ids(settings)             # ascending, so a stable sort puts equal ones by lower id
+            kept = kept[np.argsort(-p64[kept], kind="stable")]
             before = p64[kept]
-            mass = fsum(before)
+            mass = self.kept_count_and_mass(settings)[1]
             self._kept[settings] = KeptSet(kept, before, before / mass, int(kept.size), mass)
         return self._kept[settings]
 
     def kept_count_and_mass(self, settings: SamplingSettings) -> tuple[int, float]:
         """`kept(settings)`'s count and mass without ordering the kept ids (an exact sum is the same in any
-        order)."""
-        if settings in self._kept:
-            return self._kept[settings].count, self._kept[settings].mass
+        order; a filter that keeps every id has the table's total)."""
         ids = self._kept_ids(settings)
-        return int(ids.size), fsum(self._filter_p64(settings)[ids])
+        if settings not in self._mass:
+            p64 = self._filter_p64(settings)
+            self._mass[settings] = self.total(1.0 if settings.is_greedy else settings.temperature) \
+                if ids.size == p64.size else fsum(p64[ids])
+        return int(ids.size), self._mass[settings]
+
+    def kept_figures(self, settings: SamplingSettings) -> KeptFigures:
+        """The figures of `kept(settings)` that need no order of the kept ids, computed without sorting them: what a
+        run that stores no filtered.parquet rows (`probs.table` derived) records of a filter."""
+        ids = self._kept_ids(settings)
+        count, mass = self.kept_count_and_mass(settings)
+        before = self._filter_p64(settings)[ids]
+        top = int(np.argmax(before))                            # the first of the highest: the lowest id of them
+        last = before.size - 1 - int(np.argmin(before[::-1]))   # the last of the lowest: the highest id of them
+        return KeptFigures(count, mass, int(ids[top]), float(before[top] / mass),
+                           fsum(np.delete(before, last)), abs(fsum(before / mass) - 1.0))

@@ -35,6 +35,9 @@ def reference(values) -> float:
     [2.2250738585072014e-308, -5e-324],         # across the normal / subnormal boundary
     [0.1] * 10,
     [1.7976931348623157e308, -1.7976931348623157e308, 1.0],
+    [2.0**970] * 5 + [1.0, -(2.0**970)],        # just under the math.fsum fallback: the group sums stay finite
+    [2.0**971, 2.0**971, 3.0],                  # at it
+    [2.0**-1074] * 3 + [2.0**-1022 * 1.5],      # subnormals beside the smallest normals' group
     [0.0], [-0.0], [-0.0, -0.0], [0.0, -0.0], [3.0, -3.0], [],   # zero sums: math.fsum decides the sign
     [float("inf"), 1.0], [float("nan"), 1.0],
 ])
