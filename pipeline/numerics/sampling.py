@@ -216,7 +216,8 @@ class KeptSet:
 @dataclass(frozen=True)
 class KeptFigures:
     """What a filter's summary entry records of its KeptSet: count and mass, the first kept id (`ids[0]`) and its
-    renormalised probability, the mass without the last kept id (`fsum(prob_before[:-1])`) and |fsum(prob_after) - 1|."""
+    renormalised probability, the mass without the last kept id (`fsum(prob_before[:-1])`) and
+    |fsum(prob_after) - 1|."""
 
     count: int
     mass: float

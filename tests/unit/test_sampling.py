@@ -17,6 +17,8 @@ from pipeline.checks.rederive import kept_rule, softmax64
 from pipeline.errors import UserError
 from pipeline.model.decode import generate_warpers
 from pipeline.numerics.sampling import (
+    Distributions,
+    KeptFigures,
     SamplingSettings,
     check_temperature,
     choose,
@@ -269,3 +271,30 @@ def test_probability_tables_sum_to_one_and_keep_logit_order(values, t):
     assert sorted(r.tolist()) == list(range(1, v.size + 1))
     assert np.all(r[i][higher] < r[j][higher])
     assert torch.equal(x, before)
+
+
+@hyp_settings(max_examples=150, deadline=None)
+@given(values=rows, t=temperatures, k=top_ks, p=top_ps)
+def test_a_sets_unordered_filter_figures_are_the_kept_sets(values, t, k, p):
+    """A set's summary entries come from `kept_figures`, which never orders the kept ids; a single prompt's from
+    the ordered KeptSet (prob desc, lower id first: numpy's lexsort). On rows full of ties and masked ids the two
+    give the same floats, bit for bit (the first and the last kept id are where ties could tell them apart)."""
+    x = torch.tensor(values, dtype=torch.bfloat16)
+    s = SamplingSettings(temperature=t, top_k=k, top_p=p)
+    ordered = Distributions(x).kept(s)
+    p64 = softmax64(x.float().numpy(), t)
+    ids = ordered.ids
+    assert ids.tolist() == sorted(ids.tolist(), key=lambda i: (-ordered.prob_before[ids.tolist().index(i)], i))
+    assert KeptFigures.of(ordered) == Distributions(x).kept_figures(s)
+    assert Distributions(x).kept_count_and_mass(s) == (ordered.count, ordered.mass)
+    assert ordered.mass == math.fsum(Distributions(x).p64(t)[ids].tolist())
+    np.testing.assert_allclose(ordered.prob_before, p64[ids], rtol=1e-13, atol=0)
+
+
+@given(st.lists(st.sampled_from([-INF, INF, -3.5, -1.0, 0.0, 2.0]), min_size=1, max_size=20),
+       st.sampled_from([torch.bfloat16, torch.float32]))
+@hyp_settings(max_examples=100, deadline=None)
+def test_largest_logit_is_the_largest_finite_magnitude(values, dtype):
+    x = torch.tensor(values, dtype=dtype)
+    finite = [abs(v) for v in values if math.isfinite(v)]
+    assert largest_logit(x) == (max(finite) if finite else 0.0)
