@@ -33,7 +33,7 @@ from pipeline.checks.verdicts import Check, diff_detail, mismatches
 from pipeline.errors import UserError
 from pipeline.model import capture, tokenization
 from pipeline.numerics import sampling
-from pipeline.store.artifacts import read_parquet
+from pipeline.store.artifacts import read_once, read_parquet
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"   # pipeline/reference/
 # Tokenizer family of each reference run, in conf/model terms (the files state the model id).
@@ -54,12 +54,26 @@ def load_reference(name: str) -> dict:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
+@read_once
+def _prompt_of(path: Path) -> str:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))["prompt"]
+
+
+def reference_prompt(name: str) -> str:
+    """`load_reference(name)["prompt"]`, its file parsed once per process (`read_once`): the checks ask it for
+    every prompt of a set, and a parse takes about 20 ms."""
+    path = REFERENCE_DIR / f"{name}.yaml"
+    if not path.is_file() or name in NOT_FIGURES:
+        load_reference(name)            # refuses it, naming the known references
+    return _prompt_of(path)
+
+
 def applicable(reference_figures: str | None, family: str, prompt: str) -> list[tuple[str, str]]:
     """(reference name, "all" | "tokenizer") to compare for this model and prompt."""
     if reference_figures:
         return [(reference_figures, "all")]
     return [(name, "tokenizer") for name, fam in TOKENIZER_FAMILY.items()
-            if fam == family and load_reference(name)["prompt"] == prompt]
+            if fam == family and reference_prompt(name) == prompt]
 
 
 def run(stored: Stored, model, tokenizer, cfg: dict, results: list[Check],

@@ -41,7 +41,7 @@ def references(cfg: dict, prompts: prompt_set.PromptSet) -> dict[str, list]:
     if len(prompts.prompts) == 1 or not m.reference_figures:
         return which
     own = [p.id for p in prompts.prompts
-           if p.text == reference.load_reference(m.reference_figures)["prompt"]] or [min(prompts.ids)]
+           if p.text == reference.reference_prompt(m.reference_figures)] or [min(prompts.ids)]
     return {pid: figures if pid == own[0] else [] for pid, figures in which.items()}
 
 

@@ -292,6 +292,11 @@ def at_temperature(flt: NamedFilter, t: float) -> SamplingSettings:
     return s if s.is_greedy else SamplingSettings(t, s.top_k, s.top_p)
 
 
+def metric_filters(named: list[NamedFilter], temperatures: tuple[float, ...]) -> list[SamplingSettings]:
+    """The filter settings `prompt_metrics` asks of the last position's row: every filter at every temperature."""
+    return [at_temperature(f, t) for t in sorted(temperatures) for f in named]
+
+
 def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures: tuple[float, ...],
                    named: list[NamedFilter], vocab: dict[int, str], dist: Distributions | None = None) -> pa.Table:
     """One row per temperature (ascending) of one prompt's next-token distribution (`row`: the
@@ -301,6 +306,7 @@ def prompt_metrics(prompt_id: str, position: int, row: np.ndarray, temperatures:
     `dist`: the row's, shared with the rest of `build`)."""
     logits = torch.from_numpy(row)
     dist, top1 = dist or Distributions(logits), int(top_order(logits, 1)[0])
+    dist.prefetch(metric_filters(named, temperatures))
     rows = []
     for t in sorted(temperatures):
         rec = {"prompt_id": prompt_id, "position": position, "temperature": t, "entropy": dist.entropy_nats(t),
@@ -362,6 +368,8 @@ def build(logits_path: Path, vocab_path: Path, probs_cfg: ProbsConfig, sampling_
     for pos in positions:               # ascending
         row = rows[pos] if pos in rows else logits_io.read_position(logits_path, pos)
         dist = Distributions(torch.from_numpy(row))
+        dist.prefetch([f.settings for f in named]     # the summary's filters, and at the last position the metrics'
+                      + (metric_filters(named, probs_cfg.temperatures) if pos == last_prompt else []))
         if pos in (positions[-1], last_prompt):     # read again below; the others' tables are let go
             dists[pos] = dist
         if kind == "stored":            # derived: the same tables, without the full-vocabulary rows and ranks

@@ -78,6 +78,19 @@ def warp(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     return scores if settings.is_greedy else warpers(settings)(None, scores.reshape(1, -1)).reshape(logits.shape)
 
 
+def warp_rows(logits: torch.Tensor, temperatures: list[float], top_k: int, top_p: float) -> torch.Tensor:
+    """[len(temperatures), vocab]: row i is `warp(logits, SamplingSettings(temperatures[i], top_k, top_p))`, the same
+    floats, for temperatures > 0. Each row is divided by its own temperature by the temperature warper (none for 1.0,
+    as `warpers` adds none), then the top-k and top-p warpers run once over the stacked rows: their every op (topk,
+    sort, softmax, cumsum, scatter) works along the vocabulary row by row, and one sort of three rows spreads over the
+    cores where three sorts of one row take one each (`tests/unit/test_sampling.py` holds the rows to `warp`'s)."""
+    if any(t <= 0 for t in temperatures):
+        raise ValueError(f"warp_rows needs temperatures > 0, got {temperatures}")
+    scores = logits.to(dtype=torch.float32, copy=True).reshape(1, -1)
+    rows = [scores if t == 1.0 else TemperatureLogitsWarper(float(t))(None, scores) for t in temperatures]
+    return warpers(SamplingSettings(1.0, top_k, top_p))(None, torch.cat(rows))
+
+
 def next_token_probs(logits_row: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """The float32 distribution `choose` draws from: softmax of the warped row.
 
@@ -288,6 +301,20 @@ class Distributions:
             nz = p[p > 0]
             self._entropy[t] = float(-fsum(nz * np.log(nz)))
         return self._entropy[t]
+
+    def prefetch(self, settings: list[SamplingSettings]) -> None:
+        """The kept ids of several filters at once where that shares work: top-p filters that differ only in
+        temperature warp as the rows of one `warp_rows` call (one sort over the cores instead of one per filter).
+        Each filter's ids are those `_kept_ids` would compute alone, the very floats behind them."""
+        groups: dict[tuple[int, float], list[SamplingSettings]] = {}
+        for s in dict.fromkeys(settings):
+            if not s.is_greedy and s.top_p < 1.0 and s not in self._members:
+                groups.setdefault((s.top_k, s.top_p), []).append(s)
+        for (top_k, top_p), group in groups.items():
+            if len(group) > 1:
+                rows = warp_rows(self.row, [s.temperature for s in group], top_k, top_p)
+                for s, scores in zip(group, rows):
+                    self._members[s] = torch.nonzero(scores != _NEG_INF).flatten().numpy().astype(np.int64)
 
     def _kept_ids(self, settings: SamplingSettings) -> np.ndarray:
         """The ids the filter keeps, ascending."""

@@ -32,6 +32,7 @@ from pipeline.numerics.sampling import (
     ranks,
     top_order,
     warp,
+    warp_rows,
 )
 
 INF = float("inf")
@@ -298,3 +299,30 @@ def test_largest_logit_is_the_largest_finite_magnitude(values, dtype):
     x = torch.tensor(values, dtype=dtype)
     finite = [abs(v) for v in values if math.isfinite(v)]
     assert largest_logit(x) == (max(finite) if finite else 0.0)
+
+
+@hyp_settings(max_examples=100, deadline=None)
+@given(values=rows, ts=st.lists(temperatures, min_size=1, max_size=4), k=top_ks, p=top_ps)
+def test_warp_rows_are_the_single_warps(values, ts, k, p):
+    """The probs stage warps a row's top-p filters at several temperatures as one batch (`warp_rows`, prefetched
+    into `Distributions`): each row is `warp`'s floats for its settings alone, and the prefetched kept ids the ones a
+    lone filter keeps, on tie-rich rows (where a sort's order among equal scores decides what top-p drops)."""
+    x = torch.tensor(values, dtype=torch.bfloat16)
+    batch = warp_rows(x, ts, k, p)
+    assert batch.shape == (len(ts), len(values))
+    for t, row in zip(ts, batch):
+        assert torch.equal(row, warp(x, SamplingSettings(t, k, p)))
+    settings = [SamplingSettings(t, k, p) for t in ts]
+    fetched = Distributions(x)
+    fetched.prefetch(settings)
+    for s in settings:
+        assert fetched.kept(s).ids.tolist() == Distributions(x).kept(s).ids.tolist()
+
+
+def test_warp_rows_on_a_vocabulary_of_ties():
+    """A 152k-id bf16 row (ties everywhere, as a real model's): three temperatures batched give the single warps'
+    floats, so which of equal scores top-p keeps is the same (the sort is per row, whatever the batch)."""
+    g = torch.Generator().manual_seed(29)
+    x = (torch.randn(152_064, generator=g) * 2).to(torch.bfloat16)
+    for row, t in zip(warp_rows(x, [0.5, 1.0, 2.0], 0, 0.9), (0.5, 1.0, 2.0)):
+        assert torch.equal(row, warp(x, SamplingSettings(t, 0, 0.9)))
