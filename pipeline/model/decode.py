@@ -42,12 +42,13 @@ def _check_logits(logits: torch.Tensor, settings: SamplingSettings, step: int, p
     """Refuse what would break the draw with an opaque message: NaN or +inf logits (-inf is a
     masked id, as in generate), no finite logit at all, or a temperature that overflows them."""
     values = logits.float()
-    bad = torch.nonzero(values.isnan() | (values == float("inf"))).flatten()
-    if bad.numel():
+    top = float(values.max())       # NaN if any is NaN; +inf if any is +inf; -inf if every id is masked
+    if top != top or top == float("inf"):
+        bad = torch.nonzero(values.isnan() | (values == float("inf"))).flatten()
         raise UserError(f"step {step}: logits at position {position} are not finite for {bad.numel()} ids "
                         f"(first: {bad[:5].tolist()}): the model produced NaN/Inf (NaN or +inf; -inf, a masked "
                         f"id, is allowed); no token chosen")
-    if not torch.isfinite(values).any():
+    if top == -float("inf"):
         raise UserError(f"step {step}: logits at position {position} are -inf for every id: no token chosen")
     if not settings.is_greedy:              # greedy divides nothing
         check_temperature("sampling.temperature", settings.temperature, largest_logit(values))
