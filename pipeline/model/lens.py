@@ -95,13 +95,36 @@ class PositionLens:
     kl_final: float
 
 
-def position_lens(row: torch.Tensor, final_row: torch.Tensor, top_k: int) -> PositionLens:
-    """One layer's logits row and the model's own logits row at that position (both the compute dtype)."""
-    z, zf = row.detach().to("cpu", torch.float64), final_row.detach().to("cpu", torch.float64)
-    logq, logp = torch.log_softmax(z, -1), torch.log_softmax(zf, -1)
-    q, p = torch.exp(logq), torch.exp(logp)
+@dataclass(frozen=True, eq=False)
+class FinalRow:
+    """The model's own logits row at a position as every layer's lens there compares with it: its FP64
+    log-softmax and softmax and its top-1 id (the lowest id among the maxima)."""
+
+    logp: torch.Tensor
+    p: torch.Tensor
+    top1: int
+
+    @classmethod
+    def of(cls, final_row: torch.Tensor) -> FinalRow:
+        zf = final_row.detach().to("cpu", torch.float64)
+        logp = torch.log_softmax(zf, -1)
+        return cls(logp, torch.exp(logp), int(torch.argmax(zf)))
+
+
+KEEP_FINAL_ROWS = 8     # `run` computes a position's FinalRow once for every layer when it has at most this many rows
+                        # (2.4 MB each for 152k ids; a set's capture.positions=last has one), else once per layer
+
+
+def position_lens(row: torch.Tensor, final_row: torch.Tensor, top_k: int, final: FinalRow | None = None) \
+        -> PositionLens:
+    """One layer's logits row and the model's own logits row at that position (both the compute dtype;
+    `final`: `FinalRow.of(final_row)` where the caller keeps it for the position's other layers)."""
+    z = row.detach().to("cpu", torch.float64)
+    final = final or FinalRow.of(final_row)
+    logq, logp = torch.log_softmax(z, -1), final.logp
+    q, p = torch.exp(logq), final.p
     ids = top_ids(z, top_k)
-    f = int(torch.argmax(zf))                  # the lowest id among the maxima
+    f = final.top1
     # KL(final || layer) = sum p (ln p - ln q) over p > 0; written as one sum of differences, it is 0
     # exactly where the two rows are the same bits (layer L).
     kl = float(torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum())
@@ -126,9 +149,10 @@ def run(model: nn.Module, tensors: dict[str, torch.Tensor], positions: list[int]
         raise ValueError(f"{final.shape[0]} logits rows for {len(positions)} positions")
     lens: dict[str, list] = {n: [] for n in LENS_SCHEMA.names}
     summary: dict[str, list] = {n: [] for n in SUMMARY_SCHEMA.names}
+    finals = [FinalRow.of(final[r]) for r in range(len(positions))] if len(positions) <= KEEP_FINAL_ROWS else None
     for layer, logits in layers(model, tensors):
         for r, pos in enumerate(positions):
-            one = position_lens(logits[0, r], final[r], top_k)
+            one = position_lens(logits[0, r], final[r], top_k, finals[r] if finals else None)
             n = len(one.ids)
             for k, v in (("layer", [layer] * n), ("position", [pos] * n), ("rank", range(1, n + 1)),
                          ("token_id", one.ids), ("logit", one.logits), ("prob", one.probs)):

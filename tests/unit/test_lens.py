@@ -212,3 +212,14 @@ def test_numpy_kl_stays_finite_where_a_layer_s_probabilities_underflow():
     ln = _log_softmax64(row)
     assert np.isfinite(ln).all() and ln[1] == pytest.approx(-905.0 - math.log1p(math.exp(-5.0)), rel=1e-12)
     assert math.fsum(np.exp(ln).tolist()) == pytest.approx(1.0, rel=1e-15)
+
+
+def test_a_kept_final_row_gives_the_same_figures_bit_for_bit():
+    """`run` computes a position's final-row softmax once for all its layers: the figures are those of
+    computing it per layer (a dataclass equality of Python floats and ints: the same bits)."""
+    g = torch.Generator().manual_seed(7)
+    row, final = (torch.randn(4096, generator=g) * 3).to(torch.bfloat16), (torch.randn(4096, generator=g) * 3).to(
+        torch.bfloat16)
+    assert lens.position_lens(row, final, 5, lens.FinalRow.of(final)) == lens.position_lens(row, final, 5)
+    other = lens.FinalRow.of(final.roll(1))
+    assert lens.position_lens(row, final, 5, other) != lens.position_lens(row, final, 5)
