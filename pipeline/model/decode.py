@@ -30,7 +30,6 @@ class Step:
     logits: torch.Tensor  # [vocab], model dtype, bit-exact copy of the last position's row (on CPU)
     prob: float  # float32 probability of token_id under the distribution drawn from (greedy: raw softmax)
     stop_reason: str | None  # "eos" | "max_new_tokens" | None
-    probs: torch.Tensor | None = None  # [vocab] float32, `next_token_probs(logits, settings)`: what was drawn from
 
 
 def _check(prompt_ids: list[int]) -> None:
@@ -150,7 +149,7 @@ def run_branch(
                 stop = "max_new_tokens"
             else:
                 stop = None
-            steps.append(Step(step, len(ids), token, logits, prob, stop, probs))
+            steps.append(Step(step, len(ids), token, logits, prob, stop))
             ids.append(token)
             if stop is not None:
                 break

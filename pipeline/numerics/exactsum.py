@@ -8,10 +8,10 @@ and exponent). numpy adds each part per binary exponent (`bincount`): within an 
 is a multiple of 2**(e - 1048) below 2**26 of them and a low part a multiple of 2**(e - 1075) below 2**27,
 so up to 2**26 values add without a single rounding, in any order. The at most 2 x 2046 group sums are
 then exact floats whose sum is the array's exact sum, and `math.fsum` of them rounds that sum once, ties to
-even: the very float `math.fsum` of the whole array returns. Non-finite input, values of 2**971 and more
-(where a group sum could overflow, and `math.fsum` itself raises on an intermediate overflow even when the
-sum is finite), and sums that are exactly zero (whose sign `math.fsum` decides) go to `math.fsum` itself.
-`tests/unit/test_exactsum.py` holds it to `math.fsum`, bit for bit.
+even: the very float `math.fsum` of the whole array returns. Non-finite input, values of 2**972 and more
+(a margin that keeps every group sum and the final `math.fsum` far from overflow; `math.fsum` itself raises on
+an intermediate overflow even when the sum is finite), and sums that are exactly zero (whose sign `math.fsum`
+decides) go to `math.fsum` itself. `tests/unit/test_exactsum.py` holds it to `math.fsum`, bit for bit.
 
 The checks keep `math.fsum`: they recompute the stage's sums by another route.
 """
@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 _HIGH = np.uint64(0xFFFF_FFFF_F800_0000)   # sign, exponent and the top 25 fraction bits
-_HUGE = 0x7FF - 52              # |value| >= 2**971 (and inf, NaN): math.fsum's own rules (see `fsum`)
+_HUGE = 0x7FF - 52              # |value| >= 2**972 (and inf, NaN): math.fsum's own rules (see `fsum`)
 _MAX_COUNT = 1 << 26            # per exponent group, this many parts add exactly (see the module's note)
 
 

@@ -78,17 +78,43 @@ def warp(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     return scores if settings.is_greedy else warpers(settings)(None, scores.reshape(1, -1)).reshape(logits.shape)
 
 
+def _row_warpers(t: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """`warpers` for one row of `warp_rows`. At T = 1.0 (where generate adds no temperature warper) the list is that
+    of another temperature with its temperature warper at 1.0, which divides by 1.0, the identity bit for bit, so
+    that every row's list has the same shape; a list not of that shape is returned as `warpers` builds it."""
+    own = warpers(SamplingSettings(t, top_k, top_p))
+    if t != 1.0:
+        return own
+    probe = warpers(SamplingSettings(2.0, top_k, top_p))
+    aligned = LogitsProcessorList(TemperatureLogitsWarper(1.0) if isinstance(w, TemperatureLogitsWarper) else w
+                                  for w in probe)
+    rest = [type(w) for w in aligned if not isinstance(w, TemperatureLogitsWarper)]
+    return aligned if rest == [type(w) for w in own] else own
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and vars(a) == vars(b)
+
+
 def warp_rows(logits: torch.Tensor, temperatures: list[float], top_k: int, top_p: float) -> torch.Tensor:
     """[len(temperatures), vocab]: row i is `warp(logits, SamplingSettings(temperatures[i], top_k, top_p))`, the same
-    floats, for temperatures > 0. Each row is divided by its own temperature by the temperature warper (none for 1.0,
-    as `warpers` adds none), then the top-k and top-p warpers run once over the stacked rows: their every op (topk,
-    sort, softmax, cumsum, scatter) works along the vocabulary row by row, and one sort of three rows spreads over the
-    cores where three sorts of one row take one each (`tests/unit/test_sampling.py` holds the rows to `warp`'s)."""
+    floats, for temperatures > 0. Each row's warpers are `warpers`' own, in its order; a warper the rows share (top-k,
+    top-p: the same class and settings) runs once over the stacked rows, one that differs (the temperature) row by
+    row. Every op of those warpers (topk, sort, softmax, cumsum, scatter) works along the vocabulary row by row, and
+    one sort of three rows spreads over the cores where three sorts of one row take one each
+    (`tests/unit/test_sampling.py` holds the rows to `warp`'s). Lists of different shapes: each row warped alone."""
     if any(t <= 0 for t in temperatures):
         raise ValueError(f"warp_rows needs temperatures > 0, got {temperatures}")
-    scores = logits.to(dtype=torch.float32, copy=True).reshape(1, -1)
-    rows = [scores if t == 1.0 else TemperatureLogitsWarper(float(t))(None, scores) for t in temperatures]
-    return warpers(SamplingSettings(1.0, top_k, top_p))(None, torch.cat(rows))
+    lists = [_row_warpers(t, top_k, top_p) for t in temperatures]
+    if len({len(w) for w in lists}) > 1:
+        return torch.stack([warp(logits, SamplingSettings(t, top_k, top_p)).reshape(-1) for t in temperatures])
+    rows = logits.to(dtype=torch.float32, copy=True).reshape(1, -1).repeat(len(temperatures), 1)
+    for step in zip(*lists):
+        if all(_same(w, step[0]) for w in step):
+            rows = step[0](None, rows)
+        else:
+            rows = torch.cat([w(None, rows[i:i + 1]) for i, w in enumerate(step)])
+    return rows
 
 
 def next_token_probs(logits_row: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
@@ -119,10 +145,10 @@ def choose(logits_row: torch.Tensor, settings: SamplingSettings, generator: torc
 # ---------------------------------------------------------------- temperatures the logits allow
 def largest_logit(logits: torch.Tensor | np.ndarray) -> float:
     """max |logit| over the finite ids (masked -inf ids excluded); 0.0 when none is finite."""
-    values = torch.as_tensor(logits).detach()
+    values = torch.as_tensor(logits).detach().float()
     if values.numel() == 0:
         return 0.0
-    largest = values.abs().max()            # in the row's own dtype: |x| and max are exact
+    largest = values.abs().max()            # |x| and max are exact
     if torch.isfinite(largest):             # no inf or NaN: every id is finite
         return float(largest)
     finite = values[torch.isfinite(values)]

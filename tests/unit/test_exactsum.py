@@ -35,8 +35,8 @@ def reference(values) -> float:
     [2.2250738585072014e-308, -5e-324],         # across the normal / subnormal boundary
     [0.1] * 10,
     [1.7976931348623157e308, -1.7976931348623157e308, 1.0],
-    [2.0**970] * 5 + [1.0, -(2.0**970)],        # just under the math.fsum fallback: the group sums stay finite
-    [2.0**971, 2.0**971, 3.0],                  # at it
+    [float(np.nextafter(2.0**972, 0))] * 5 + [1.0, -(2.0**971)],   # the largest values of the vectorised path
+    [2.0**972, 2.0**972, 3.0],                  # the smallest that go to math.fsum
     [2.0**-1074] * 3 + [2.0**-1022 * 1.5],      # subnormals beside the smallest normals' group
     [0.0], [-0.0], [-0.0, -0.0], [0.0, -0.0], [3.0, -3.0], [],   # zero sums: math.fsum decides the sign
     [float("inf"), 1.0], [float("nan"), 1.0],
@@ -59,6 +59,16 @@ def test_probability_rows_of_a_vocabulary():
         p /= p.sum()
         for row in (p, p * np.log(p), p.astype(np.float32), np.delete(p, [0, 5, 17])):
             assert same(fsum(row), reference(row))
+
+
+def test_a_binade_of_two_million_full_mantissas_adds_exactly():
+    """Every value in one exponent group with all 52 fraction bits set, signs mixed: the group's high and low parts
+    must each add without rounding over 2**21 values (a split that kept fewer bits in the low part would not)."""
+    rng = np.random.default_rng(3)
+    full = np.nextafter(np.float64(2.0), 0)                   # 1.111...1 (binary) x 2**0
+    values = full * np.where(rng.random(1 << 21) < 0.7, 1.0, -1.0)
+    values[::7] = np.nextafter(values[::7], 0)               # and a few other mantissas
+    assert same(fsum(values), reference(values))
 
 
 def test_overflow_is_refused_as_math_fsum_refuses_it():

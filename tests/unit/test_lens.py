@@ -220,6 +220,11 @@ def test_a_kept_final_row_gives_the_same_figures_bit_for_bit():
     g = torch.Generator().manual_seed(7)
     row, final = (torch.randn(4096, generator=g) * 3).to(torch.bfloat16), (torch.randn(4096, generator=g) * 3).to(
         torch.bfloat16)
-    assert lens.position_lens(row, final, 5, lens.FinalRow.of(final)) == lens.position_lens(row, final, 5)
+    kept = lens.FinalRow.of(final)
+    assert lens.position_lens(row, final, 5, kept) == lens.position_lens(row, final, 5)
+    zf = final.to(torch.float64)                     # FinalRow itself against the computation it replaced
+    logp = torch.log_softmax(zf, -1)
+    assert torch.equal(kept.logp, logp) and torch.equal(kept.p, torch.exp(logp))
+    assert kept.top1 == int(np.argmax(zf.numpy()))   # numpy's argmax: the first of the maxima
     other = lens.FinalRow.of(final.roll(1))
     assert lens.position_lens(row, final, 5, other) != lens.position_lens(row, final, 5)

@@ -292,8 +292,8 @@ def test_a_sets_unordered_filter_figures_are_the_kept_sets(values, t, k, p):
     np.testing.assert_allclose(ordered.prob_before, p64[ids], rtol=1e-13, atol=0)
 
 
-@given(st.lists(st.sampled_from([-INF, INF, -3.5, -1.0, 0.0, 2.0]), min_size=1, max_size=20),
-       st.sampled_from([torch.bfloat16, torch.float32]))
+@given(st.lists(st.sampled_from([-INF, INF, float("nan"), -3.5, -1.0, 0.0, 2.0]), min_size=1, max_size=20),
+       st.sampled_from([torch.bfloat16, torch.float32, torch.float64]))
 @hyp_settings(max_examples=100, deadline=None)
 def test_largest_logit_is_the_largest_finite_magnitude(values, dtype):
     x = torch.tensor(values, dtype=dtype)
