@@ -146,8 +146,6 @@ def here_record(model, device: torch.device) -> dict:
     return {**loader.device_record(model, device), "cpu_kernels": kernels.cpu_key(provenance.kernel_path())}
 
 
-
-
 def _cpu_kernels_differ(ra: dict, rb: dict) -> bool:
     """Both computed on the CPU with recorded kernels, and those are not the same (AVX2 vs AVX-512 give other
     bf16 bits); unrecorded on either side: not known to differ."""
@@ -163,10 +161,10 @@ def device_difference(a: tuple[str, dict], b: tuple[str, dict]) -> str:
     if _cpu_kernels_differ(ra, rb):
         return (f"report, not error: {la} ran on CPU kernels {ra['cpu_kernels']}, {lb} on {rb['cpu_kernels']}, "
                 "which may round differently")
-    if device_where(ra) == device_where(rb) and "not recorded" not in device_where(ra):
+    wa, wb = device_where(ra), device_where(rb)
+    if wa == wb and "not recorded" not in wa:
         return ""
-    return (f"report, not error: {la} ran on {device_where(ra)}, {lb} on {device_where(rb)}, whose kernels may "
-            "round differently")
+    return f"report, not error: {la} ran on {wa}, {lb} on {wb}, whose kernels may round differently"
 
 
 def kernel_bound(checks: Sequence[Check], a: tuple[str, dict], b: tuple[str, dict]) -> list[Check]:

@@ -22,7 +22,6 @@ from pipeline.numerics.aggregates import PROBS_KEYS, probs_set_metrics
 from pipeline.numerics.exactsum import fsum
 from pipeline.numerics.sampling import (
     Distributions,
-    KeptFigures,
     SamplingSettings,
     check_temperature,
     largest_logit,
@@ -205,9 +204,9 @@ def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter, dist: Distri
                   rows: bool = True) -> tuple[dict, dict]:
     """filtered.parquet rows for one filter at one position (none without `rows`), and its summary entry."""
     s = flt.settings
+    figures = dist.kept_figures(s)      # the same for a single prompt and a set: no order of the kept ids needed
     if rows:
         kept = dist.kept(s)
-        figures = KeptFigures.of(kept)
         rows = {
             "position": [position] * kept.count, "filter": [flt.name] * kept.count,
             "temperature": [s.temperature] * kept.count, "top_k": [s.top_k] * kept.count,
@@ -215,8 +214,8 @@ def filtered_rows(position: int, row: np.ndarray, flt: NamedFilter, dist: Distri
             "token_id": kept.ids.tolist(), "logit": row[kept.ids].astype(np.float32).tolist(),
             "prob_before": kept.prob_before.tolist(), "prob_after": kept.prob_after.tolist(),
         }
-    else:                   # the same figures without ordering the kept ids (a set: no rows stored)
-        figures, rows = dist.kept_figures(s), {}
+    else:                               # a set: no rows stored
+        rows = {}
     summary = {
         "position": position, "filter": flt.name, "temperature": s.temperature, "top_k": s.top_k,
         "top_p": s.top_p, "kept_count": figures.count, "kept_mass": figures.mass,

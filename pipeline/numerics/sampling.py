@@ -265,11 +265,6 @@ class KeptFigures:
     mass_without_last: float
     renormalised_sum_error: float
 
-    @classmethod
-    def of(cls, kept: KeptSet) -> KeptFigures:
-        return cls(kept.count, kept.mass, int(kept.ids[0]), float(kept.prob_after[0]), fsum(kept.prob_before[:-1]),
-                   abs(fsum(kept.prob_after) - 1.0))
-
 
 def filter_distribution(logits: torch.Tensor, settings: SamplingSettings) -> KeptSet:
     """What the filter keeps of a 1-D logits row, with FP64 probabilities.
@@ -279,6 +274,11 @@ def filter_distribution(logits: torch.Tensor, settings: SamplingSettings) -> Kep
     undefined its probabilities are reported at T = 1.
     """
     return Distributions(logits).kept(settings)
+
+
+def _unmasked(scores: torch.Tensor) -> np.ndarray:
+    """The ids a warped row keeps (its scores not -inf), ascending."""
+    return torch.nonzero(scores.flatten() != _NEG_INF).flatten().numpy().astype(np.int64)
 
 
 class Distributions:
@@ -340,7 +340,7 @@ class Distributions:
             if len(group) > 1:
                 rows = warp_rows(self.row, [s.temperature for s in group], top_k, top_p)
                 for s, scores in zip(group, rows):
-                    self._members[s] = torch.nonzero(scores != _NEG_INF).flatten().numpy().astype(np.int64)
+                    self._members[s] = _unmasked(scores)
 
     def _kept_ids(self, settings: SamplingSettings) -> np.ndarray:
         """The ids the filter keeps, ascending."""
@@ -348,8 +348,7 @@ class Distributions:
             if settings.is_greedy:
                 ids = np.array([int(torch.argmax(self.row))], dtype=np.int64)
             else:
-                scores = warp(self.row, settings)
-                ids = torch.nonzero(scores != _NEG_INF).flatten().numpy().astype(np.int64)
+                ids = _unmasked(warp(self.row, settings))
             self._members[settings] = ids
         return self._members[settings]
 
@@ -378,8 +377,9 @@ class Distributions:
         return int(ids.size), self._mass[settings]
 
     def kept_figures(self, settings: SamplingSettings) -> KeptFigures:
-        """The figures of `kept(settings)` that need no order of the kept ids, computed without sorting them: what a
-        run that stores no filtered.parquet rows (`probs.table` derived) records of a filter."""
+        """A filter's summary figures, those of `kept(settings)` (its first id, the mass without its last) computed
+        without sorting the kept ids: what summary.json records of a filter, whether filtered.parquet stores its
+        rows or not."""
         ids = self._kept_ids(settings)
         count, mass = self.kept_count_and_mass(settings)
         before = self._filter_p64(settings)[ids]
