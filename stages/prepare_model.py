@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import warm
 from pipeline.config import registry, schema
-from pipeline.model import snapshot
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
@@ -15,6 +15,8 @@ STAGE = "prepare_model"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     model = schema.load_section(params, "model")
+    warm.hand_off(STAGE)              # the rest in a process that imported torch and transformers already
+    from pipeline.model import snapshot
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         record = snapshot.prepare(model.source, run.staging, trust_remote_code=model.trust_remote_code,
                                 progress=True)

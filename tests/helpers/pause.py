@@ -16,9 +16,12 @@ SITE = Path(__file__).resolve().parent / "pause_site"
 POINTS = {"forward.capture": ("forward", "capture.safetensors"), "logits.rows": ("logits", "logits.parquet")}
 
 
-def env(point: str, base: dict[str, str] | None = None) -> dict[str, str]:
+def env(point: str, base: dict[str, str] | None = None, root: Path | None = None) -> dict[str, str]:
+    """root: where the marker goes whatever the process's working directory (else its own)."""
     base = dict(os.environ if base is None else base)
-    return {**base, ENV: point, "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), base.get("PYTHONPATH")]))}
+    where = {"NEXTTOKEN_TEST_PAUSE_DIR": str(root)} if root is not None else {}
+    return {**base, ENV: point, "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), base.get("PYTHONPATH")])),
+            **where}
 
 
 def marker(point: str, root: Path) -> Path:

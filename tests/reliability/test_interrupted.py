@@ -88,18 +88,19 @@ def test_killed_stage_leaves_the_previous_run_whole(chain_ws, tmp_path, point, s
         assert stderr.strip() == f"nexttoken {stage}: interrupted; nothing was written to artifacts/{stage}"
         assert staging_left(ws) == []
         return
-    assert proc.returncode == -signal.SIGKILL and partial.exists()    # SIGKILL: no clean-up ran
+    assert proc.returncode == -signal.SIGKILL and partial.exists(), stderr    # SIGKILL: no clean-up ran
     run_module(f"stages.{stage}", ws, check=True)                     # the next run of that stage
     assert staging_left(ws) == [] and data_hashes(ws) == data
 
 
 def test_ctrl_c_while_a_stage_imports_is_one_line(chain_ws, tmp_path):
     """SIGINT while `python -m stages.forward` is still importing torch: one line, exit 130, no
-    traceback (it was 34 lines): stages/__init__.py sets the handler before the heavy imports."""
+    traceback (it was 34 lines): stages/__init__.py sets the handler before the heavy imports.
+    A fresh interpreter (NEXTTOKEN_WARM=0); the warm process's start is test_warm.py's."""
     ws = copy_ws(chain_ws, tmp_path / "ws")
     before = snapshot(ws)
     m = pause.marker("import.torch", ws)
-    env = pause.env("import.torch")
+    env = {**pause.env("import.torch"), "NEXTTOKEN_WARM": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -7,7 +7,8 @@ Points: `forward.capture` (capture.safetensors: its tensors streamed by safetens
 not yet rewritten in canonical order, i.e. the first write of the `r+b` pass);
 `logits.rows` (logits.parquet after its first row group); `import.torch` (the stage module's
 imports, when torch is about to be imported). At the point, the process writes
-its id to `.nexttoken/test-pause-<point>` in its working directory and sleeps (10 minutes).
+its id to `.nexttoken/test-pause-<point>` in its working directory (or in NEXTTOKEN_TEST_PAUSE_DIR:
+a warm process, pipeline/warm.py, runs from "/") and sleeps (10 minutes).
 """
 
 import os
@@ -18,7 +19,7 @@ _POINT = os.environ.get("NEXTTOKEN_TEST_PAUSE")
 def _pause(point):
     import time
     from pathlib import Path
-    marker = Path(".nexttoken") / f"test-pause-{point}"
+    marker = Path(os.environ.get("NEXTTOKEN_TEST_PAUSE_DIR", ".")) / ".nexttoken" / f"test-pause-{point}"
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(os.getpid()))
     time.sleep(600)

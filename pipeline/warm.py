@@ -1,0 +1,253 @@
+"""A warm process for the stages: torch and transformers imported once, each stage run forked from it.
+
+DVC runs every stage as a fresh `python -m stages.<name>`, and seven of them spend 3-5 s of a
+fresh interpreter importing torch and transformers before any work (docs/cost_and_scale.md:
+that was nearly all of `dvc repro`'s price over one process). Here a stage, once it has read
+its params and pinned its kernels (`kernels.pin`), calls `hand_off()`: the rest of the run goes
+to a child forked from a warm process that has imported those packages already, and this
+process only relays signals and exits with the child's status. DVC sees the same command, the
+same stdout/stderr (the child writes to this process's own file descriptors), the same exit
+status; the stage's code runs from the start in the child, read from disk, so an edited stage
+or library module is never stale (the warm process imports no project module it hands over).
+
+The warm process is keyed: the Python, its `sys.path`, the preloaded packages' files, this
+module's and the server's code, and the whole environment but the few variables DVC and pytest
+set per stage or per test (KEY_IGNORES). The kernel pins above all: ATen and oneDNN read theirs
+when torch loads, so each pinned environment gets a process of its own; and what an interpreter
+runs at start (sitecustomize, .pth files) ran in the warm process with the same environment. It
+starts on the first hand-off of its key (which then waits for its imports, as a fresh stage
+would), serves any checkout, and exits after `NEXTTOKEN_WARM_IDLE_S` (default 60) s with nothing
+to run. Anything that stops a hand-off before the child started (no warm process could be
+started, a race with one exiting) runs the stage here as before; the manifest records which way
+it ran (`process`).
+
+`NEXTTOKEN_WARM=0` turns it off. It is off on its own under `python -X ...` or `-O` (what the
+bench's `-X importtime` measures is a fresh interpreter), where the stage is not `__main__` (a
+test or tool calling `main()`), where torch is loaded already, and on a platform without fork
+and pidfds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SWITCH = "NEXTTOKEN_WARM"                 # "0": every stage runs in its own fresh interpreter
+IDLE_ENV = "NEXTTOKEN_WARM_IDLE_S"
+CHILD_ENV = "NEXTTOKEN_WARM_CHILD"        # the pid of a forked stage (its own subprocesses are fresh)
+IDLE_S = 60.0
+START_TIMEOUT_S = 120.0                   # a warm process's imports under load; then the stage runs fresh
+REQUEST_TIMEOUT_S = 10.0
+# What the warm process imports: the stages' heavy third-party modules (transformers' top level is
+# lazy; the Auto classes, modeling_utils and generation are what a stage pays for).
+PRELOAD = ("numpy", "torch", "pyarrow", "pyarrow.parquet", "pyarrow.dataset", "pandas", "safetensors.torch",
+           "tokenizers", "yaml", "pydantic", "transformers", "transformers.modeling_utils",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+           "transformers.generation.utils", "transformers.generation.logits_process")
+DISTRIBUTIONS = ("torch", "transformers", "numpy", "pyarrow", "pandas", "safetensors", "tokenizers", "pyyaml",
+                 "pydantic", "huggingface-hub")        # what PRELOAD comes from: an upgrade or reinstall is a new key
+# The key holds the whole environment but these: set per stage or per test, read by no import (DVC
+# gives each stage its name and root; a stage's own children carry CHILD_ENV).
+KEY_IGNORES = ("DVC_STAGE", "DVC_ROOT", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_", CHILD_ENV)
+KEY_IGNORE_PREFIXES = ("DVC_EXP_", "PYTEST_XDIST_")
+SOCKET_DIR_MAX = 80                       # Linux's socket paths: 107 bytes, "<20 hex>.sock.<pid>" included
+RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+PROJECT = ("pipeline", "stages")          # never kept from the warm process: a child reads them from disk
+
+_record: dict = {"warm": False, "why": "this stage does not hand off (it imports no torch)"}
+
+
+def record() -> dict:
+    """How this stage's process started, for its manifest: forked from a warm process, or fresh (why)."""
+    return dict(_record)
+
+
+# ---------------------------------------------------------------- the stage's side
+def _why_not(stage: str) -> str | None:
+    if os.environ.get(SWITCH, "1").strip() == "0":
+        return f"{SWITCH}=0"
+    if not (hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
+        return "no fork/pidfd on this platform"
+    if sys._xoptions or sys.flags.optimize or sys.flags.isolated or sys.flags.dev_mode:
+        return "the interpreter runs with -X/-O/-I options"
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is None or spec.name != f"stages.{stage}":
+        return "the stage is not run as `python -m stages.<name>`"
+    if "torch" in sys.modules:
+        return "torch is loaded already"
+    return None
+
+
+def hand_off(stage: str) -> None:
+    """Run this stage in a child of the warm process for this environment and exit with its status.
+
+    Returns (and the stage runs here, fresh) when the child could not be started; once it has
+    started, this process never returns: it relays signals until the child's status arrives.
+    """
+    global _record
+    if os.environ.get(CHILD_ENV) == str(os.getpid()):      # this is that child: run the stage
+        _record = {"warm": True, "key": environment_key(), "forked_from": os.getppid()}
+        return
+    if why := _why_not(stage):
+        _record = {"warm": False, "why": why}
+        return
+    try:
+        conn = _connect_or_start(environment_key())
+    except (OSError, TimeoutError) as e:
+        _record = {"warm": False, "why": f"no warm process: {e}"}
+        return
+    # From the request on, a signal waits until it can be forwarded to the child (or, where none
+    # started, until the stage runs here and meets it as it would have).
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
+    try:
+        pid = _request(conn, stage)
+    except (OSError, ValueError) as e:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
+        _record = {"warm": False, "why": f"no warm process: {e}"}
+        return
+    _relay(conn, pid)
+
+
+def environment_key(environ: dict | None = None) -> str:
+    """What a warm process's imports depend on, hashed: one process per distinct value."""
+    import importlib.metadata
+    environ = os.environ if environ is None else environ
+    packages = {}
+    for dist in DISTRIBUTIONS:       # its RECORD: every installed file's hash (found, nothing imported)
+        try:
+            d = importlib.metadata.distribution(dist)
+            packages[dist] = [d.version, hashlib.sha256((d.read_text("RECORD") or "").encode()).hexdigest()]
+        except importlib.metadata.PackageNotFoundError:
+            packages[dist] = None
+    own = [hashlib.sha256(f.read_bytes()).hexdigest() for f in (Path(__file__), Path(__file__).with_name(
+        "warm_server.py"))]      # the protocol and the child's set-up: their content, the same in every clone
+    material = {"python": [sys.executable, sys.version, sys.path[1:]], "packages": packages, "own": own,
+                "env": {k: v for k, v in sorted(environ.items())
+                        if k not in KEY_IGNORES and not k.startswith(KEY_IGNORE_PREFIXES)}}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def home() -> Path:
+    """Where the sockets, locks and logs live: private to this user."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    d = Path(base) / f"nexttoken-warm-{os.getuid()}"
+    if len(os.fsencode(d)) > SOCKET_DIR_MAX:
+        raise OSError(f"{d} is too long a folder for a Unix socket ({SOCKET_DIR_MAX} bytes at most)")
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def _connect(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _connect_or_start(key: str) -> socket.socket:
+    import fcntl
+    path = home() / f"{key}.sock"
+    try:
+        return _connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    with open(home() / f"{key}.lock", "w") as lock:    # one starter per key; the others wait here
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            path.unlink(missing_ok=True)                 # a process that died without removing it
+        root = str(Path(__file__).resolve().parents[1])     # this checkout's server code, run from "/"
+        serve = f"import sys, runpy; sys.path.insert(0, {root!r}); runpy.run_module('pipeline.warm_server', " \
+                "run_name='__main__')"
+        log = home() / f"{key}.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-c", serve, str(path)], stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=out, start_new_session=True, cwd="/")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise OSError(f"the warm process exited with status {proc.returncode} (see {log})")
+            try:
+                return _connect(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.05)
+        raise TimeoutError(f"the warm process was not ready after {START_TIMEOUT_S:.0f} s")
+
+
+def _streams() -> dict:
+    out = {}
+    for name in ("stdout", "stderr"):
+        s = getattr(sys, name)
+        out[name] = {"encoding": getattr(s, "encoding", None), "errors": getattr(s, "errors", None),
+                     "line_buffering": getattr(s, "line_buffering", False),
+                     "write_through": getattr(s, "write_through", False)}
+    return out
+
+
+def _request(conn: socket.socket, stage: str) -> int:
+    """Send this process's fds 0-2 and what `python -m` set up; the child's pid comes back."""
+    for s in (sys.stdout, sys.stderr):
+        s.flush()
+    body = json.dumps({"module": f"stages.{stage}", "argv": sys.argv[1:], "orig_argv": sys.orig_argv,
+                       "path": sys.path, "cwd": os.getcwd(), "environ": dict(os.environ),
+                       "streams": _streams()}).encode()
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
+    conn.sendall(body)
+    reply = _line(conn)
+    if not reply.startswith("pid "):
+        raise ValueError(f"the warm process answered {reply!r}")
+    return int(reply.split()[1])
+
+
+def _line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            raise ValueError("the warm process closed the connection")
+        data += chunk
+    return data.decode().strip()
+
+
+def _relay(conn: socket.socket, pid: int) -> None:
+    """Forward signals to the child until its status arrives; exit as it did."""
+    global _record
+    _record = {"warm": True}
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    for sig in RELAYED:
+        signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)    # what came meanwhile is forwarded now
+    conn.settimeout(None)             # the stage's own run time: as long as a fresh stage would take
+    try:
+        status = int(_line(conn).split()[1])
+    except (OSError, ValueError, IndexError) as e:
+        forward(signal.SIGKILL, None)
+        print(f"nexttoken: the warm process running this stage (pid {pid}) was lost ({e}); "
+              f"the stage's outcome is unknown: run it again, or with {SWITCH}=0", file=sys.stderr)
+        os._exit(1)
+    if os.WIFSIGNALED(status):       # die the same way, so DVC sees what a fresh stage would give
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)          # a signal whose default is to carry on (SIGCHLD, SIGWINCH)
+    os._exit(os.waitstatus_to_exitcode(status))

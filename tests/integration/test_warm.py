@@ -1,0 +1,179 @@
+"""The warm process (pipeline/warm.py): a stage forked from it is the stage a fresh `python -m
+stages.<name>` would have been. Same output bytes, stdout, stderr and exit status; Ctrl-C and
+SIGKILL of the stage process reach the run; an edited stage or library module is read from disk.
+
+Each test has a warm home of its own (XDG_RUNTIME_DIR), so the warm processes it starts are its
+own: found by their command line and stopped at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import paths, provenance
+from tests.conftest import REPO, copy_ws, run_module, snapshot
+from tests.helpers import pause
+from tests.reliability.conftest import staging_left
+
+STAGES = ("tokenize", "forward", "probs", "trajectories", "lens", "checks")
+
+
+def warm_processes(home: Path) -> list[int]:
+    """The pids of the warm processes whose socket lies under home."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"pipeline.warm_server" in cmdline and str(home).encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def home():
+    d = Path(tempfile.mkdtemp(prefix="ntw-", dir="/tmp"))      # short: a Unix socket's path is short
+    yield d
+    for pid in warm_processes(d):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def warm_env(home: Path, **extra: str) -> dict[str, str]:
+    return {"XDG_RUNTIME_DIR": str(home), "NEXTTOKEN_WARM": "1", **extra}
+
+
+def outputs(ws: Path, stage: str) -> dict[str, str]:
+    folder = paths.stage_dir(stage, ws)
+    return {p.relative_to(folder).as_posix(): provenance.sha256_file(p)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != paths.MANIFEST}
+
+
+def process(ws: Path, stage: str) -> dict:
+    return json.loads((paths.stage_dir(stage, ws) / paths.MANIFEST).read_text())["process"]
+
+
+def wait_gone(pid: int, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, f"pid {pid} still runs"
+        time.sleep(0.1)
+
+
+def test_a_warm_run_gives_the_bytes_and_output_of_a_fresh_one(tiny_chain, tmp_path, home):
+    fresh, forked = copy_ws(tiny_chain, tmp_path / "fresh"), copy_ws(tiny_chain, tmp_path / "warm")
+    for stage in STAGES:
+        a = run_module(f"stages.{stage}", fresh, check=True, env={"NEXTTOKEN_WARM": "0"})
+        b = run_module(f"stages.{stage}", forked, check=True, env=warm_env(home))
+        assert outputs(forked, stage) == outputs(fresh, stage), stage
+        assert (b.stdout, b.stderr) == (a.stdout, a.stderr), stage
+        assert process(fresh, stage) == {"warm": False, "why": "NEXTTOKEN_WARM=0"}
+    records = [process(forked, s) for s in STAGES]
+    assert all(r["warm"] for r in records)
+    [server] = warm_processes(home)                      # one warm process served every stage
+    assert len({r["key"] for r in records}) == 1 and {r["forked_from"] for r in records} == {server}
+
+
+def test_a_failing_stage_fails_the_same_way(tiny_chain, tmp_path, home):
+    """A UserError raised after the hand-off: exit status 2 and the one line, relayed."""
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    shutil.rmtree(paths.stage_dir("prepare_model", ws))
+    before = snapshot(ws)
+    a = run_module("stages.forward", ws, env={"NEXTTOKEN_WARM": "0"})
+    b = run_module("stages.forward", ws, env=warm_env(home))
+    assert a.returncode == b.returncode == 2
+    assert b.stderr == a.stderr and len(b.stderr.splitlines()) == 1 and "Traceback" not in b.stderr
+    assert warm_processes(home) and snapshot(ws) == before
+
+
+def test_edited_code_is_never_stale(tiny_chain, tmp_path, home):
+    """The warm process keeps no project module: a stage and a library module edited after it
+    started are what the next run executes (the workspace's own copy of the code comes first on
+    sys.path, as in a clone)."""
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    for package in ("stages", "pipeline"):
+        shutil.copytree(REPO / package, ws / package, ignore=shutil.ignore_patterns("__pycache__"))
+    first = run_module("stages.probs", ws, check=True, env=warm_env(home))
+    assert "edited" not in first.stdout and process(ws, "probs")["warm"]
+    stage = ws / "stages/probs.py"
+    stage.write_text(stage.read_text().replace("    from pipeline.numerics import probs\n",
+                                               "    from pipeline.numerics import probs\n"
+                                               "    print('edited stage')\n"))
+    init = ws / "pipeline/__init__.py"
+    init.write_text(init.read_text() + "\nprint('edited library')\n")
+    second = run_module("stages.probs", ws, check=True, env=warm_env(home))
+    # the library's print: once in the stage process, once more in the child that re-imports it
+    assert second.stdout.count("edited library") == 2 and second.stdout.count("edited stage") == 1
+    assert process(ws, "probs")["forked_from"] == warm_processes(home)[0]
+
+
+def start_at_capture(ws: Path, home: Path) -> tuple[subprocess.Popen, int]:
+    """forward, paused halfway through capture.safetensors in its warm child; that child's pid."""
+    m = pause.marker("forward.capture", ws)
+    env = pause.env("forward.capture", {**os.environ, **warm_env(home)})
+    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not m.exists() or not m.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    child = int(m.read_text())
+    assert child != proc.pid                             # the work runs in the warm child
+    return proc, child
+
+
+def test_ctrl_c_of_the_stage_process_reaches_its_warm_child(tiny_chain, tmp_path, home):
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    before = snapshot(ws)
+    proc, child = start_at_capture(ws, home)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert stderr == "nexttoken forward: interrupted; nothing was written to artifacts/forward\n"
+    assert snapshot(ws) == before and staging_left(ws) == []
+    wait_gone(child)
+
+
+def test_a_killed_stage_process_stops_its_warm_child(tiny_chain, tmp_path, home):
+    """SIGKILL of the process DVC started: its child gets Ctrl-C from the warm process and removes
+    its staging folder; artifacts/ holds the previous run."""
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    before = snapshot(ws)
+    proc, child = start_at_capture(ws, home)
+    proc.kill()
+    proc.communicate(timeout=60)
+    wait_gone(child)
+    assert snapshot(ws) == before and staging_left(ws) == []
+
+
+def test_ctrl_c_while_the_warm_process_imports_is_one_line(tiny_chain, tmp_path, home):
+    """The first stage of a key waits for the warm process's imports; Ctrl-C then is the stage's one
+    line and exit 130, as during a fresh interpreter's imports."""
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    before = snapshot(ws)
+    m = pause.marker("import.torch", ws)
+    env = pause.env("import.torch", {**os.environ, **warm_env(home)}, root=ws)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not m.exists() or not m.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    assert int(m.read_text()) in warm_processes(home)      # the warm process is the one importing
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr == "nexttoken forward: interrupted; nothing was written to artifacts/forward\n"
+    assert snapshot(ws) == before and staging_left(ws) == []
