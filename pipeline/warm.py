@@ -15,11 +15,11 @@ module's and the server's code, and the whole environment but the few variables 
 set per stage or per test (KEY_IGNORES). The kernel pins above all: ATen and oneDNN read theirs
 when torch loads, so each pinned environment gets a process of its own; and what an interpreter
 runs at start (sitecustomize, .pth files) ran in the warm process with the same environment. It
-starts on the first hand-off of its key (which then waits for its imports, as a fresh stage
-would), serves any checkout, and exits after `NEXTTOKEN_WARM_IDLE_S` (default 60) s with nothing
-to run. Anything that stops a hand-off before the child started (no warm process could be
-started, a race with one exiting) runs the stage here as before; the manifest records which way
-it ran (`process`).
+starts on the first hand-off of its key, whose stage runs fresh while the warm process imports
+beside it (a stage that comes meanwhile waits for it), serves any checkout, and exits after
+`NEXTTOKEN_WARM_IDLE_S` (default 60) s with nothing to run. Anything that stops a hand-off
+before the child started (no warm process could be started, a race with one exiting) runs the
+stage here as before; the manifest records which way it ran (`process`).
 
 `NEXTTOKEN_WARM=0` turns it off. It is off on its own under `python -X ...` or `-O` (what the
 bench's `-X importtime` measures is a fresh interpreter), where the stage is not `__main__` (a
@@ -107,6 +107,10 @@ def hand_off(stage: str) -> None:
     except (OSError, TimeoutError) as e:
         _record = {"warm": False, "why": f"no warm process: {e}"}
         return
+    if conn is None:
+        _record = {"warm": False, "why": "the first stage of its environment: it started the warm process "
+                                         "for the next ones, and ran fresh meanwhile"}
+        return
     # From the request on, a signal waits until it can be forwarded to the child (or, where none
     # started, until the stage runs here and meets it as it would have).
     signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
@@ -158,35 +162,59 @@ def _connect(path: Path) -> socket.socket:
     return s
 
 
-def _connect_or_start(key: str) -> socket.socket:
+def _connect_or_start(key: str) -> socket.socket | None:
+    """A connection to the warm process of `key`; None where this call started it (its imports
+    then run beside this stage, which runs fresh). A start under way is waited for."""
     import fcntl
     path = home() / f"{key}.sock"
     try:
         return _connect(path)
     except (FileNotFoundError, ConnectionRefusedError):
         pass
-    with open(home() / f"{key}.lock", "w") as lock:    # one starter per key; the others wait here
+    pidfile = path.with_suffix(".pid")
+    with open(home() / f"{key}.lock", "w") as lock:    # one starter per key
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return _connect(path)
         except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        starting = _starting(pidfile, path)
+        if starting is None:
             path.unlink(missing_ok=True)                 # a process that died without removing it
-        root = str(Path(__file__).resolve().parents[1])     # this checkout's server code, run from "/"
-        serve = f"import sys, runpy; sys.path.insert(0, {root!r}); runpy.run_module('pipeline.warm_server', " \
-                "run_name='__main__')"
-        log = home() / f"{key}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-c", serve, str(path)], stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=out, start_new_session=True, cwd="/")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise OSError(f"the warm process exited with status {proc.returncode} (see {log})")
-            try:
-                return _connect(path)
-            except (FileNotFoundError, ConnectionRefusedError):
-                time.sleep(0.05)
-        raise TimeoutError(f"the warm process was not ready after {START_TIMEOUT_S:.0f} s")
+            pidfile.write_text(str(_spawn(path)))
+            return None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            return _connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if _starting(pidfile, path) is None:
+                raise OSError(f"the warm process {starting} ended before it was ready "
+                              f"(see {path.with_suffix('.log')})") from None
+            time.sleep(0.05)
+    raise TimeoutError(f"the warm process {starting} was not ready after {START_TIMEOUT_S:.0f} s")
+
+
+def _starting(pidfile: Path, path: Path) -> int | None:
+    """The pid of the warm process for `path` when it is still alive (it may be importing)."""
+    try:
+        pid = int(pidfile.read_text())
+        alive = str(path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if alive else None
+
+
+def _spawn(path: Path) -> int:
+    """Start the warm process for `path` in a session of its own, from "/"; its pid."""
+    root = str(Path(__file__).resolve().parents[1])     # this checkout's server code
+    serve = f"import sys, runpy; sys.path.insert(0, {root!r}); runpy.run_module('pipeline.warm_server', " \
+            "run_name='__main__')"
+    with open(path.with_suffix(".log"), "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-c", serve, str(path)], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=out, start_new_session=True, cwd="/")
+    proc.returncode = 0       # it outlives this process by design: no "still running" warning at exit
+    return proc.pid
 
 
 def _streams() -> dict:

@@ -1,7 +1,7 @@
 """The warm process behind `pipeline.warm`: imports the heavy packages once, forks a stage per request.
 
-Started by the first stage of its key as `python -m pipeline.warm_server SOCKET` in a session of
-its own; it binds SOCKET only when its imports are done (a stage that connects finds it ready),
+Started by the first stage of its key (`pipeline.warm._spawn`: SOCKET its one argument) in a session
+of its own; it binds SOCKET only when its imports are done (a stage that connects finds it ready),
 serves requests one fork each, and exits after `NEXTTOKEN_WARM_IDLE_S` seconds with no child.
 
 One thread, one selector: the listening socket, each stage's connection (its end means the stage
@@ -61,6 +61,9 @@ def main(path: Path) -> None:
                 path.unlink()
         listener.close()
     path.with_suffix(".log").unlink(missing_ok=True)     # an idle exit: nothing in the log to keep
+    with contextlib.suppress(OSError, ValueError):
+        if int(path.with_suffix(".pid").read_text()) == os.getpid():
+            path.with_suffix(".pid").unlink()
 
 
 def _serve(listener: socket.socket, idle: float) -> None:

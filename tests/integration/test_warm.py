@@ -72,6 +72,26 @@ def wait_gone(pid: int, seconds: float = 60) -> None:
         time.sleep(0.1)
 
 
+# what a first stage does before its hand-off (stage_main's progress switch changes the environment)
+STARTER = ("from pipeline import progress, warm; progress.quiet_off_terminal(); "
+           "assert warm._connect_or_start(warm.environment_key()) is None")
+
+
+def start_warm(ws: Path, home: Path, env: dict | None = None) -> int:
+    """Start the warm process a stage run in ws with env would use (as a first stage does); its pid
+    once it is ready, or at once when `env` pauses its imports."""
+    env = {**os.environ, **warm_env(home), **(env or {})}
+    subprocess.run([sys.executable, "-c", STARTER], cwd=ws, env=env, check=True, timeout=60)
+    paused = "NEXTTOKEN_TEST_PAUSE" in env and "import" in env["NEXTTOKEN_TEST_PAUSE"]
+    deadline = time.monotonic() + 120
+    while True:
+        pids = warm_processes(home)
+        if pids and (paused or list(home.rglob("*.sock"))):
+            return pids[0]
+        assert time.monotonic() < deadline, "no warm process"
+        time.sleep(0.1)
+
+
 def test_a_warm_run_gives_the_bytes_and_output_of_a_fresh_one(tiny_chain, tmp_path, home):
     fresh, forked = copy_ws(tiny_chain, tmp_path / "fresh"), copy_ws(tiny_chain, tmp_path / "warm")
     for stage in STAGES:
@@ -80,9 +100,10 @@ def test_a_warm_run_gives_the_bytes_and_output_of_a_fresh_one(tiny_chain, tmp_pa
         assert outputs(forked, stage) == outputs(fresh, stage), stage
         assert (b.stdout, b.stderr) == (a.stdout, a.stderr), stage
         assert process(fresh, stage) == {"warm": False, "why": "NEXTTOKEN_WARM=0"}
-    records = [process(forked, s) for s in STAGES]
+    first, *records = [process(forked, s) for s in STAGES]
+    assert not first["warm"] and first["why"].startswith("the first stage of its environment: it started")
     assert all(r["warm"] for r in records)
-    [server] = warm_processes(home)                      # one warm process served every stage
+    [server] = warm_processes(home)                      # one warm process served every later stage
     assert len({r["key"] for r in records}) == 1 and {r["forked_from"] for r in records} == {server}
 
 
@@ -92,10 +113,12 @@ def test_a_failing_stage_fails_the_same_way(tiny_chain, tmp_path, home):
     shutil.rmtree(paths.stage_dir("prepare_model", ws))
     before = snapshot(ws)
     a = run_module("stages.forward", ws, env={"NEXTTOKEN_WARM": "0"})
+    server = start_warm(ws, home)
     b = run_module("stages.forward", ws, env=warm_env(home))
     assert a.returncode == b.returncode == 2
     assert b.stderr == a.stderr and len(b.stderr.splitlines()) == 1 and "Traceback" not in b.stderr
-    assert warm_processes(home) and snapshot(ws) == before
+    assert snapshot(ws) == before
+    assert warm_processes(home) == [server]      # it ran in that one's child: a fresh run would start another
 
 
 def test_edited_code_is_never_stale(tiny_chain, tmp_path, home):
@@ -105,8 +128,9 @@ def test_edited_code_is_never_stale(tiny_chain, tmp_path, home):
     ws = copy_ws(tiny_chain, tmp_path / "ws")
     for package in ("stages", "pipeline"):
         shutil.copytree(REPO / package, ws / package, ignore=shutil.ignore_patterns("__pycache__"))
+    start_warm(ws, home)
     first = run_module("stages.probs", ws, check=True, env=warm_env(home))
-    assert "edited" not in first.stdout and process(ws, "probs")["warm"]
+    assert "edited" not in first.stdout and process(ws, "probs")["warm"], process(ws, "probs")
     stage = ws / "stages/probs.py"
     stage.write_text(stage.read_text().replace("    from pipeline.numerics import probs\n",
                                                "    from pipeline.numerics import probs\n"
@@ -123,6 +147,7 @@ def start_at_capture(ws: Path, home: Path) -> tuple[subprocess.Popen, int]:
     """forward, paused halfway through capture.safetensors in its warm child; that child's pid."""
     m = pause.marker("forward.capture", ws)
     env = pause.env("forward.capture", {**os.environ, **warm_env(home)})
+    start_warm(ws, home, env)
     proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -158,20 +183,23 @@ def test_a_killed_stage_process_stops_its_warm_child(tiny_chain, tmp_path, home)
     assert snapshot(ws) == before and staging_left(ws) == []
 
 
-def test_ctrl_c_while_the_warm_process_imports_is_one_line(tiny_chain, tmp_path, home):
-    """The first stage of a key waits for the warm process's imports; Ctrl-C then is the stage's one
-    line and exit 130, as during a fresh interpreter's imports."""
+def test_ctrl_c_while_waiting_for_the_warm_process_is_one_line(tiny_chain, tmp_path, home):
+    """A stage that comes while its warm process still imports waits for it; Ctrl-C then is the
+    stage's one line and exit 130, as during a fresh interpreter's own imports."""
     ws = copy_ws(tiny_chain, tmp_path / "ws")
     before = snapshot(ws)
     m = pause.marker("import.torch", ws)
     env = pause.env("import.torch", {**os.environ, **warm_env(home)}, root=ws)
-    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = start_warm(ws, home, env)
     deadline = time.monotonic() + 120
     while not m.exists() or not m.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        assert time.monotonic() < deadline, "the warm process never reached its torch import"
         time.sleep(0.1)
-    assert int(m.read_text()) in warm_processes(home)      # the warm process is the one importing
+    assert int(m.read_text()) == server                   # paused in its imports: not ready
+    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)                                         # its own start is about 0.3 s: it waits by now
+    assert proc.poll() is None
     os.kill(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
