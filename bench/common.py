@@ -59,7 +59,7 @@ class Plan:
         # tiny_qwen2 at 4096 7 minutes on 2 loaded ones (bench/results/scale_chain_*.json); so the
         # default lengths stay short and longer ones are opt-in (--lengths, --workspace-lengths,
         # --last-lengths).
-        return cls(False, 3, 3, 1, 1, {"tiny_qwen2": {"all": lengths or (32, 256, 1024)},
+        return cls(False, 3, 3, 1, 3, {"tiny_qwen2": {"all": lengths or (32, 256, 1024)},
                                        "workspace": {"all": workspace_lengths or (), "last": last_lengths or ()}})
 
     def dvc_models(self, workspace_model: str) -> tuple[str, ...]:

@@ -210,7 +210,9 @@ def _timed_dvc(clone: Path, cmd: list[str]) -> dict:
             "log_tail": "".join(log[-15:]) if rc else ""}
 
 
-DVC_TARGET = 1.3
+# issue 29's target for `dvc repro --force` over the one-process chain (an earlier 1.3, set in 635ecb7
+# with no issue behind it, was never met: a fresh interpreter per stage cost 2.07)
+DVC_TARGET = 1.5
 
 
 def bench_dvc(ws, plan, res, tmp: Path) -> None:

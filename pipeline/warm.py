@@ -49,13 +49,16 @@ IDLE_S = 60.0
 START_TIMEOUT_S = 120.0                   # a warm process's imports under load; then the stage runs fresh
 REQUEST_TIMEOUT_S = 10.0
 # What the warm process imports: the stages' heavy third-party modules (transformers' top level is
-# lazy; the Auto classes, modeling_utils and generation are what a stage pays for).
+# lazy; the Auto classes, modeling_utils and generation are what a stage pays for; matplotlib's
+# font manager reads its font cache once).
 PRELOAD = ("numpy", "torch", "pyarrow", "pyarrow.parquet", "pyarrow.dataset", "pandas", "safetensors.torch",
            "tokenizers", "yaml", "pydantic", "transformers", "transformers.modeling_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-           "transformers.generation.utils", "transformers.generation.logits_process")
+           "transformers.generation.utils", "transformers.generation.logits_process", "tabulate",
+           "matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.font_manager")
+# What PRELOAD comes from: an upgrade or reinstall is a new key.
 DISTRIBUTIONS = ("torch", "transformers", "numpy", "pyarrow", "pandas", "safetensors", "tokenizers", "pyyaml",
-                 "pydantic", "huggingface-hub")        # what PRELOAD comes from: an upgrade or reinstall is a new key
+                 "pydantic", "huggingface-hub", "tabulate", "matplotlib")
 # The key holds the whole environment but these: set per stage or per test, read by no import (DVC
 # gives each stage its name and root; a stage's own children carry CHILD_ENV).
 KEY_IGNORES = ("DVC_STAGE", "DVC_ROOT", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_", CHILD_ENV)
@@ -64,7 +67,7 @@ SOCKET_DIR_MAX = 80                       # Linux's socket paths: 107 bytes, "<2
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 PROJECT = ("pipeline", "stages")          # never kept from the warm process: a child reads them from disk
 
-_record: dict = {"warm": False, "why": "this stage does not hand off (it imports no torch)"}
+_record: dict = {"warm": False, "why": "this stage does not hand off"}
 
 
 def record() -> dict:

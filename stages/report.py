@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import warm
 from pipeline.config import prompt_set, registry, schema
-from pipeline.report import equivalence, overview, pages, plots, render, set_plots
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
 
@@ -16,7 +16,10 @@ STAGE = "report"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     cfg = schema.load_section(params, "report")
+    warm.hand_off(STAGE)              # the rest in a process that imported matplotlib, pyarrow and pandas already
+    from pipeline.report import equivalence, overview, pages, plots, render, set_plots
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+        run.with_torch = False        # no torch here: the manifest records no kernel path, warm or fresh
         ids = run.prompt_ids(paths.TOKENS)
         chosen = prompt_set.detailed(cfg.prompt_id, ids)   # an id the run lacks: one line, before any read
         prompts = overview.load(run.use, ids)

@@ -8,8 +8,10 @@ own: found by their command line and stopped at its end.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +27,8 @@ from tests.conftest import REPO, copy_ws, run_module, snapshot
 from tests.helpers import pause
 from tests.reliability.conftest import staging_left
 
-STAGES = ("tokenize", "forward", "probs", "trajectories", "lens", "checks")
+STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "lens", "checks", "report")
+CREATED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")    # when each stage ran: the report shows it
 
 
 def warm_processes(home: Path) -> list[int]:
@@ -56,9 +59,21 @@ def warm_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def outputs(ws: Path, stage: str) -> dict[str, str]:
+    """sha256 of each output file; the report's two pages with the runs' times taken out (report.md's
+    table of stage runs also gives each one's duration)."""
     folder = paths.stage_dir(stage, ws)
-    return {p.relative_to(folder).as_posix(): provenance.sha256_file(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != paths.MANIFEST}
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file() or p.name == paths.MANIFEST:
+            continue
+        if p.name in ("report.md", "explorer.html"):
+            text = CREATED.sub("<created>", p.read_text(encoding="utf-8"))
+            if p.name == "report.md":
+                text = "\n".join(line for line in text.splitlines() if "<created>" not in line)
+            out[p.name] = hashlib.sha256(text.encode()).hexdigest()
+        else:
+            out[p.relative_to(folder).as_posix()] = provenance.sha256_file(p)
+    return out
 
 
 def process(ws: Path, stage: str) -> dict:
