@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.errors import UserError
+
 SWITCH = "NEXTTOKEN_WARM"                 # "0": every stage runs in its own fresh interpreter
 IDLE_ENV = "NEXTTOKEN_WARM_IDLE_S"
 CHILD_ENV = "NEXTTOKEN_WARM_CHILD"        # the pid of a forked stage (its own subprocesses are fresh)
@@ -76,8 +78,26 @@ def record() -> dict:
 
 
 # ---------------------------------------------------------------- the stage's side
+def settings(environ=None) -> tuple[bool, float]:
+    """NEXTTOKEN_WARM (on unless "0") and NEXTTOKEN_WARM_IDLE_S; a bad value is one line naming it."""
+    environ = os.environ if environ is None else environ
+    switch = environ.get(SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise UserError(f"{SWITCH}={switch!r} is not allowed: 1 (the default: stages hand off to a warm "
+                        f"process) or 0 (every stage in a fresh interpreter)")
+    idle = environ.get(IDLE_ENV, str(IDLE_S))
+    try:
+        seconds = float(idle)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 86400:
+        raise UserError(f"{IDLE_ENV}={idle!r} is not allowed: the seconds a warm process waits for work "
+                        f"before it exits, > 0 and at most 86400 (default {IDLE_S:g})")
+    return switch == "1", seconds
+
+
 def _why_not(stage: str) -> str | None:
-    if os.environ.get(SWITCH, "1").strip() == "0":
+    if not settings()[0]:
         return f"{SWITCH}=0"
     if not (hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
         return "no fork/pidfd on this platform"

@@ -46,7 +46,7 @@ def main(path: Path) -> None:
         importlib.import_module(name)
     print(f"{time.strftime('%F %T')} pid {os.getpid()}: imports took {time.perf_counter() - t0:.1f} s",
           flush=True)
-    idle = float(os.environ.get(warm.IDLE_ENV, warm.IDLE_S))
+    idle = warm.settings()[1]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     listener.bind(str(tmp))

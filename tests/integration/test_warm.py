@@ -220,3 +220,12 @@ def test_ctrl_c_while_waiting_for_the_warm_process_is_one_line(tiny_chain, tmp_p
     assert proc.returncode == 130, stderr
     assert stderr == "nexttoken forward: interrupted; nothing was written to artifacts/forward\n"
     assert snapshot(ws) == before and staging_left(ws) == []
+
+
+@pytest.mark.parametrize("var,value", [("NEXTTOKEN_WARM", "yes"), ("NEXTTOKEN_WARM_IDLE_S", "-1")])
+def test_a_bad_setting_stops_the_stage_in_one_line(tiny_chain, tmp_path, home, var, value):
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    before = snapshot(ws)
+    proc = run_module("stages.probs", ws, env={**warm_env(home), var: value})
+    assert proc.returncode == 2 and proc.stderr.startswith(f"nexttoken probs: error: {var}={value!r} is not allowed")
+    assert len(proc.stderr.splitlines()) == 1 and snapshot(ws) == before and warm_processes(home) == []

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import warm
+from pipeline.errors import UserError
 
 BASE = {"PATH": "/usr/bin", "HOME": "/root", "HF_HUB_OFFLINE": "1"}
 
@@ -52,3 +53,20 @@ def test_a_socket_folder_too_long_is_refused_not_truncated(monkeypatch, tmp_path
 
 def test_a_fresh_run_records_why():
     assert warm.record()["warm"] is False and warm.record()["why"]
+
+
+@pytest.mark.parametrize("env,named", [({warm.SWITCH: "yes"}, "NEXTTOKEN_WARM='yes'"),
+                                       ({warm.SWITCH: ""}, "NEXTTOKEN_WARM=''"),
+                                       ({warm.IDLE_ENV: "soon"}, "NEXTTOKEN_WARM_IDLE_S='soon'"),
+                                       ({warm.IDLE_ENV: "0"}, "NEXTTOKEN_WARM_IDLE_S='0'"),
+                                       ({warm.IDLE_ENV: "nan"}, "NEXTTOKEN_WARM_IDLE_S='nan'"),
+                                       ({warm.IDLE_ENV: "-5"}, "NEXTTOKEN_WARM_IDLE_S='-5'")])
+def test_a_bad_setting_is_one_line_naming_it(env, named):
+    with pytest.raises(UserError, match="is not allowed") as e:
+        warm.settings(env)
+    assert str(e.value).startswith(named) and "\n" not in str(e.value)
+
+
+def test_the_settings_default_to_on_and_a_minute():
+    assert warm.settings({}) == (True, 60.0)
+    assert warm.settings({warm.SWITCH: "0", warm.IDLE_ENV: "2.5"}) == (False, 2.5)
