@@ -35,6 +35,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -172,6 +173,10 @@ def home() -> Path:
     if len(os.fsencode(d)) > SOCKET_DIR_MAX:
         raise OSError(f"{d} is too long a folder for a Unix socket ({SOCKET_DIR_MAX} bytes at most)")
     d.mkdir(mode=0o700, exist_ok=True)
+    st = d.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        # another user's folder (or a link) would hand them this stage's files and environment
+        raise OSError(f"{d} is not a folder of this user's alone (uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
     return d
 
 

@@ -9,6 +9,8 @@ to. The hook belongs to the tests: no production code reads it.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 ENV = "NEXTTOKEN_TEST_PAUSE"
@@ -26,3 +28,23 @@ def env(point: str, base: dict[str, str] | None = None, root: Path | None = None
 
 def marker(point: str, root: Path) -> Path:
     return Path(root) / ".nexttoken" / f"test-pause-{point}"
+
+
+def start(cmd: list[str], ws: Path, env: dict[str, str], point: str,
+          timeout: float = 600) -> tuple[subprocess.Popen, int]:
+    """Start cmd in ws with env (made by `env`) and wait until a process reaches `point`: the
+    started process, and the pid the paused one wrote (its marker removed)."""
+    m = marker(point, Path(env.get("NEXTTOKEN_TEST_PAUSE_DIR", ws)))
+    m.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while not m.exists() or not m.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"{cmd} ended before {point} ({proc.returncode}):\n{proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{cmd} never reached {point}")
+        time.sleep(0.1)
+    pid = int(m.read_text())
+    m.unlink()
+    return proc, pid

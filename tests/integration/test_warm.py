@@ -160,16 +160,9 @@ def test_edited_code_is_never_stale(tiny_chain, tmp_path, home):
 
 def start_at_capture(ws: Path, home: Path) -> tuple[subprocess.Popen, int]:
     """forward, paused halfway through capture.safetensors in its warm child; that child's pid."""
-    m = pause.marker("forward.capture", ws)
     env = pause.env("forward.capture", {**os.environ, **warm_env(home)})
     start_warm(ws, home, env)
-    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not m.exists() or not m.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    child = int(m.read_text())
+    proc, child = pause.start([sys.executable, "-m", "stages.forward"], ws, env, "forward.capture", timeout=300)
     assert child != proc.pid                             # the work runs in the warm child
     return proc, child
 

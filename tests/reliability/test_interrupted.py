@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,23 +28,8 @@ POINTS = pause.POINTS   # point -> (stage, the file being written, in the stagin
 
 def start_paused(ws: Path, point: str, cmd: list[str] | None = None) -> tuple[subprocess.Popen, int]:
     """Start the stage (or cmd) with the writer set to pause at `point`; return it and the stage's pid."""
-    stage = POINTS[point][0]
-    m = pause.marker(point, ws)
-    m.unlink(missing_ok=True)
     env = pause.env(point, {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
-    proc = subprocess.Popen(cmd or [sys.executable, "-m", f"stages.{stage}"], cwd=ws, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not m.exists() or not m.read_text():
-        if proc.poll() is not None:
-            raise AssertionError(f"{stage} ended before the pause ({proc.returncode}):\n{proc.communicate()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{stage} never reached {point}")
-        time.sleep(0.2)
-    pid = int(m.read_text())
-    m.unlink()
-    return proc, pid
+    return pause.start(cmd or [sys.executable, "-m", f"stages.{POINTS[point][0]}"], ws, env, point)
 
 
 def partial_file(ws: Path, point: str, pid: int) -> Path:
@@ -99,14 +83,9 @@ def test_ctrl_c_while_a_stage_imports_is_one_line(chain_ws, tmp_path):
     A fresh interpreter (NEXTTOKEN_WARM=0); the warm process's start is test_warm.py's."""
     ws = copy_ws(chain_ws, tmp_path / "ws")
     before = snapshot(ws)
-    m = pause.marker("import.torch", ws)
     env = {**pause.env("import.torch"), "NEXTTOKEN_WARM": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "stages.forward"], cwd=ws, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not m.exists() or not m.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    proc, pid = pause.start([sys.executable, "-m", "stages.forward"], ws, env, "import.torch", timeout=120)
+    assert pid == proc.pid                               # the stage process itself, importing
     os.kill(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr

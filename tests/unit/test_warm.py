@@ -70,3 +70,16 @@ def test_a_bad_setting_is_one_line_naming_it(env, named):
 def test_the_settings_default_to_on_and_a_minute():
     assert warm.settings({}) == (True, 60.0)
     assert warm.settings({warm.SWITCH: "0", warm.IDLE_ENV: "2.5"}) == (False, 2.5)
+
+
+def test_a_socket_folder_others_can_reach_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    d = warm.home()
+    assert oct(d.stat().st_mode & 0o777) == "0o700"
+    d.chmod(0o777)                   # another user could put a socket of theirs there
+    with pytest.raises(OSError, match="not a folder of this user's alone"):
+        warm.home()
+    d.rmdir()
+    d.symlink_to(tmp_path)           # a link to somewhere else
+    with pytest.raises(OSError, match="not a folder of this user's alone"):
+        warm.home()
