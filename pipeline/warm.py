@@ -10,27 +10,31 @@ same stdout/stderr (the child writes to this process's own file descriptors), th
 status; the stage's code runs from the start in the child, read from disk, so an edited stage
 or library module is never stale (the warm process imports no project module it hands over).
 
-The warm process is keyed: the Python, its `sys.path`, the preloaded packages' files, this
-module's and the server's code, and the whole environment but the few variables DVC and pytest
-set per stage or per test (KEY_IGNORES). The kernel pins above all: ATen and oneDNN read theirs
-when torch loads, so each pinned environment gets a process of its own; and what an interpreter
-runs at start (sitecustomize, .pth files) ran in the warm process with the same environment. It
-starts on the first hand-off of its key, whose stage runs fresh while the warm process imports
-beside it (a stage that comes meanwhile waits for it), serves any checkout, and exits after
-`NEXTTOKEN_WARM_IDLE_S` (default 60) s with nothing to run. Anything that stops a hand-off
+The warm process is keyed (`environment_key`): the Python, its command-line options and
+`sys.path`, every distribution installed on it (name, version, when), this module's and the
+server's code, the process's umask, CPU affinity, resource limits, niceness and cgroup, and the
+whole environment but the few variables DVC and pytest set per stage or per test (KEY_IGNORES).
+The kernel pins above all: ATen and oneDNN read theirs when torch loads, so each pinned
+environment gets a process of its own; and what an interpreter runs at start (sitecustomize,
+.pth files) ran in the warm process with the same environment. It starts on the first hand-off
+of its key, whose stage runs fresh while the warm process imports beside it (a stage that comes
+meanwhile waits for it), serves any checkout, and exits after `NEXTTOKEN_WARM_IDLE_S` (default
+60) s with nothing to run. It runs from "/": what its imports read from a working directory
+(matplotlib's ./matplotlibrc) is left to the child's own imports. Anything that stops a hand-off
 before the child started (no warm process could be started, a race with one exiting) runs the
 stage here as before; the manifest records which way it ran (`process`).
 
-`NEXTTOKEN_WARM=0` turns it off. It is off on its own under `python -X ...` or `-O` (what the
-bench's `-X importtime` measures is a fresh interpreter), where the stage is not `__main__` (a
-test or tool calling `main()`), where torch is loaded already, and on a platform without fork
-and pidfds.
+`NEXTTOKEN_WARM=0` turns it off. It is off on its own under `python -X ...` (what the bench's
+`-X importtime` measures is a fresh interpreter), where the stage is not the `__main__` module
+(a test or tool calling `main()`), where torch is loaded already, and on a platform without
+fork and pidfds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import signal
@@ -50,25 +54,24 @@ IDLE_ENV = "NEXTTOKEN_WARM_IDLE_S"
 CHILD_ENV = "NEXTTOKEN_WARM_CHILD"        # the pid of a forked stage (its own subprocesses are fresh)
 IDLE_S = 60.0
 START_TIMEOUT_S = 120.0                   # a warm process's imports under load; then the stage runs fresh
-REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 10.0                  # sending a request; its answer (the child's pid) may wait longer:
+REPLY_TIMEOUT_S = 120.0                   # the warm process reads one request at a time
+FAILED_RETRY_S = 600.0                    # a warm process that failed to start is not tried again for so long
 # What the warm process imports: the stages' heavy third-party modules (transformers' top level is
-# lazy; the Auto classes, modeling_utils and generation are what a stage pays for; matplotlib's
-# font manager reads its font cache once).
+# lazy; the Auto classes, modeling_utils and generation are what a stage pays for). Not matplotlib:
+# it reads ./matplotlibrc from the working directory when it loads.
 PRELOAD = ("numpy", "torch", "pyarrow", "pyarrow.parquet", "pyarrow.dataset", "pandas", "safetensors.torch",
            "tokenizers", "yaml", "pydantic", "transformers", "transformers.modeling_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-           "transformers.generation.utils", "transformers.generation.logits_process", "tabulate",
-           "matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.font_manager")
-# What PRELOAD comes from: an upgrade or reinstall is a new key.
-DISTRIBUTIONS = ("torch", "transformers", "numpy", "pyarrow", "pandas", "safetensors", "tokenizers", "pyyaml",
-                 "pydantic", "huggingface-hub", "tabulate", "matplotlib")
+           "transformers.generation.utils", "transformers.generation.logits_process", "tabulate")
 # The key holds the whole environment but these: set per stage or per test, read by no import (DVC
 # gives each stage its name and root; a stage's own children carry CHILD_ENV).
 KEY_IGNORES = ("DVC_STAGE", "DVC_ROOT", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_", CHILD_ENV)
 KEY_IGNORE_PREFIXES = ("DVC_EXP_", "PYTEST_XDIST_")
-SOCKET_DIR_MAX = 80                       # Linux's socket paths: 107 bytes, "<20 hex>.sock.<pid>" included
-RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-PROJECT = ("pipeline", "stages")          # never kept from the warm process: a child reads them from disk
+SOCKET_DIR_MAX = 72       # Linux's socket paths: 107 bytes, "/<20 hex>.sock.<pid of 7 digits>" included
+# Relayed to the child as they come (SIGTSTP stops both, SIGCONT resumes both); an ignored one stays ignored.
+RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+           signal.SIGCONT, signal.SIGTSTP)
 
 _record: dict = {"warm": False, "why": "this stage does not hand off"}
 
@@ -102,15 +105,19 @@ def _why_not(stage: str) -> str | None:
         return f"{SWITCH}=0"
     if not (hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
         return "no fork/pidfd on this platform"
-    if sys._xoptions or sys.flags.optimize or sys.flags.isolated or sys.flags.dev_mode:
-        return "the interpreter runs with -X/-O/-I options"
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is None or spec.name != f"stages.{stage}":
-        return "the stage is not run as `python -m stages.<name>`"
+    if sys._xoptions:
+        return "the interpreter runs with -X options"
+    if _main_module(stage) is None:
+        return "the stage is not the __main__ module (`python -m` runs it so)"
     if "torch" in sys.modules:
         return "torch is loaded already"
     return None
+
+
+def _main_module(stage: str) -> str | None:
+    """The module `python -m` runs as __main__, where it is this stage's (None otherwise)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None and spec.name.rsplit(".", 1)[-1] == stage else None
 
 
 def hand_off(stage: str) -> None:
@@ -127,7 +134,7 @@ def hand_off(stage: str) -> None:
         _record = {"warm": False, "why": why}
         return
     try:
-        conn = _connect_or_start(environment_key())
+        conn = _connect_or_start(environment_key(), _options())
     except (OSError, TimeoutError) as e:
         _record = {"warm": False, "why": f"no warm process: {e}"}
         return
@@ -137,33 +144,64 @@ def hand_off(stage: str) -> None:
         return
     # From the request on, a signal waits until it can be forwarded to the child (or, where none
     # started, until the stage runs here and meets it as it would have).
-    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
     try:
-        pid = _request(conn, stage)
+        pid = _request(conn, _main_module(stage), mask)
     except (OSError, ValueError) as e:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _record = {"warm": False, "why": f"no warm process: {e}"}
         return
-    _relay(conn, pid)
+    _relay(conn, pid, mask)
 
 
 def environment_key(environ: dict | None = None) -> str:
-    """What a warm process's imports depend on, hashed: one process per distinct value."""
-    import importlib.metadata
+    """What a warm process's imports, and a child it forks, inherit from where it started, hashed:
+    one warm process per distinct value."""
     environ = os.environ if environ is None else environ
-    packages = {}
-    for dist in DISTRIBUTIONS:       # its RECORD: every installed file's hash (found, nothing imported)
-        try:
-            d = importlib.metadata.distribution(dist)
-            packages[dist] = [d.version, hashlib.sha256((d.read_text("RECORD") or "").encode()).hexdigest()]
-        except importlib.metadata.PackageNotFoundError:
-            packages[dist] = None
     own = [hashlib.sha256(f.read_bytes()).hexdigest() for f in (Path(__file__), Path(__file__).with_name(
         "warm_server.py"))]      # the protocol and the child's set-up: their content, the same in every clone
-    material = {"python": [sys.executable, sys.version, sys.path[1:]], "packages": packages, "own": own,
+    material = {"python": [sys.executable, sys.version, sys.path[1:], list(sys.flags), sys.warnoptions],
+                "installed": _installed(sys.path[1:]), "own": own, "process": _process_state(),
                 "env": {k: v for k, v in sorted(environ.items())
                         if k not in KEY_IGNORES and not k.startswith(KEY_IGNORE_PREFIXES)}}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _installed(entries: list[str]) -> list:
+    """Every distribution and .pth file on sys.path, by name (its version in it) and modification
+    time: an upgrade or a reinstall is a new key. Read from the folders, nothing imported."""
+    found = []
+    for entry in entries:
+        try:
+            names = sorted(n for n in os.listdir(entry or ".")
+                           if n.endswith((".dist-info", ".egg-info", ".egg-link", ".pth")))
+        except OSError:
+            continue
+        found += [[entry, n, os.stat(os.path.join(entry, n)).st_mtime_ns] for n in names]
+    return found
+
+
+def _process_state() -> dict:
+    """What a forked child inherits from the warm process rather than from the stage process."""
+    import resource
+    mask = os.umask(0)
+    os.umask(mask)
+    limits = {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+              if name.startswith("RLIMIT_")}
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        cgroup = None
+    return {"umask": mask, "cpus": sorted(os.sched_getaffinity(0)), "limits": limits,
+            "nice": os.getpriority(os.PRIO_PROCESS, 0), "cgroup": cgroup}
+
+
+def _options() -> list[str]:
+    """The interpreter's command-line options (`-u`, `-W error`, ...): the warm process gets them too."""
+    argv, i = sys.orig_argv, 1
+    while i < len(argv) and argv[i] not in ("-m", "-c") and argv[i].startswith("-"):
+        i += 2 if argv[i] in ("-W", "-X", "--check-hash-based-pycs") else 1
+    return argv[1:i]
 
 
 def home() -> Path:
@@ -190,7 +228,7 @@ def _connect(path: Path) -> socket.socket:
     return s
 
 
-def _connect_or_start(key: str) -> socket.socket | None:
+def _connect_or_start(key: str, options: list[str]) -> socket.socket | None:
     """A connection to the warm process of `key`; None where this call started it (its imports
     then run beside this stage, which runs fresh). A start under way is waited for."""
     import fcntl
@@ -208,8 +246,13 @@ def _connect_or_start(key: str) -> socket.socket | None:
             pass
         starting = _starting(pidfile, path)
         if starting is None:
+            failed = path.with_suffix(".failed")
+            with contextlib.suppress(FileNotFoundError):
+                if (age := time.time() - failed.stat().st_mtime) < FAILED_RETRY_S:
+                    raise OSError(f"the warm process failed to start {age:.0f} s ago "
+                                  f"(see {path.with_suffix('.log')})")
             path.unlink(missing_ok=True)                 # a process that died without removing it
-            pidfile.write_text(str(_spawn(path)))
+            pidfile.write_text(str(_spawn(path, options)))
             return None
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -233,13 +276,14 @@ def _starting(pidfile: Path, path: Path) -> int | None:
     return pid if alive else None
 
 
-def _spawn(path: Path) -> int:
-    """Start the warm process for `path` in a session of its own, from "/"; its pid."""
+def _spawn(path: Path, options: list[str]) -> int:
+    """Start the warm process for `path` in a session of its own, from "/", with this interpreter's
+    options; its pid."""
     root = str(Path(__file__).resolve().parents[1])     # this checkout's server code
     serve = f"import sys, runpy; sys.path.insert(0, {root!r}); runpy.run_module('pipeline.warm_server', " \
             "run_name='__main__')"
     with open(path.with_suffix(".log"), "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", serve, str(path)], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, *options, "-c", serve, str(path)], stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=out, start_new_session=True, cwd="/")
     proc.returncode = 0       # it outlives this process by design: no "still running" warning at exit
     return proc.pid
@@ -251,20 +295,23 @@ def _streams() -> dict:
         s = getattr(sys, name)
         out[name] = {"encoding": getattr(s, "encoding", None), "errors": getattr(s, "errors", None),
                      "line_buffering": getattr(s, "line_buffering", False),
-                     "write_through": getattr(s, "write_through", False)}
+                     "write_through": getattr(s, "write_through", False),
+                     "raw": isinstance(getattr(s, "buffer", None), io.FileIO)}     # -u: no binary buffer
     return out
 
 
-def _request(conn: socket.socket, stage: str) -> int:
+def _request(conn: socket.socket, module: str, mask: set) -> int:
     """Send this process's fds 0-2 and what `python -m` set up; the child's pid comes back."""
     for s in (sys.stdout, sys.stderr):
         s.flush()
-    body = json.dumps({"module": f"stages.{stage}", "argv": sys.argv[1:], "orig_argv": sys.orig_argv,
+    ignored = [int(sig) for sig in (*RELAYED, signal.SIGPIPE) if signal.getsignal(sig) == signal.SIG_IGN]
+    body = json.dumps({"module": module, "argv": sys.argv[1:], "orig_argv": sys.orig_argv,
                        "path": sys.path, "cwd": os.getcwd(), "environ": dict(os.environ),
-                       "streams": _streams()}).encode()
+                       "streams": _streams(), "ignored": ignored, "mask": sorted(int(m) for m in mask)}).encode()
     conn.settimeout(REQUEST_TIMEOUT_S)
     socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
     conn.sendall(body)
+    conn.settimeout(REPLY_TIMEOUT_S)
     reply = _line(conn)
     if not reply.startswith("pid "):
         raise ValueError(f"the warm process answered {reply!r}")
@@ -281,17 +328,21 @@ def _line(conn: socket.socket) -> str:
     return data.decode().strip()
 
 
-def _relay(conn: socket.socket, pid: int) -> None:
+def _relay(conn: socket.socket, pid: int, mask: set) -> None:
     """Forward signals to the child until its status arrives; exit as it did."""
     global _record
     _record = {"warm": True}
+    pidfd = os.pidfd_open(pid)       # signals reach this child, never a later process with its pid
 
     def forward(signum, frame):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+            signal.pidfd_send_signal(pidfd, signum)
+        if signum == signal.SIGTSTP:  # stop as the child does; SIGCONT (forwarded) resumes both
+            os.kill(os.getpid(), signal.SIGSTOP)
     for sig in RELAYED:
-        signal.signal(sig, forward)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)    # what came meanwhile is forwarded now
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # what came meanwhile is forwarded now
     conn.settimeout(None)             # the stage's own run time: as long as a fresh stage would take
     try:
         status = int(_line(conn).split()[1])
@@ -304,6 +355,7 @@ def _relay(conn: socket.socket, pid: int) -> None:
         sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)          # a signal whose default is to carry on (SIGCHLD, SIGWINCH)
     os._exit(os.waitstatus_to_exitcode(status))

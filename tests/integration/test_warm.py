@@ -27,22 +27,27 @@ from tests.conftest import REPO, copy_ws, run_module, snapshot
 from tests.helpers import pause
 from tests.reliability.conftest import staging_left
 
-STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "lens", "checks", "report")
+STAGES = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "lens", "checks", "report")
+# what a manifest says of the run beside its outputs: the same whichever way the stage started
+RECORDED = ("config", "seeds", "model", "libraries", "hardware", "determinism", "kernels", "python_executable",
+            "command")
 CREATED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")    # when each stage ran: the report shows it
 
 
 def warm_processes(home: Path) -> list[int]:
-    """The pids of the warm processes whose socket lies under home."""
-    found = []
+    """The pids of the warm processes whose socket lies under home (not the children they forked,
+    which share their command line)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
             if b"pipeline.warm_server" in cmdline and str(home).encode() in cmdline:
-                found.append(int(entry.name))
-    return found
+                found[int(entry.name)] = ppid
+    return sorted(pid for pid, ppid in found.items() if ppid not in found)
 
 
 @pytest.fixture
@@ -55,7 +60,8 @@ def home():
 
 
 def warm_env(home: Path, **extra: str) -> dict[str, str]:
-    return {"XDG_RUNTIME_DIR": str(home), "NEXTTOKEN_WARM": "1", **extra}
+    """The test's own warm home; an idle time longer than any fresh run between two warm ones."""
+    return {"XDG_RUNTIME_DIR": str(home), "NEXTTOKEN_WARM": "1", "NEXTTOKEN_WARM_IDLE_S": "900", **extra}
 
 
 def outputs(ws: Path, stage: str) -> dict[str, str]:
@@ -76,20 +82,31 @@ def outputs(ws: Path, stage: str) -> dict[str, str]:
     return out
 
 
+def manifest(ws: Path, stage: str) -> dict:
+    return json.loads((paths.stage_dir(stage, ws) / paths.MANIFEST).read_text())
+
+
 def process(ws: Path, stage: str) -> dict:
-    return json.loads((paths.stage_dir(stage, ws) / paths.MANIFEST).read_text())["process"]
+    return manifest(ws, stage)["process"]
 
 
 def wait_gone(pid: int, seconds: float = 60) -> None:
+    """Until pid has ended (a zombie has: whether its new parent reaps it is the machine's init's affair)."""
     deadline = time.monotonic() + seconds
-    while Path(f"/proc/{pid}").exists():
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
         assert time.monotonic() < deadline, f"pid {pid} still runs"
         time.sleep(0.1)
 
 
 # what a first stage does before its hand-off (stage_main's progress switch changes the environment)
 STARTER = ("from pipeline import progress, warm; progress.quiet_off_terminal(); "
-           "assert warm._connect_or_start(warm.environment_key()) is None")
+           "assert warm._connect_or_start(warm.environment_key(), warm._options()) is None")
 
 
 def start_warm(ws: Path, home: Path, env: dict | None = None) -> int:
@@ -114,6 +131,8 @@ def test_a_warm_run_gives_the_bytes_and_output_of_a_fresh_one(tiny_chain, tmp_pa
         b = run_module(f"stages.{stage}", forked, check=True, env=warm_env(home))
         assert outputs(forked, stage) == outputs(fresh, stage), stage
         assert (b.stdout, b.stderr) == (a.stdout, a.stderr), stage
+        assert ({k: manifest(forked, stage).get(k) for k in RECORDED}
+                == {k: manifest(fresh, stage).get(k) for k in RECORDED}), stage
         assert process(fresh, stage) == {"warm": False, "why": "NEXTTOKEN_WARM=0"}
     first, *records = [process(forked, s) for s in STAGES]
     assert not first["warm"] and first["why"].startswith("the first stage of its environment: it started")
@@ -150,10 +169,10 @@ def test_edited_code_is_never_stale(tiny_chain, tmp_path, home):
     stage.write_text(stage.read_text().replace("    from pipeline.numerics import probs\n",
                                                "    from pipeline.numerics import probs\n"
                                                "    print('edited stage')\n"))
-    init = ws / "pipeline/__init__.py"
-    init.write_text(init.read_text() + "\nprint('edited library')\n")
+    errors = ws / "pipeline/errors.py"          # a module the warm process itself imported
+    errors.write_text(errors.read_text() + "\nprint('edited library')\n")
     second = run_module("stages.probs", ws, check=True, env=warm_env(home))
-    # the library's print: once in the stage process, once more in the child that re-imports it
+    # the library's print: once in the stage process, once more in the child that imports it again
     assert second.stdout.count("edited library") == 2 and second.stdout.count("edited stage") == 1
     assert process(ws, "probs")["forked_from"] == warm_processes(home)[0]
 
@@ -213,6 +232,8 @@ def test_ctrl_c_while_waiting_for_the_warm_process_is_one_line(tiny_chain, tmp_p
     assert proc.returncode == 130, stderr
     assert stderr == "nexttoken forward: interrupted; nothing was written to artifacts/forward\n"
     assert snapshot(ws) == before and staging_left(ws) == []
+    # it waited: a stage that ran fresh would have reached its own torch import and written its pid
+    assert int(m.read_text()) == server
 
 
 @pytest.mark.parametrize("var,value", [("NEXTTOKEN_WARM", "yes"), ("NEXTTOKEN_WARM_IDLE_S", "-1")])
@@ -222,3 +243,33 @@ def test_a_bad_setting_stops_the_stage_in_one_line(tiny_chain, tmp_path, home, v
     proc = run_module("stages.probs", ws, env={**warm_env(home), var: value})
     assert proc.returncode == 2 and proc.stderr.startswith(f"nexttoken probs: error: {var}={value!r} is not allowed")
     assert len(proc.stderr.splitlines()) == 1 and snapshot(ws) == before and warm_processes(home) == []
+
+
+def test_sigterm_is_relayed_and_an_ignored_sighup_stays_ignored(tiny_chain, tmp_path, home):
+    """Under `nohup`, a hangup leaves the stage running, warm as fresh; SIGTERM ends both the child
+    and the stage process by that signal, as it ends a fresh stage."""
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    env = pause.env("forward.capture", {**os.environ, **warm_env(home)})
+    start_warm(ws, home, env)
+    cmd = ["bash", "-c", f"trap '' HUP; exec {sys.executable} -m stages.forward"]
+    proc, child = pause.start(cmd, ws, env, "forward.capture", timeout=300)
+    os.kill(proc.pid, signal.SIGHUP)
+    time.sleep(1)
+    assert proc.poll() is None and Path(f"/proc/{child}").exists()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    wait_gone(child)
+
+
+def test_a_warm_process_lost_mid_run_fails_the_stage_in_one_line(tiny_chain, tmp_path, home):
+    ws = copy_ws(tiny_chain, tmp_path / "ws")
+    before = snapshot(ws)
+    proc, child = start_at_capture(ws, home)
+    [server] = warm_processes(home)
+    os.kill(server, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and len(stderr.splitlines()) == 1
+    assert f"the warm process running this stage (pid {child}) was lost" in stderr
+    wait_gone(child)                          # killed by the stage process: nothing runs unseen
+    assert snapshot(ws) == before

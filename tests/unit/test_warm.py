@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,19 +38,20 @@ def test_the_switch_and_the_interpreter_options_keep_a_stage_fresh(monkeypatch):
     assert warm._why_not("forward") == "NEXTTOKEN_WARM=0"
     monkeypatch.setenv(warm.SWITCH, "1")
     # this process runs pytest, not `python -m stages.forward`: a test calling main() stays in-process
-    assert warm._why_not("forward") in ("the stage is not run as `python -m stages.<name>`",
-                                         "torch is loaded already")
+    assert warm._why_not("forward") == "the stage is not the __main__ module (`python -m` runs it so)"
     monkeypatch.setattr("sys._xoptions", {"importtime": True})
-    assert warm._why_not("forward") == "the interpreter runs with -X/-O/-I options"
+    assert warm._why_not("forward") == "the interpreter runs with -X options"
 
 
 def test_a_socket_folder_too_long_is_refused_not_truncated(monkeypatch, tmp_path):
+    """Every socket path under the folder fits Linux's 107 bytes, the longest pid included."""
     deep = tmp_path / ("d" * 90)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
     with pytest.raises(OSError, match="too long a folder for a Unix socket"):
         warm.home()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", "/tmp")
-    assert warm.home() == Path(f"/tmp/nexttoken-warm-{os.getuid()}")
+    longest = "/" + "x" * (warm.SOCKET_DIR_MAX - len(f"/nexttoken-warm-{os.getuid()}") - 1)
+    assert len(longest + f"/nexttoken-warm-{os.getuid()}") == warm.SOCKET_DIR_MAX
+    assert len(f"{longest}/nexttoken-warm-{os.getuid()}/{'0' * 20}.sock.4194304") <= 107
 
 
 def test_a_fresh_run_records_why():
@@ -72,14 +75,28 @@ def test_the_settings_default_to_on_and_a_minute():
     assert warm.settings({warm.SWITCH: "0", warm.IDLE_ENV: "2.5"}) == (False, 2.5)
 
 
-def test_a_socket_folder_others_can_reach_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    d = warm.home()
-    assert oct(d.stat().st_mode & 0o777) == "0o700"
-    d.chmod(0o777)                   # another user could put a socket of theirs there
-    with pytest.raises(OSError, match="not a folder of this user's alone"):
-        warm.home()
-    d.rmdir()
-    d.symlink_to(tmp_path)           # a link to somewhere else
-    with pytest.raises(OSError, match="not a folder of this user's alone"):
-        warm.home()
+def test_a_socket_folder_others_can_reach_is_refused(monkeypatch):
+    base = Path(tempfile.mkdtemp(prefix="ntw-", dir="/tmp"))    # short enough for a socket
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+        d = warm.home()
+        assert oct(d.stat().st_mode & 0o777) == "0o700"
+        d.chmod(0o777)                   # another user could put a socket of theirs there
+        with pytest.raises(OSError, match="not a folder of this user's alone"):
+            warm.home()
+        d.rmdir()
+        d.symlink_to(base)               # a link to somewhere else
+        with pytest.raises(OSError, match="not a folder of this user's alone"):
+            warm.home()
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("argv,options", [(["python", "-m", "stages.forward"], []),
+                                          (["python", "-u", "-W", "error", "-m", "stages.forward"],
+                                           ["-u", "-W", "error"]),
+                                          (["python", "-B", "-c", "pass"], ["-B"]),
+                                          (["python", "script.py", "-u"], [])])
+def test_the_interpreter_options_go_to_the_warm_process(monkeypatch, argv, options):
+    monkeypatch.setattr("sys.orig_argv", argv)
+    assert warm._options() == options
