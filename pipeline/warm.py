@@ -335,9 +335,11 @@ def _relay(conn: socket.socket, pid: int, mask: set) -> None:
     pidfd = os.pidfd_open(pid)       # signals reach this child, never a later process with its pid
 
     def forward(signum, frame):
+        # Ctrl-Z: the child, in a session of its own, would drop a SIGTSTP (an orphaned process
+        # group): it gets SIGSTOP, and this process stops too; SIGCONT (forwarded) resumes both
         with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(pidfd, signum)
-        if signum == signal.SIGTSTP:  # stop as the child does; SIGCONT (forwarded) resumes both
+            signal.pidfd_send_signal(pidfd, signal.SIGSTOP if signum == signal.SIGTSTP else signum)
+        if signum == signal.SIGTSTP:
             os.kill(os.getpid(), signal.SIGSTOP)
     for sig in RELAYED:
         if signal.getsignal(sig) != signal.SIG_IGN:

@@ -11,7 +11,8 @@ status goes back to the stage). The preloaded libraries' own threads (OpenBLAS's
 jemalloc's background thread) are idle and register their fork handlers; no torch op has run, so
 no OpenMP pool exists, and CUDA is never initialised here.
 
-A child becomes the stage as `python -m` would make it: the stage's fds 0-2, working directory,
+A child runs in a session of its own and holds none of this process's sockets. It becomes the
+stage as `python -m` would make it: the stage's fds 0-2, working directory,
 environment, sys.path and argv, fresh sys.std* streams like the stage's, the stage process's
 signal dispositions (Python's defaults; what it ignores stays ignored) and mask, no module left
 from this process's own checkout, and `runpy._run_module_as_main` (what
@@ -136,7 +137,7 @@ def _serve(listener: socket.socket, idle: float) -> None:
             try:
                 if kind == "accept":
                     conn, _ = listener.accept()
-                    started = _start(conn, listener, sel)
+                    started = _start(conn, listener, sel, children)
                     if started is not None:
                         pid, answered = started
                         children.add(pid, conn)
@@ -156,7 +157,7 @@ def _serve(listener: socket.socket, idle: float) -> None:
                 print(f"{time.strftime('%F %T')} {kind} {pid}:\n{traceback.format_exc()}", flush=True)
 
 
-def _start(conn: socket.socket, listener: socket.socket, sel) -> tuple[int, bool] | None:
+def _start(conn: socket.socket, listener: socket.socket, sel, children: Children) -> tuple[int, bool] | None:
     """Read one request and fork its child: its pid, and whether the stage process got it. None (the
     connection and any file descriptors received closed) when the request is bad or no fork could be made."""
     fds: list[int] = []
@@ -184,9 +185,14 @@ def _start(conn: socket.socket, listener: socket.socket, sel) -> tuple[int, bool
     if pid == 0:
         code = 1
         try:
+            # a session of its own: a stage that signals its process group (Ray shutting down, a
+            # tool's killpg) reaches itself and its children, never this process or another stage
+            os.setsid()
             sel.close()
-            listener.close()
-            conn.close()
+            for other in (listener, conn, *children.conn.values()):
+                other.close()
+            for fd in children.pidfd.values():
+                os.close(fd)
             code = _become(request, fds)
         finally:
             os._exit(code)

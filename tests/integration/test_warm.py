@@ -182,8 +182,9 @@ def start_at_capture(ws: Path, home: Path) -> tuple[subprocess.Popen, int]:
     env = pause.env("forward.capture", {**os.environ, **warm_env(home)})
     start_warm(ws, home, env)
     proc, child = pause.start([sys.executable, "-m", "stages.forward"], ws, env, "forward.capture", timeout=300)
-    assert child != proc.pid                             # the work runs in the warm child
-    return proc, child
+    assert child != proc.pid                             # the work runs in the warm child,
+    assert os.getsid(child) == child                     # in a session of its own: a killpg of the
+    return proc, child                                   # stage's reaches no other stage
 
 
 def test_ctrl_c_of_the_stage_process_reaches_its_warm_child(tiny_chain, tmp_path, home):
