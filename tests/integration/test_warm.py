@@ -34,6 +34,11 @@ RECORDED = ("config", "seeds", "model", "libraries", "hardware", "determinism", 
 CREATED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")    # when each stage ran: the report shows it
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: state, ppid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def warm_processes(home: Path) -> list[int]:
     """The pids of the warm processes whose socket lies under home (not the children they forked,
     which share their command line)."""
@@ -42,7 +47,7 @@ def warm_processes(home: Path) -> list[int]:
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes()
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(stat_fields(int(entry.name))[1])
             except (OSError, IndexError, ValueError):
                 continue
             if b"pipeline.warm_server" in cmdline and str(home).encode() in cmdline:
@@ -95,7 +100,7 @@ def wait_gone(pid: int, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while True:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = stat_fields(pid)[0]
         except (OSError, IndexError):
             return
         if state in ("Z", "X"):
