@@ -246,9 +246,11 @@ def test_ctrl_c_while_waiting_for_the_warm_process_is_one_line(tiny_chain, tmp_p
 def test_a_bad_setting_stops_the_stage_in_one_line(tiny_chain, tmp_path, home, var, value):
     ws = copy_ws(tiny_chain, tmp_path / "ws")
     before = snapshot(ws)
-    proc = run_module("stages.probs", ws, env={**warm_env(home), var: value})
-    assert proc.returncode == 2 and proc.stderr.startswith(f"nexttoken probs: error: {var}={value!r} is not allowed")
-    assert len(proc.stderr.splitlines()) == 1 and snapshot(ws) == before and warm_processes(home) == []
+    for stage in ("validate", "probs"):   # validate: before `dvc repro` removes any stage's outputs
+        proc = run_module(f"stages.{stage}", ws, env={**warm_env(home), var: value})
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"nexttoken {stage}: error: {var}={value!r} is not allowed")
+        assert len(proc.stderr.splitlines()) == 1 and snapshot(ws) == before and warm_processes(home) == []
 
 
 def test_sigterm_is_relayed_and_an_ignored_sighup_stays_ignored(tiny_chain, tmp_path, home):
