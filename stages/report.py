@@ -16,7 +16,7 @@ STAGE = "report"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     cfg = schema.load_section(params, "report")
-    warm.hand_off(STAGE)              # the rest in a process that imported matplotlib, pyarrow and pandas already
+    warm.hand_off(STAGE)              # pyarrow and pandas imported already; matplotlib in the child
     from pipeline.report import equivalence, overview, pages, plots, render, set_plots
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         run.with_torch = False        # no torch here: the manifest records no kernel path, warm or fresh
