@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,44 @@ os.environ.setdefault("NEXTTOKEN_WARM_IDLE_S", "20")
 for var, val in (("GIT_AUTHOR_NAME", "nexttoken tests"), ("GIT_AUTHOR_EMAIL", "tests@nexttoken.invalid"),
                  ("GIT_COMMITTER_NAME", "nexttoken tests"), ("GIT_COMMITTER_EMAIL", "tests@nexttoken.invalid")):
     os.environ.setdefault(var, val)
+
+
+# ---------------------------------------------------------------- the suite's disk (issue 50)
+# A whole-suite run writes GBs of clones, workspaces and DVC caches under pytest's basetemp. What
+# outlives it: pytest keeps a failing test's folder (pyproject: tmp_path_retention_policy = "failed",
+# count 1, so one run's at most); a passing test's tmp_path goes when it ends, and a module-scoped
+# fixture's folders (below) when its module's tests are done. DVC's per-repository site cache (state
+# and index databases, one folder per clone: /var/tmp/dvc by default) goes under one folder that the
+# run removes at its end.
+_SITE_CACHE = Path(tempfile.gettempdir()) / f"nexttoken-tests-dvc-site-{os.getuid()}"
+_OWN_SITE_CACHE = "DVC_SITE_CACHE_DIR" not in os.environ
+os.environ.setdefault("DVC_SITE_CACHE_DIR", str(_SITE_CACHE))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A module-scoped fixture's folders under basetemp (made by tmp_path_factory.mktemp while it was set
+    up) are removed at its teardown, unless a test failed meanwhile: a module's clones do not pile up
+    for the rest of the session. Session fixtures (tiny_workspace, tiny_chain) stay: they are shared."""
+    if fixturedef.scope != "module":
+        return (yield)
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    before, failed, made = set(base.iterdir()), request.session.testsfailed, set()
+
+    def remove():
+        if request.session.testsfailed == failed:
+            for folder in made:
+                shutil.rmtree(folder, ignore_errors=True)
+    fixturedef.addfinalizer(remove)     # first: finalizers run last-in first-out, so after the fixture's own
+    try:
+        return (yield)
+    finally:
+        made.update(set(base.iterdir()) - before)
+
+
+def pytest_sessionfinish(session):
+    if _OWN_SITE_CACHE and not hasattr(session.config, "workerinput"):    # the controller, after its workers
+        shutil.rmtree(_SITE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

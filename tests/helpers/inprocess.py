@@ -4,6 +4,10 @@ For tests that run many whole chains (every model family): the imports and the i
 start are paid once. A stage's main reads params.yaml from the working directory, so each
 runs with the workspace as cwd; the model loads are shared within one chain
 (`loader.shared_loads`), as `nexttoken verify` shares them.
+
+CHAIN is the one list of stages the tests run as "the whole chain": the stages of dvc.yaml, in
+its order (a topological one: tests/unit/test_dvc_yaml.py), read from dvc.yaml itself. So a stage
+added to dvc.yaml is run by every whole-chain test (every family's) from its first day.
 """
 
 from __future__ import annotations
@@ -13,8 +17,17 @@ import importlib
 import os
 from pathlib import Path
 
-CHAIN = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "lens", "checks",
-         "report")
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dvc_stages(repo: Path = ROOT) -> tuple[str, ...]:
+    """The stages `dvc repro` runs in `repo`, in dvc.yaml's order."""
+    return tuple(yaml.safe_load((repo / "dvc.yaml").read_text())["stages"])
+
+
+CHAIN = dvc_stages()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Every family of `families.TINY_FAMILIES` through the whole chain on its seeded toy
-(`model=tiny model.source.family=<model_type>`), validate to report, in one process: zero
+(`model=tiny model.source.family=<model_type>`), in one process: every stage `dvc repro` runs
+(`inprocess.CHAIN`, read from dvc.yaml), with conf/'s defaults but the tests' decode length; zero
 failing error checks, the golden capture names, and facts.json saying what was captured."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from pipeline.model.families import GENERIC_TESTED, TINY_FAMILIES
 from pipeline.store import paths, provenance
 from tests.conftest import REPO, make_workspace
-from tests.helpers.inprocess import run_chain
+from tests.helpers.inprocess import CHAIN, run_chain
 from tests.helpers.partitions import part
 from tests.unit.test_families import GOLDEN
 
@@ -22,10 +23,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_family_chain(family, tmp_path):
-    overrides = ["model=tiny", f"model.source.family={family}", "capture.attention_layers=[-1]"]
-    ws = make_workspace(tmp_path / "ws", overrides)
+    ws = make_workspace(tmp_path / "ws", ["model=tiny", f"model.source.family={family}"])
     shutil.copytree(REPO / "prompts", ws / "prompts")
     run_chain(ws)
+    # every stage of dvc.yaml ran and committed its outputs (a stage added later is covered here too)
+    assert all(paths.manifest_path(stage, ws).is_file() for stage in CHAIN), \
+        [s for s in CHAIN if not paths.manifest_path(s, ws).is_file()]
     checks = pd.read_parquet(ws / "artifacts/checks/checks.parquet")
     failing = checks[(checks.severity == "error") & (checks.verdict != "pass")]
     assert failing.empty, failing[["name", "detail"]].to_string()

@@ -46,7 +46,17 @@ def _code_deps(stage: str) -> set[str]:
 
 
 def test_stage_order_matches_paths():
-    assert list(DVC) == [s for s in paths.STAGES if s in DVC]
+    assert list(DVC) == list(paths.STAGES)
+
+
+def test_stage_order_is_topological():
+    """dvc.yaml's order runs each stage after every stage whose outputs it reads: the tests' whole-chain
+    runs (tests/helpers/inprocess.py CHAIN) take that order from dvc.yaml as `dvc repro` would run it."""
+    seen: set[str] = set()
+    for stage, spec in DVC.items():
+        upstream = {Path(d).parts[1] for d in spec["deps"] if d.startswith(paths.ARTIFACTS + "/")}
+        assert upstream - {stage} <= seen, f"{stage} reads {sorted(upstream - seen - {stage})} before they run"
+        seen.add(stage)
 
 
 @pytest.mark.parametrize("stage", list(DVC))
