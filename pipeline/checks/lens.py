@@ -8,14 +8,15 @@
 - `lens_numpy_top1` and `lens_numpy_recompute` (error): on a few layers and positions (layers
   0, ~L/3, ~2L/3, L; the first, middle and last captured positions) numpy recomputes the lens in
   FP64 from the stored residual and the snapshot's weights read from its safetensors files (the
-  final norm's formula written out, `ModuleNames.norm_formula`, with eps from config.json; the
-  head matmul; logits_scaling; softcap), sharing no code with the stage (the loaded model only says which
-  of the snapshot's tensors is which, `SnapshotWeights.key_of`: a checkpoint may name them otherwise).
+  final norm's formula written out, `ModuleNames.norm_formula`, with eps from config.json, or the
+  norm module's own where config.json names none; the head matmul; logits_scaling; logit_scale;
+  softcap), sharing no code with the stage (the loaded model only says which of the snapshot's
+  tensors is which, `SnapshotWeights.key_of`: a checkpoint may name them otherwise).
   The stage computes in the compute dtype, so the two differ by its rounding; the tolerance is a bound on that, per
   logit v (u: the dtype's unit roundoff, 2^-8 bf16, 2^-11 fp16, 2^-24 fp32; h the normed row):
-      B_v = 2 * [(4u + H * 2^-24) * sum_j |h_j W_vj| / s + (1 + [s]) * u * |z_v| + 3u * |cap(z_v)| * [cap]]
+      B_v = 2 * [(4u + H * 2^-24) * sum_j |h_j W_vj| / s + (1 + [s] + [c]) * u * |z_v| + 3u * |cap(z_v)| * [cap]]
   (norm output rounded twice and both weights rounded to the dtype: 4u on each term of the dot
-  product; float32 accumulation; the matmul output, the division by s and the three softcap ops
+  product; float32 accumulation; the matmul output, the division by s, the product by c and the three softcap ops
   each rounded once; a factor 2 for second-order terms). A stored logit must lie within B_v of
   numpy's; a stored ln p within 2 max_v B_v (the log-sum-exp moves by at most max B); KL(final ||
   layer) and the final top-1's ln p likewise; the entropy within 2 max B (1 + H) (a relative error e
@@ -161,7 +162,7 @@ def normed64(x: np.ndarray, formula: str, eps: float, w: np.ndarray, b: np.ndarr
 
 
 def numpy_logits(h: np.ndarray, weights: SnapshotWeights, key: str, bias: np.ndarray | None, scaling: float | None,
-                 cap: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 cap: float | None, scale: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(z before the softcap, z after it, sum_j |h_j W_vj|) in FP64 for rows h [n, H]: each [n, V]."""
     zs, ss = [], []
     for _, w in weights.row_chunks(key):
@@ -172,6 +173,8 @@ def numpy_logits(h: np.ndarray, weights: SnapshotWeights, key: str, bias: np.nda
         z, s = z + bias, s + np.abs(bias)
     if scaling is not None:
         z, s = z / scaling, s / scaling
+    if scale is not None:       # Cohere: logits * logit_scale
+        z, s = z * scale, s * abs(scale)
     return z, (np.tanh(z / cap) * cap if cap is not None else z), s
 
 
@@ -188,7 +191,8 @@ def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
         ("norm.weight", names.final_norm, norm.weight), ("norm.bias", names.final_norm, getattr(norm, "bias", None)),
         ("head.weight", names.lm_head, head.weight), ("head.bias", names.lm_head, getattr(head, "bias", None)))
         if p is not None}
-    eps = cfg.get(names.norm_eps)
+    # eps: config.json's, else (a decoder outside the family table) the final norm module's own
+    eps = cfg.get(names.norm_eps, names.norm_eps_value)
     problem = next((f"the snapshot holds no tensor equal to the model's {k}" for k, v in found.items() if v is None),
                    "" if eps is not None else f"config.json has no {names.norm_eps} (the final norm's eps)")
     if problem:
@@ -197,6 +201,7 @@ def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
             "b": weights.read(found["norm.bias"]) if "norm.bias" in found else None,
             "bias": weights.read(found["head.bias"]) if "head.bias" in found else None,
             "scaling": float(cfg[names.logits_scaling]) if names.logits_scaling else None,
+            "scale": float(getattr(model, names.logit_scale)) if names.logit_scale else None,
             "cap": cfg.get(names.final_softcap) if names.final_softcap else None}, ""
 
 
@@ -261,8 +266,9 @@ def numpy_recompute(lens_path: Path, summary_path: Path, tensors: dict, model, s
     points = [(layer, p) for layer in layers for p in where]
     x = np.stack([tensors[resid[layer]][0, p].float().numpy().astype(np.float64) for layer, p in points])
     z_in, z, s = numpy_logits(normed64(x, names.norm_formula, h["eps"], h["w"], h["b"]), h["weights"], h["key"],
-                              h["bias"], h["scaling"], h["cap"])
-    bound = 2 * ((4 * u + h["w"].shape[0] * 2.0**-24) * s + (1 + (h["scaling"] is not None)) * u * np.abs(z_in)
+                              h["bias"], h["scaling"], h["cap"], h["scale"])
+    bound = 2 * ((4 * u + h["w"].shape[0] * 2.0**-24) * s
+                 + (1 + (h["scaling"] is not None) + (h["scale"] is not None)) * u * np.abs(z_in)
                  + (3 * u * np.abs(z) if h["cap"] is not None else 0.0))
     lens = read_parquet(lens_path).to_pandas().set_index(["layer", "position"]).sort_index()
     summary = read_parquet(summary_path).to_pandas().set_index(["layer", "position"]).sort_index()

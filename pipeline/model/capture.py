@@ -45,7 +45,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import bad_value
-from pipeline.model.families import FAMILIES, GENERIC, GENERIC_NORMS, ModuleNames, captured_pieces
+from pipeline.model.families import FAMILIES, GENERIC, ModuleNames, captured_pieces
 from pipeline.model.names import ATTN_INTERNALS, GLOBAL_KINDS, LAYER_KINDS, act_name  # noqa: F401 (re-exported)
 
 
@@ -89,10 +89,49 @@ def find_generic(model: nn.Module) -> ModuleNames:
     if missing:
         raise bad_value("model_type", model.config.model_type,
                         f"a decoder whose {', '.join(missing)} can be found (supported families: {sorted(FAMILIES)})")
+    # The head's arithmetic after lm_head, as the model's forward applies it: the pinned transformers'
+    # decoders multiply by the model's `logit_scale` (Cohere), divide by config `logits_scaling` (Granite),
+    # or softcap (Gemma); none of them is a module, so they are read off the model and its config.
     softcap = "final_logit_softcapping" if getattr(cfg, "final_logit_softcapping", None) is not None else None
-    formula, eps = GENERIC_NORMS.get(model.config.model_type, ("rms", "rms_norm_eps"))
+    scale = "logit_scale" if isinstance(getattr(model, "logit_scale", None), int | float) else None
+    scaling = "logits_scaling" if isinstance(getattr(cfg, "logits_scaling", None), int | float) else None
+    formula, eps = final_norm_form(model.get_submodule(norm), model.config.model_type)
     return replace(GENERIC, embed=embed, layers=layers, final_norm=norm, lm_head=lm_head, final_softcap=softcap,
-                   norm_formula=formula, norm_eps=eps)
+                   logit_scale=scale, logits_scaling=scaling, norm_formula=formula, norm_eps_value=eps)
+
+
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")       # where torch's and HF's norm modules keep eps
+
+
+def final_norm_form(norm: nn.Module, model_type: str) -> tuple[str, float]:
+    """The final norm's formula (`ModuleNames.norm_formula`) and eps, read off the module itself: eps from
+    its attribute, the formula from its output on a seeded probe (rows with a mean far from 0), the one
+    of "rms", "rms_plus_one" and "layer" that its own weights (and bias) give in FP64, so RMSNorm and
+    LayerNorm (with or without a bias, under any class name) need no list of config names. A norm that
+    matches none is refused in one line."""
+    eps = next((float(v) for a in _EPS_ATTRS if isinstance(v := getattr(norm, a, None), int | float)), None)
+    weight = getattr(norm, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.ndim != 1:
+        raise bad_value("model_type", model_type, "a decoder whose final norm has a 1-d weight and an eps attribute "
+                                                  f"({', '.join(_EPS_ATTRS)}); {type(norm).__name__} has not")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, weight.shape[0], generator=generator, dtype=torch.float64) * 2.0 + 1.5
+    with torch.inference_mode():
+        y = norm(x.to(device=weight.device, dtype=weight.dtype)).double().cpu()
+    w, x = weight.detach().double().cpu(), x.to(weight.dtype).double()
+    b = getattr(norm, "bias", None)
+    b = b.detach().double().cpu() if isinstance(b, torch.Tensor) else 0.0
+    centred = x - x.mean(-1, keepdim=True)
+    rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    candidates = {"rms": rms * w, "rms_plus_one": rms * (1.0 + w),
+                  "layer": centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + eps) * w + b}
+    error = {k: float((y - c).abs().max() / c.abs().max().clamp_min(1e-30)) for k, c in candidates.items()}
+    formula = min(error, key=error.get)
+    if not error[formula] < 0.02:       # bf16 rounds to 2**-8 relative; a wrong formula is off by O(1)
+        raise bad_value("model_type", model_type, "a decoder whose final norm is an RMSNorm or a LayerNorm "
+                                                  f"({type(norm).__name__} matches neither: relative errors "
+                                                  + ", ".join(f"{k} {v:.3g}" for k, v in error.items()) + ")")
+    return formula, eps
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

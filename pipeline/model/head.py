@@ -1,4 +1,5 @@
-"""The model's own LM head applied as the model applies it: lm_head, Granite's logits_scaling, a final softcap.
+"""The model's own LM head applied as the model applies it: lm_head, Granite's logits_scaling, Cohere's
+logit_scale, a final softcap.
 
 One function, shared by the checks (`pipeline.checks.recompute`: the stored LM-head input ->
 the stored logits) and the logit lens (`pipeline.model.lens`: every layer's normed residual),
@@ -32,4 +33,6 @@ def lm_head_rows(model: nn.Module, final_norm_out: torch.Tensor, rows: int) -> t
         logits = lm_head(x)
         if names.logits_scaling:        # Granite: logits / logits_scaling, before any softcap
             logits = logits / getattr(cfg, names.logits_scaling)
+        if names.logit_scale:           # Cohere: logits * logit_scale (the model's attribute, from its config)
+            logits = logits * getattr(model, names.logit_scale)
         return softcap(logits, cap)

@@ -80,7 +80,7 @@ def build_family(model_type: str, architecture: Mapping[str, Any], seed: int, eo
             for eps in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"):
                 if hasattr(config, eps):
                     setattr(config, eps, value)
-        elif hasattr(config, key) or key in extras:
+        elif (hasattr(config, key) or key in extras) and _settable(config, key):
             setattr(config, key, value)
     for per_layer in ("layer_types", "no_rope_layers"):    # made for the default depth: cut to this one
         values_now = getattr(config, per_layer, None)
@@ -97,3 +97,9 @@ def build_family(model_type: str, architecture: Mapping[str, Any], seed: int, eo
         model.get_output_embeddings().weight.normal_(0.0, lm_head_std, generator=generator)
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     return model
+
+
+def _settable(config, key: str) -> bool:
+    """False for a config attribute that is a read-only property (Falcon's head_dim: hidden / heads)."""
+    prop = getattr(type(config), key, None)
+    return not isinstance(prop, property) or prop.fset is not None

@@ -135,10 +135,10 @@ GOLDEN = {
         "blocks.1.attn_weights blocks.1.attn_out blocks.1.resid_mid blocks.1.mlp_out blocks.1.resid_post "
         "final_norm_out logits"
     ),
-    "qwen3_5_text": _n(
+    **{generic: _n(
         "embed blocks.0.resid_pre blocks.0.resid_post blocks.1.resid_pre blocks.1.resid_post final_norm_out "
         "logits"
-    ),
+    ) for generic in families.GENERIC_TESTED},
 }
 
 
@@ -221,6 +221,66 @@ def test_leaving_a_piece_out_fails_a_check(family, piece, monkeypatch):
                                                      if piece == "pos_embed" else c).values(),
                *(v for i in range(2) for v in recompute.residual_adds_recompute(model, c, i).values())]
     assert max(figures) > 0
+
+
+@pytest.mark.parametrize(("model_type", "formula", "eps_attr", "scale"), [
+    ("cohere", "layer", "layer_norm_eps", "logit_scale"),      # LayerNorm without a bias; logits * logit_scale
+    ("stablelm", "layer", "layer_norm_eps", None),             # torch's LayerNorm, with a bias
+    ("falcon", "layer", "layer_norm_epsilon", None),
+    ("qwen3_5_text", "rms_plus_one", "rms_norm_eps", None),
+])
+def test_generic_head_read_off_the_model(model_type, formula, eps_attr, scale):
+    """A decoder outside the table: the final norm's form and eps, and the head's scale, found on the model
+    (no config name listed for it), and the LM-head recompute exact with them and not without the scale."""
+    model = tiny.build_family(model_type, ARCH, 20261002, EOS).to(torch.bfloat16)
+    for cfg in capture._configs(model):
+        cfg._attn_implementation = "eager"
+    with torch.no_grad():
+        model.get_submodule(capture.find_generic(model).final_norm).weight.normal_(
+            0.0, 0.5, generator=torch.Generator().manual_seed(3))
+    names = capture.find_generic(model)
+    assert (names.norm_formula, names.norm_eps_value, names.logit_scale) == (
+        formula, getattr(model.config, eps_attr), scale)
+    ids = torch.randint(0, 150000, (1, 12), generator=torch.Generator().manual_seed(0))
+    c = capture.run_capture(model, ids, SPEC)
+    assert recompute.lm_head_recompute(model, c["final_norm_out"], c["logits"]) == 0.0
+    if scale:       # a head that forgets the model's logit scale is a wrong computation the recompute sees
+        object.__setattr__(model, "_nexttoken_generic", replace(names, logit_scale=None))
+        assert recompute.lm_head_recompute(model, c["final_norm_out"], c["logits"]) > 0
+
+
+def test_final_norm_form_tells_the_formulas_apart():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    rms, plus_one, layer = Qwen2RMSNorm(64, eps=1e-6), GemmaRMSNorm(64, eps=1e-6), torch.nn.LayerNorm(64, eps=1e-5)
+    for norm in (rms, plus_one, layer):
+        with torch.no_grad():
+            for p in norm.parameters():
+                p.normal_(0.0, 0.5, generator=gen)
+    assert capture.final_norm_form(rms, "t") == ("rms", 1e-6)
+    assert capture.final_norm_form(plus_one, "t") == ("rms_plus_one", 1e-6)
+    assert capture.final_norm_form(layer, "t") == ("layer", 1e-5)
+
+    class Doubled(Qwen2RMSNorm):        # a norm of no known form is refused, not taken as the nearest
+        def forward(self, x):
+            return 2 * super().forward(x)
+    doubled = Doubled(64)       # (with w = 1 it would be rms_plus_one's 2 * rms: random weights tell them apart)
+    with torch.no_grad():
+        doubled.weight.normal_(0.0, 0.5, generator=gen)
+    with pytest.raises(UserError, match="Doubled matches neither"):
+        capture.final_norm_form(doubled, "t")
+
+
+def test_per_layer_sizes_refused_in_one_line():
+    """gemma4_text's config sets head_dim per layer: refused by `support` (the validate stage), before any
+    stage runs, instead of a traceback from the forward stage."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("gemma4_text").to_dict()
+    with pytest.raises(UserError, match=r"^model_type='gemma4_text' \(g/config.json\) cannot be captured yet: its "
+                                        r"config sets head_dim and other sizes per layer"):
+        support(cfg, "g/config.json")
 
 
 def test_support_from_config_json():
