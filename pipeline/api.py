@@ -5,7 +5,10 @@ revision / experiment name of the workspace repository, read the way `nexttoken 
 (`pipeline.tools.revisions.open_run`: git + the local DVC cache, nothing checked out). Every artifact
 read is first checked against the sha256 that the stage which wrote it recorded in its manifest
 (artifacts/<stage>/manifest.json), once per file; a file that differs raises one `ArtifactChanged`
-naming it. `verify=False` skips the check. Capture tensors are opened lazily with
+naming it. `verify=False` skips the check. Every table with token ids carries their text beside each id
+column, from the run's verified vocab.parquet: `piece` (the vocabulary's piece, byte-level for a byte-level
+BPE: `éĹ®é¢ĺ`) and `piece_text` (that one token decoded: `问题`), so a notebook needs no join of its own.
+Capture tensors are opened lazily with
 `safetensors.safe_open` (memory-mapped: a tensor is read when it is asked for), as TransformerLens'
 ActivationCache is indexed by name.
 A run whose manifests record another `format_version` than this code's is refused in one line
@@ -84,6 +87,7 @@ class Run:
         self.root, self.verify, self.label = Path(root).resolve(), verify, label or str(root)
         self._stack = stack or contextlib.ExitStack()
         self._checked: set[Path] = set()
+        self._vocab = None
         self.manifests: dict[str, dict] = revisions.load_manifests(self.root)
 
     # ------------------------------------------------------------ lifetime
@@ -138,6 +142,28 @@ class Run:
         import pyarrow.parquet as pq
         return pq.read_table(self.path(item, prompt_id), **kw).to_pandas()
 
+    def _with_text(self, df, column: str = "token_id"):
+        """df with, right after its id column `column` (`token_id`, or `<x>_id`), the vocabulary's `piece`
+        and `piece_text` (`<x>_piece`, `<x>_piece_text`) of each id, from vocab.parquet (read and verified
+        once per Run); a column the table already has is kept as it is. An id past the tokenizer (an output
+        size larger than the vocabulary) has none: missing, as a null string of the table's own columns."""
+        import numpy as np
+        if self._vocab is None:      # sorted by id: an id's row is found by binary search, whatever the file's order
+            vocab = self._parquet(paths.VOCAB, columns=["token_id", "piece", "text"]).sort_values("token_id")
+            self._vocab = (vocab["token_id"].to_numpy(), vocab["piece"].reset_index(drop=True),
+                           vocab["text"].reset_index(drop=True))
+        ids, pieces, texts = self._vocab
+        want = df[column].to_numpy()
+        found = np.clip(np.searchsorted(ids, want), 0, len(ids) - 1)
+        known = ids[found] == want
+        stem = "" if column == "token_id" else column.removesuffix("_id") + "_"
+        place = df.columns.get_loc(column) + 1
+        for name, values in ((f"{stem}piece", pieces), (f"{stem}piece_text", texts)):
+            if name not in df.columns:     # the vocabulary's column taken row by row: its dtype, its missing value
+                df.insert(place, name, values.take(found).set_axis(df.index).where(known))
+            place = df.columns.get_loc(name) + 1
+        return df
+
     def _json(self, item: tuple[str, str], prompt_id: str | None = None) -> Any:
         return json.loads(self.path(item, prompt_id).read_text(encoding="utf-8"))
 
@@ -158,8 +184,9 @@ class Run:
         return pd.DataFrame(rows, columns=["prompt_id", "name", "text", "n_tokens", "token_ids"])
 
     def tokens(self, prompt_id: str | None = None):
-        """tokens.parquet: position, token_id, piece, piece_bytes_hex, text, decodes_alone, is_special (pandas)."""
-        return self._parquet(paths.TOKENS, prompt_id)
+        """tokens.parquet: position, token_id, piece, piece_text (the token decoded alone, from vocab.parquet),
+        piece_bytes_hex, text, decodes_alone, is_special (pandas)."""
+        return self._with_text(self._parquet(paths.TOKENS, prompt_id))
 
     def logits(self, prompt_id: str | None = None, position: int | None = None):
         """float32 logits from logits.parquet (numpy): [T, V] for every recorded position, [V] for one."""
@@ -176,9 +203,9 @@ class Run:
         from pipeline.store.artifacts import tables_stored
         manifest = self.manifest("probs")
         if tables_stored(manifest):
-            return self._parquet(paths.TABLE, prompt_id)
+            return self._with_text(self._parquet(paths.TABLE, prompt_id))
         from pipeline.numerics import probs
-        return probs.read_table(self.path, self._prompt(prompt_id), manifest).to_pandas()
+        return self._with_text(probs.read_table(self.path, self._prompt(prompt_id), manifest).to_pandas())
 
     def step_logits(self, prompt_id: str | None = None) -> dict:
         """step_logits.parquet: (branch, kv_cache, step) -> that step's full float32 logits row (numpy),
@@ -206,25 +233,28 @@ class Run:
         from pipeline.store.artifacts import tables_stored
         manifest = self.manifest("probs")
         if tables_stored(manifest):
-            return self._parquet(paths.FILTERED, prompt_id)
+            return self._with_text(self._parquet(paths.FILTERED, prompt_id))
         from pipeline.numerics import probs
-        return probs.read_table(self.path, self._prompt(prompt_id), manifest, paths.FILTERED).to_pandas()
+        return self._with_text(probs.read_table(self.path, self._prompt(prompt_id), manifest, paths.FILTERED)
+                               .to_pandas())
 
     def capture(self, prompt_id: str | None = None) -> Capture:
         """capture.safetensors, lazy and memory-mapped: `run.capture()["blocks.0.resid_post"]` (torch)."""
         return Capture(self.path(paths.CAPTURE, prompt_id))
 
     def trajectories(self, prompt_id: str | None = None):
-        """steps.parquet: one row per branch, cache mode and step (pandas)."""
-        return self._parquet(paths.STEPS, prompt_id)
+        """steps.parquet: one row per branch, cache mode and step, with piece_text beside its piece (pandas)."""
+        return self._with_text(self._parquet(paths.STEPS, prompt_id))
 
     def lens(self, prompt_id: str | None = None):
-        """lens.parquet: the logit lens's top-k ids per layer and position, FP64 probabilities (pandas)."""
-        return self._parquet(paths.LENS, prompt_id)
+        """lens.parquet: the logit lens's top-k ids per layer and position, FP64 probabilities, each id's piece
+        and piece_text (pandas)."""
+        return self._with_text(self._parquet(paths.LENS, prompt_id))
 
     def lens_summary(self, prompt_id: str | None = None):
-        """lens_summary.parquet: per layer and position, entropy, the final top-1's rank and prob, KL (pandas)."""
-        return self._parquet(paths.LENS_SUMMARY, prompt_id)
+        """lens_summary.parquet: per layer and position, entropy, the final top-1 (its id, final_top1_piece,
+        final_top1_piece_text), its rank and prob, KL (pandas)."""
+        return self._with_text(self._parquet(paths.LENS_SUMMARY, prompt_id), "final_top1_id")
 
     @property
     def checks(self):

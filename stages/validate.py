@@ -6,7 +6,10 @@ stops `dvc repro` / `dvc exp run` with one line before DVC removes any other sta
 Its own outputs are `persist` in dvc.yaml (DVC does not delete them before the run), so a
 refused config leaves them as they were too. A file changes only when what its stage reads
 changes (the prompt file's text, not the folder, for the stages that read the prompt), so
-the other stages still skip when their part is unchanged. No torch import: it takes a second.
+the other stages still skip when their part is unchanged. When every file it would write is already
+there, as its manifest records them, it leaves the folder as it is: a rewrite would change only the
+manifest's run facts (time, duration, modification times), and so dvc.lock with nothing changed
+(`provenance.unchanged_outputs`). No torch import: it takes a second.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from pipeline import warm
 from pipeline.config import prompt_set, registry, schema
 from pipeline.model import sources
-from pipeline.store import paths
+from pipeline.store import paths, provenance
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "validate"
@@ -30,13 +33,21 @@ def main() -> None:
     sources.up_front(sections["model"].source, Path.cwd())   # a model that cannot load or be captured: one line
     resolved_prompt = prompt_set.resolved(prompt)
     warm.settings()                                          # NEXTTOKEN_WARM*, read by every later stage
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    config = schema.subset(params, registry.PARAMS[STAGE])
+    inputs = [Path(given) for given in (prompt.file, prompt.set) if given is not None]
+    files = {paths.validated(stage).name: registry.resolved(params, stage, resolved_prompt)
+             for stage in registry.validated_stages()}
+    folder = paths.stage_dir(STAGE)
+    if provenance.unchanged_outputs(folder, Path.cwd(), STAGE, config,
+                                    {name: provenance.json_bytes(obj) for name, obj in files.items()}, inputs):
+        print(f"nexttoken validate: params.yaml and the prompt files give the files {folder} holds: kept as they are")
+        return                                               # a rewrite would change only its manifest's run facts
+    with stage_run(STAGE, config) as run:
         run.with_torch = False
-        for given in (prompt.file, prompt.set):
-            if given is not None:
-                run.use(Path(given))            # its sha256 goes into the manifest
-        for stage in registry.validated_stages():
-            run.write_json(paths.validated(stage).name, registry.resolved(params, stage, resolved_prompt))
+        for given in inputs:
+            run.use(given)                      # its sha256 goes into the manifest
+        for name, obj in files.items():
+            run.write_json(name, obj)
 
 
 if __name__ == "__main__":

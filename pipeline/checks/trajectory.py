@@ -48,17 +48,34 @@ def _run_name(branch: str, kv: bool) -> str:
 
 def step1_logits(step_rows: dict, one_row: np.ndarray, forward_row: np.ndarray, severity: str) -> list[Check]:
     """Step 1 of every run vs the model's LM head on the captured LM-head input of the last prompt
-    position, one row (the matmul generate makes); the detail shows the distance to the forward
-    stage's own logits row (0 in bf16 here; in float32 an all-positions LM head may round an ulp
-    away)."""
+    position, one row (the matmul generate makes). The detail states first the measured value that
+    decides the verdict (and where it is worst), then, apart, the distance to the forward stage's own
+    logits row (0 in bf16 here; in float32 an all-positions LM head may round an ulp away): a detail
+    reading "max abs diff 0" beside a failed verdict contradicted it (issue 50)."""
     out = []
     for b, kv in sorted({(b, kv) for b, kv, _ in step_rows}):
         got = step_rows.get((b, kv, 1), np.empty(0))
+        measured = max_abs(got, one_row)
         out.append(Check(f"step1_logits_{_run_name(b, kv)}", f"step-1 logits of branch {b} (kv_cache={kv}) vs "
                          "lm_head(captured final_norm_out, last position, one row), bit for bit",
-                         max_abs(got, one_row), 0, severity,
+                         measured, 0, severity,
+                         f"vs lm_head one row: max abs diff {measured:g}{_worst_at(got, one_row)}; "
                          f"vs the forward's logits row: max abs diff {max_abs(got, forward_row):g}"))
     return out
+
+
+def _worst_at(got: np.ndarray, want: np.ndarray) -> str:
+    """Where two rows differ most, as ` at id I (step 1 a, lm_head b)`; why they cannot be compared when their
+    shapes differ (a missing step row is an empty array); nothing when they are equal."""
+    if got.shape != want.shape:
+        return f" (step-1 row of {got.size} values, lm_head row of {want.size})"
+    a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    diff = np.where(a == b, 0.0, np.abs(a - b))          # equal infinities count 0, as `max_abs`
+    diff = np.where(np.isnan(diff) & ~(np.isnan(a) & np.isnan(b)), np.inf, np.nan_to_num(diff, nan=0.0))
+    if not diff.size or diff.max() == 0:
+        return ""
+    i = int(np.argmax(diff))
+    return f" at id {i} (step 1 {a[i]:g}, lm_head {b[i]:g})"
 
 
 def greedy_argmax(steps: list[dict], step_rows: dict) -> list[Check]:

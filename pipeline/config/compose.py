@@ -48,6 +48,18 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
     return params
 
 
+def local_folder_exists(source: schema.SourceConfig, root: Path) -> None:
+    """kind=local: `model.source.path` must name an existing folder (absolute, or relative to the repository
+    root), refused here in one line as the validate stage words it; what is in the folder (config.json,
+    safetensors, tokenizer, a family that can be captured) the validate stage decides."""
+    if source.kind != "local":
+        return
+    folder = (Path(root) / Path(source.path).expanduser()).resolve()
+    if not folder.is_dir():
+        raise UserError(f"model.source.path={source.path!r}: no such folder ({folder}); allowed: a folder holding "
+                        "config.json, *.safetensors weights and the tokenizer files")
+
+
 def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:
     """Hydra's multi-line errors as one line naming the override; unknown choices and keys list the options,
     a value Hydra reads as syntax (or as a sweep, `x, y`) says how to quote it."""
@@ -151,8 +163,8 @@ def prompt_overrides(overrides: list[str], text: str | None, file: str | None, r
 
 def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: str | None = None) -> dict:
     """Write params_file atomically from conf/ + overrides, and record the overrides beside it
-    (nothing is written when invalid); prompt_text: what prompt.text must come out as (--prompt),
-    verified before writing."""
+    (nothing is written when invalid, nor when a local model's folder does not exist); prompt_text: what
+    prompt.text must come out as (--prompt), verified before writing."""
     def write(tmp: Path) -> dict:
         try:
             params = compose_to(tmp, overrides, root)
@@ -166,6 +178,7 @@ def compose(overrides: list[str], root: Path, params_file: Path, prompt_text: st
         if not verbatim:
             raise bad_value("--prompt", prompt_text, "text that passes through Hydra's composition unchanged "
                             "(this one does not): put it in a file under prompts/ and use --prompt-file")
+        local_folder_exists(schema.load_section(params, "model", root).source, root)
         return params
     params = write_atomic(params_file, write)
     write_atomic(params_file.with_name(RECORD), lambda tmp: tmp.write_text(

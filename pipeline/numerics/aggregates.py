@@ -2,7 +2,7 @@
 
 Every key is a `dvc exp show` column, so there are few. probs: over the prompts' sweep figures
 (the configured sampling filter at `sampling.temperature`, as `kept` / `entropy` of a single
-prompt) the median and mean entropy (bits) and the median kept count. trajectories, from its
+prompt) the median and mean entropy (nats) and the median kept count. trajectories, from its
 prompt_metrics table (one row per prompt, branch and kv_cache; the reference path, no cache, as the
 per-prompt metrics): the number of prompts, the share of prompts whose greedy / sampled
 continuation ends in a loop, and the mean step where sampling left the greedy path over the
@@ -33,10 +33,10 @@ def _median(values: list[float]) -> float | int:
 
 def probs_set_metrics(per_prompt: list[dict]) -> dict:
     """probs/metrics.json's set keys from each prompt's sweep figures (`probs.sweep_metrics`: the
-    configured sampling filter at its own temperature, entropy in bits), so they move with
+    configured sampling filter at its own temperature, entropy in nats), so they move with
     `sampling.temperature` / top_k / top_p as a sweep varies them."""
-    bits = [m["entropy"] for m in per_prompt]
-    return {"entropy_median": float(statistics.median(bits)), "entropy_mean": math.fsum(bits) / len(bits),
+    nats = [m["entropy"] for m in per_prompt]
+    return {"entropy_median": float(statistics.median(nats)), "entropy_mean": math.fsum(nats) / len(nats),
             "kept_median": _median([m["kept"] for m in per_prompt])}
 
 

@@ -259,14 +259,15 @@ def sweep_metrics(dist: Distributions, sampling_filter: dict) -> dict:
     at the last probability position, under short names so a sweep's table fits a terminal. `kept`
     and `mass` (the ids the filter keeps and their probability), `top_bits` (the top candidate's
     probability in bits, -log2 p: DVC prints it faithfully at any size, where `dvc metrics show`
-    rounds p = 1.3876e-05 to 1e-05; after renormalising it is p / mass) and `entropy` (bits). The
-    per-temperature detail stays in summary.json and the report. Temperature 0 is greedy: its
-    distribution is reported at T = 1, as the filter's.
+    rounds p = 1.3876e-05 to 1e-05; after renormalising it is p / mass) and `entropy` (nats, as every
+    `entropy` of the project: prompt_metrics.parquet, lens_summary.parquet, the report, the API; it was
+    bits here, under the same name, issue 50). The per-temperature detail stays in summary.json and the
+    report. Temperature 0 is greedy: its distribution is reported at T = 1, as the filter's.
     """
     s = sampling_filter
     t = s["temperature"] if s["temperature"] > 0 else 1.0
     return {"kept": s["kept_count"], "mass": s["kept_mass"], "top_bits": bits(float(dist.p64(t).max())),
-            "entropy": dist.entropy_nats(t) / math.log(2)}
+            "entropy": dist.entropy_nats(t)}
 
 
 def bits(p: float) -> float:

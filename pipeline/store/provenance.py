@@ -295,6 +295,42 @@ def environment(root: Path, with_torch: bool = True) -> dict[str, Any]:
             "git": git_state(root), "python_executable": sys.executable, "process": warm.record()}
 
 
+def json_bytes(obj: Any) -> bytes:
+    """A JSON output as the stage layer writes it (`StageRun.write_json`: indent 2, UTF-8, a final newline)."""
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def unchanged_outputs(folder: Path, root: Path, stage: str, config: dict, files: dict[str, bytes],
+                      inputs: list[Path]) -> bool:
+    """Whether `folder` (a stage's output folder) already holds exactly `files` (name -> bytes, besides its
+    manifest), under a manifest of this format that records this stage, this config, these inputs (sha256 of
+    each, read now) and these outputs (sha256). A run would then rewrite only what says when and where it ran
+    (created_at, duration, process, each output's modification time): for a stage whose outputs are a pure
+    function of its config and inputs (validate), the folder is left as it is, so its DVC hash, and dvc.lock,
+    do not change when nothing changed (issue 50). Anything unreadable or different: False (the stage runs)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        on_disk = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
+    except (OSError, ValueError):
+        return False
+    if not isinstance(manifest, dict) or (manifest.get("format_version"), manifest.get("stage"),
+                                          manifest.get("config")) != (FORMAT_VERSION, stage, config):
+        return False
+    on_disk.pop("manifest.json")
+    if set(on_disk) != set(files) or any(on_disk[name].read_bytes() != data for name, data in files.items()):
+        return False
+
+    def rel(path: Path) -> str:
+        return Path(os.path.relpath(path, root)).as_posix()
+    outputs = {rel(folder / name): hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    want_inputs = [(rel(p), sha256_file(p)) for p in inputs if p.is_file()]
+    try:
+        return ({o["path"]: o["sha256"] for o in manifest["outputs"]} == outputs and len(want_inputs) == len(inputs)
+                and [(i["path"], i["sha256"]) for i in manifest["inputs"]] == want_inputs)
+    except (KeyError, TypeError):
+        return False
+
+
 def file_record(path: Path, root: Path) -> dict[str, Any]:
     """path (relative to the repo root), size, modification time (ns), sha256 and logical hash
     of one file. Size and time let a consumer recognise the very file without reading it."""

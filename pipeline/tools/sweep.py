@@ -214,9 +214,9 @@ def collect(repo: Path, out_dir: Path) -> dict:
 def prompt_figures(root: Path) -> dict[str, dict]:
     """Per prompt of the run at root, from its prompt_metrics tables: at the sampling filter's temperature
     (the one the set aggregates of probs/metrics.json are taken at) when probs.temperatures lists it, else
-    at T = 1 or the lowest, the entropy in bits, the sampling filter's kept count, the top-1 probability
-    and text; without the KV cache, whether greedy / sampling end in a loop (1.0 or 0.0: the set line
-    holds their rate) and the step where sampling left the greedy path (0: never). A run of another
+    at T = 1 or the lowest, the entropy in nats (as the table stores it), the sampling filter's kept count,
+    the top-1 probability and text; without the KV cache, whether greedy / sampling end in a loop (1.0 or
+    0.0: the set line holds their rate) and the step where sampling left the greedy path (0: never). A run of another
     format_version than this code's is refused (`revisions.load_manifests`)."""
     manifests = revisions.load_manifests(root)
     probs_rows = prompt_tables.prompt_metrics(root, paths.PROBS_PROMPT_METRICS) or {}
@@ -229,7 +229,7 @@ def prompt_figures(root: Path) -> dict[str, dict]:
             listed = [key[0] for key in probs_rows[pid]]
             t = sampling_t if sampling_t in listed else aggregates.aggregate_temperature(listed)
             r = probs_rows[pid][(t,)]
-            fig |= {"T": t, "entropy": r["entropy"] / math.log(2), "kept": r["sampling_kept"],
+            fig |= {"T": t, "entropy": r["entropy"], "kept": r["sampling_kept"],
                     "top1_prob": r["top1_prob"], "top1_text": r["top1_text"]}
         for branch in ("greedy", "sample"):
             if (r := (runs.get(pid) or {}).get((branch, False))) is not None:
@@ -391,7 +391,7 @@ def kept_plot(df, path: Path):
 
 
 def temperature_plot(df, path: Path):
-    """Left: the top candidate's probability, before and after the filter; right: entropy (bits).
+    """Left: the top candidate's probability, before and after the filter; right: entropy (nats).
 
     Both "before" curves depend on the temperature only; top_p = 1 is off, so its "after"
     curve is the "before" one and is not drawn twice. Greedy runs (T = 0: their probs metrics are
@@ -419,7 +419,7 @@ def temperature_plot(df, path: Path):
             off = sub[sub[TOP_P] >= 1.0]   # top_p off keeps every id: the vocabulary, the entropy's ceiling
             if len(off):
                 vocab = int(off[KEPT].max())
-                right.axhline(math.log2(vocab), linestyle=":", color="grey",
+                right.axhline(math.log(vocab), linestyle=":", color="grey",
                               label=f"uniform over {vocab:,} ids" + suffix)
             for p, color in zip(top_ps, _colors(len(top_ps) + 1)):
                 pts = sub[sub[TOP_P] == p].sort_values(T)
@@ -431,7 +431,7 @@ def temperature_plot(df, path: Path):
         temps = sorted(df[T].unique())
         left.set(xlabel="temperature", ylabel="probability of the top candidate", ylim=(0, 1.05), xticks=temps,
                  title="Top candidate's probability")
-        right.set(xlabel="temperature", ylabel="entropy before the filter (bits)", xticks=temps,
+        right.set(xlabel="temperature", ylabel="entropy before the filter (nats)", xticks=temps,
                   title="Entropy of the next-token distribution")
         for ax in (left, right):
             ax.grid(True, alpha=0.3)

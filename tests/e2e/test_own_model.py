@@ -128,5 +128,6 @@ def test_unsupported_or_broken_folders_are_refused_before_anything_is_deleted(ow
     (pickle / "pytorch_model.bin").write_bytes(b"")
     err = _refused(clone, f"model.source.path={pickle}")
     assert "pickle weights only (pytorch_model.bin)" in err and "safetensors only" in err
-    err = _refused(clone, f"model.source.path={tmp_path / 'typo'}")
-    assert "no such folder" in err
+    before = snapshot(clone)         # a folder that does not exist: refused by compose, params.yaml untouched
+    proc = sh(clone, "nexttoken", "compose", "model=local", f"model.source.path={tmp_path / 'typo'}", check=False)
+    assert proc.returncode == 2 and "no such folder" in proc.stderr and snapshot(clone) == before

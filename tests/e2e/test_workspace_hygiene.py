@@ -4,7 +4,8 @@ A fresh clone's first run leaves git nothing DVC asks to add. A committed tiny_q
 comes from a file under prompts/. Then, in order:
 audit is clean and catches an edit of the prompt file (also under `--rev`, which reads the
 committed file), and the checks stage names the stale input; a refused `dvc exp run` leaves
-git status and every artifact as they were; a new file under prompts/ re-runs validate alone;
+git status and every artifact as they were; a new file under prompts/ re-runs validate alone, which
+leaves its outputs and so dvc.lock as they were;
 a temperature change still skips forward; `dvc plots show` leaves nothing for git.
 """
 
@@ -94,6 +95,9 @@ def test_a_refused_exp_run_leaves_the_workspace_as_it_was(clone):
 
 
 def test_a_new_prompt_file_reruns_validate_alone(clone):
+    """... and validate, re-run with nothing it writes changed, leaves its folder byte for byte, so once the file
+    is gone again dvc.lock is the committed one (issue 50: its manifest's times made dvc.lock modified)."""
+    before = {k: v for k, v in artifact_hashes(clone).items() if k.startswith("artifacts/validate/")}
     (clone / "prompts/unused.txt").write_text("a prompt nobody uses\n", encoding="utf-8")
     status = sh(clone, "dvc", "status").stdout
     assert "validate:" in status and "tokenize:" not in status and "checks:" not in status, status
@@ -101,8 +105,10 @@ def test_a_new_prompt_file_reruns_validate_alone(clone):
     assert "Running stage 'validate'" in out
     for stage in ("tokenize", "checks"):
         assert f"Stage '{stage}' didn't change, skipping" in out, out
+    assert {k: v for k, v in artifact_hashes(clone).items() if k.startswith("artifacts/validate/")} == before
     (clone / "prompts/unused.txt").unlink()
     sh(clone, "dvc", "repro")
+    assert not [line for line in porcelain(clone) if line.endswith("dvc.lock")], porcelain(clone)
     sh(clone, "git", "checkout", "--", ".")
 
 

@@ -12,6 +12,7 @@ import io
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from pipeline import api
@@ -82,3 +83,41 @@ def test_a_file_no_manifest_records_is_refused(ws, tmp_path):
     manifest.write_text(manifest.read_text().replace('"artifacts/probs/table/', '"artifacts/probs/elsewhere/'))
     with pytest.raises(api.ArtifactChanged, match="is recorded by no stage manifest"):
         api.open_run(other).probs()
+
+
+def test_tables_carry_each_id_s_piece_and_its_decoded_text(ws):
+    """Issue 50: the probability and lens tables carried ids only. Each id's `piece_text` is that token decoded by the
+    `tokenizers` library straight from the snapshot's tokenizer.json (not the vocab.parquet the API reads), and
+    `piece` its byte-level vocabulary piece: for the Qwen token 问题, `éĹ®é¢ĺ` and `问题`."""
+    from tokenizers import Tokenizer
+    raw = Tokenizer.from_file(str(next((ws / paths.ARTIFACTS / "prepare_model").rglob("tokenizer.json"))))
+    (wenti,) = raw.encode("问题", add_special_tokens=False).ids
+    assert raw.id_to_token(wenti) == "éĹ®é¢ĺ"
+
+    def decoded(i: int) -> str | None:       # an output id past the tokenizer has no token: no text
+        return None if raw.id_to_token(i) is None else raw.decode([i], skip_special_tokens=False)
+
+    def texts(column) -> list[str | None]:
+        return [None if pd.isna(v) else v for v in column]
+
+    run = api.open_run(ws)
+    pid = run.prompt_ids[0]
+    probs = run.probs(pid)
+    assert list(probs.columns[:4]) == ["position", "token_id", "piece", "piece_text"]
+    row = probs[probs.token_id == wenti].iloc[0]
+    assert (row.piece, row.piece_text) == ("éĹ®é¢ĺ", "问题")
+    top = probs.nsmallest(20, ["position", "rank"])
+    assert texts(top.piece_text) == [decoded(i) for i in top.token_id]
+    assert texts(top.piece) == [raw.id_to_token(i) for i in top.token_id]
+    lens = run.lens(pid)
+    assert texts(lens.piece_text) == [decoded(i) for i in lens.token_id]
+    summary = run.lens_summary(pid)
+    assert texts(summary.final_top1_piece_text) == [decoded(i) for i in summary.final_top1_id]
+    tokens = run.tokens(pid)
+    assert texts(tokens.piece_text) == [decoded(i) for i in tokens.token_id] and "问题" in set(tokens.piece_text)
+    steps = run.trajectories(pid)
+    assert texts(steps.piece_text) == [decoded(i) for i in steps.token_id]
+    filtered = run.filtered(pid)
+    assert texts(filtered.piece_text) == [decoded(i) for i in filtered.token_id]
+    past = probs[[raw.id_to_token(i) is None for i in probs.token_id]]     # output ids past the tokenizer: no text
+    assert len(past) and past.piece.isna().all() and past.piece_text.isna().all()

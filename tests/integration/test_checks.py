@@ -597,7 +597,9 @@ def test_a_changed_step1_logit_fails_step1_logits_and_shows_in_the_kv_check(stor
                                                 0.5))
     got = by_name(trajectory.step1_logits(rows, one_row, stored.last_row(), "error"))
     assert got["step1_logits_greedy"].measured == 0.5 and got["step1_logits_greedy_kv"].passed
-    assert got["step1_logits_greedy_kv"].detail == "vs the forward's logits row: max abs diff 0"
+    assert got["step1_logits_greedy_kv"].detail == "vs lm_head one row: max abs diff 0; vs the forward's logits " \
+                                                   "row: max abs diff 0"
+    assert got["step1_logits_greedy"].detail.startswith("vs lm_head one row: max abs diff 0.5 at id 7 ")
     kv = by_name(trajectory.kv_cache(steps, rows, cfg["checks"].kv_cache_atol))
     assert kv["kv_cache_logits_greedy"].measured == 0.5 and not kv["kv_cache_logits_greedy"].passed
     assert kv["kv_cache_logits_greedy"].severity == "report" and kv["kv_cache_logits_sample"].passed

@@ -81,7 +81,7 @@ def test_recorded_with_its_hash_and_its_input_and_metrics_json_unchanged(ws):
     # the prompt's own figures at T=1, from the table)
     assert list(metrics) == ["kept", "mass", "top_bits", "entropy", "entropy_median", "entropy_mean", "kept_median"]
     at_1 = next(r for r in pq.read_table(ws / table_rel).to_pylist() if r["temperature"] == 1.0)
-    assert metrics["entropy_median"] == metrics["entropy_mean"] == at_1["entropy"] / math.log(2)
+    assert metrics["entropy_median"] == metrics["entropy_mean"] == at_1["entropy"] == metrics["entropy"]   # nats
     assert metrics["kept_median"] == at_1["sampling_kept"]
 
 

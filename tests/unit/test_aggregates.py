@@ -9,9 +9,9 @@ from pipeline.numerics import aggregates
 from pipeline.numerics.probs import run_metrics
 
 
-def _fig(bits: float, kept: int) -> dict:
+def _fig(nats: float, kept: int) -> dict:
     """One prompt's sweep figures (`probs.sweep_metrics`: the sampling filter at its own temperature)."""
-    return {"kept": kept, "mass": 0.5, "top_bits": 1.0, "entropy": bits}
+    return {"kept": kept, "mass": 0.5, "top_bits": 1.0, "entropy": nats}
 
 
 def test_probs_aggregates_are_median_and_mean_of_the_prompts_sweep_figures():

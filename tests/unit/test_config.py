@@ -84,6 +84,26 @@ def test_check_composes_with_the_recorded_overrides(tmp_path, monkeypatch):
     assert cli.main(["compose", "--check"]) == 2                      # a damaged record: one line, exit 2
 
 
+def test_compose_refuses_a_local_model_folder_that_does_not_exist(tmp_path, monkeypatch, capsys):
+    """`compose model=local model.source.path=/no/such/dir` exits 2 with one line naming the path and leaves
+    params.yaml and its record as they were (issue 50); a folder that exists composes, whatever it holds: what is
+    in it is the validate stage's to decide."""
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["compose", "model=tiny_qwen2"]) == 0
+    before = {name: (tmp_path / name).read_bytes() for name in ("params.yaml", compose.RECORD)}
+    capsys.readouterr()
+    for path in (str(tmp_path / "no/such/dir"), "models/typo"):
+        assert cli.main(["compose", "model=local", f"model.source.path={path}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"nexttoken compose: error: model.source.path={path!r}: "
+                                                       f"no such folder ({(tmp_path / path).resolve()})"), err
+        assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    (tmp_path / "models/mine").mkdir(parents=True)            # empty: validate refuses it, compose does not
+    assert cli.main(["compose", "model=local", "model.source.path=models/mine"]) == 0
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text())["model"]["source"]["path"] == "models/mine"
+
+
 def test_a_section_no_stage_reads_is_refused(tmp_path):
     """A hand-edited params.yaml with `foo: 1` is refused by every reader, as unknown keys are."""
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text() + "foo: 1\n")

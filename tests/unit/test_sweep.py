@@ -8,6 +8,7 @@ two prompts (the Chinese reference one and a custom one), temperatures, top_p, s
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from pathlib import Path
 
@@ -108,10 +109,13 @@ def test_probs_metrics_give_small_probabilities_in_bits():
     row = np.log(np.array([1.3876e-05, 1 - 1.3876e-05 - 0.5, 0.5])).astype(np.float32)   # top p = 0.5: 1 bit
     m = sweep_metrics(row, {"temperature": 1.0, "kept_count": 2, "kept_mass": 0.99998})
     assert set(m) == {"kept", "mass", "top_bits", "entropy"} and m["kept"] == 2 and m["mass"] == 0.99998
-    assert m["top_bits"] == pytest.approx(1.0, abs=1e-6) and 0 < m["entropy"] < 1.01
+    assert m["top_bits"] == pytest.approx(1.0, abs=1e-6)
+    p = np.exp(row.astype(np.float64)) / np.exp(row.astype(np.float64)).sum()
+    assert m["entropy"] == pytest.approx(-(p * np.log(p)).sum(), rel=1e-6)     # nats (bits would be 1.0003)
     tiny = sweep_metrics(np.log(np.full(72064, 1 / 72064)).astype(np.float32),
                          {"temperature": 2.0, "kept_count": 1, "kept_mass": 1 / 72064})
     assert f"{tiny['top_bits']:.5g}" == "16.137"           # p = 1.3877e-05, faithful at DVC's 5 digits
+    assert tiny["entropy"] == pytest.approx(math.log(72064), rel=1e-9)   # uniform: ln V nats at any T
     assert sweep_metrics(np.array([0.0, -1e9], np.float32), {"temperature": 1.0, "kept_count": 1,
                                                              "kept_mass": 1.0})["top_bits"] == 0.0   # not -0.0
 
