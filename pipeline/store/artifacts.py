@@ -12,6 +12,7 @@ the repository files as they are now (else it is stale, and named so).
 from __future__ import annotations
 
 import functools
+import html
 import json
 import os
 import re
@@ -434,7 +435,6 @@ def _mark_html(page: Path, line: str) -> None:
     text = page.read_text(encoding="utf-8")
     if f'id="{STALE_HTML_ID}"' in text:
         return
-    import html
     banner = (f'<div id="{STALE_HTML_ID}" role="alert" style="background:#b00020;color:#fff;padding:.6em 1em;'
               f'font:600 1.05rem/1.4 sans-serif">Stale report: {html.escape(line)}</div>')
     body = re.search(r"<body[^>]*>", text, flags=re.I)
