@@ -513,14 +513,26 @@ def stage_main(stage: str, body: Callable[[], None]) -> None:
     try:
         body()
     except UserError as e:
-        note = "" if stage in UNMARKED else stale_report_note()     # a refused config changed nothing
-        print(f"nexttoken {stage}: error: {e}{note}", file=sys.stderr)
+        print(f"nexttoken {stage}: error: {e}{_failed(stage)}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
+        _failed(stage)
         print(interrupted(stage), file=sys.stderr)
         sys.exit(130)
+    except Exception:                 # a bug: its traceback follows
+        _failed(stage)
+        raise
     finally:
         _entry_stage = None
+
+
+def _failed(stage: str) -> str:
+    """A stage that feeds the report failed, maybe before its stage_run marked the report (under DVC its outputs
+    are gone already): the report is marked now; the note for its line. A refused config changed nothing."""
+    if stage in UNMARKED:
+        return ""
+    mark_report_stale(stage)
+    return stale_report_note()
 
 
 # ---------------------------------------------------------------- readers

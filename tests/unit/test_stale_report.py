@@ -109,3 +109,22 @@ def test_stage_main_ends_a_failing_stages_line_with_the_last_good_report(tmp_pat
     assert err.count("\n") == 1 and err.startswith("nexttoken trajectories: error: input artifacts/tokenize/tokens "
                                                    "is missing; the last good report, of an earlier run (git commit ")
     assert "stage trajectories" in paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8")
+
+
+def test_a_stage_failing_before_its_work_started_marks_the_report_too(tmp_path, monkeypatch, capsys):
+    """Under DVC a stage's outputs are gone before it runs: one that stops before its stage_run (a memory guard,
+    a bad setting) leaves a broken chain, so the report is marked then; validate's refusal changes nothing."""
+    before = _report(tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    def refuse():
+        raise UserError("not enough memory for the forward pass")
+    with pytest.raises(SystemExit):
+        artifacts.stage_main("validate", refuse)
+    assert paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8") == before["report.md"]
+    assert capsys.readouterr().err == "nexttoken validate: error: not enough memory for the forward pass\n"
+    with pytest.raises(SystemExit):
+        artifacts.stage_main("forward", refuse)
+    assert "stage forward" in paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8").splitlines()[0]
+    assert capsys.readouterr().err.startswith("nexttoken forward: error: not enough memory for the forward pass; "
+                                              "the last good report, of an earlier run (git commit 0123456789ab")
