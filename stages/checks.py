@@ -17,7 +17,7 @@ from pathlib import Path
 from pipeline import kernels, warm
 from pipeline.config import registry, schema
 from pipeline.store import paths
-from pipeline.store.artifacts import stage_main, stage_run
+from pipeline.store.artifacts import stage_main, stage_run, stale_report_note
 
 STAGE = "checks"
 
@@ -33,7 +33,7 @@ def main() -> None:
     print(stage.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails
         print(f"nexttoken {STAGE}: error checks failed: {failed} "
-              f"(see {paths.artifact(paths.CHECKS).as_posix()})", file=sys.stderr)
+              f"(see {paths.artifact(paths.CHECKS).as_posix()}){stale_report_note()}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline import warm
 from pipeline.config import prompt_set, registry, schema
-from pipeline.store import paths
+from pipeline.store import paths, provenance
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "report"
@@ -27,7 +27,9 @@ def main() -> None:
         run.model = inputs.manifests.get("forward", {}).get("model")
         font = plots.fonts()
         run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None,
-                     "prompts": len(ids), "detail": chosen}
+                     "prompts": len(ids), "detail": chosen,
+                     # the config this report shows, named by a report a later run marks stale
+                     "params_sha256": provenance.sha256_file(Path(paths.PARAMS))}
         figures = render.draw(inputs, run.out, font)
         across = set_plots.draw(prompts, run.out, font)
         files = pages.write(run.use, run.out, inputs, ids, lambda pid: render.load(run.use, pid, prompts=prompts))

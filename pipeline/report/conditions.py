@@ -3,6 +3,7 @@ kernel path, git; each stage's record; the library versions, from the manifests 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pipeline import kernels
@@ -18,6 +19,40 @@ def kernel_path(record: dict | None) -> str:
     return (f"{kernels.summary(record)}; CPU flags {' '.join(record.get('cpu_flags') or []) or 'unknown'}; "
             f"MKL {record.get('mkl')}, oneDNN {record.get('onednn')}"
             + (f"; CUDA: {', '.join(f'{k}={v}' for k, v in cuda.items())}" if cuda else ""))
+
+
+# Model configs named after their kind of source (conf/model/local.yaml, hub.yaml, tiny.yaml): the name says how the
+# model was found, not which model it is.
+GENERIC_NAMES = ("local", "hub", "tiny")
+
+
+def model_title(source: dict) -> str:
+    """Which model a run used, as the report's title names it: the config's name, or where that name is only the
+    kind of source (`model=local`), the model's folder name (a hub model: its id) with its model_type."""
+    name, kind = source.get("name"), source.get("kind")
+    if name != kind or name not in GENERIC_NAMES:
+        return str(name)
+    model_type = (source.get("model") or {}).get("model_type") or source.get("family")
+    folder = source.get("snapshot_dir") or source.get("path")
+    which = source.get("hub_id") if kind == "hub" else Path(folder).name if kind == "local" and folder else None
+    about = ", ".join(str(x) for x in (model_type, f"model={name}") if x)
+    return f"{which} ({about})" if which else f"{name} ({model_type or 'model_type not recorded'})"
+
+
+def stage_rows(manifests: dict[str, dict]) -> list[list]:
+    """One row per stage of the graph (paths.STAGES, dvc.yaml's order): its manifest's record, or why there is none."""
+    rows = []
+    for st in paths.STAGES:
+        m = manifests.get(st)
+        if st == "report":
+            rows.append([st, "this report", "-", "-", "-", "-", f"in {src(paths.manifest_path(st))}"])
+        elif m is None:
+            rows.append([st, "not run (no manifest)", "-", "-", "-", "-", "-"])
+        else:
+            rows.append([st, m.get("created_at"), m.get("duration_s"), m.get("hardware", {}).get("cpu_model"),
+                         ", ".join(g["name"] for g in m.get("hardware", {}).get("gpus", [])) or "-",
+                         (m.get("config_sha256") or "")[:12], (m.get("git") or {}).get("commit") or "-"])
+    return rows
 
 
 def conditions(inp: Any) -> list[str]:
@@ -53,12 +88,8 @@ def conditions(inp: Any) -> list[str]:
     out = ["## 1. Run conditions", ""] + table(["", "value"], rows, [
         src(paths.SOURCE), inp.cite(paths.FORWARD_FACTS), src(paths.manifest_path("forward")),
         "artifacts/*/manifest.json"])
-    stage_rows = [[st, m.get("created_at"), m.get("duration_s"), m.get("hardware", {}).get("cpu_model"),
-                   ", ".join(g["name"] for g in m.get("hardware", {}).get("gpus", [])) or "-",
-                   (m.get("config_sha256") or "")[:12], (m.get("git") or {}).get("commit") or "-"]
-                  for st, m in inp.manifests.items()]
     out += ["Stages:", ""] + table(["stage", "created (UTC)", "duration (s)", "CPU", "GPU", "config sha256",
-                                    "git commit"], stage_rows, "artifacts/*/manifest.json")
+                                    "git commit"], stage_rows(inp.manifests), "artifacts/*/manifest.json")
     libs = fwd.get("libraries", {})
     lib_rows = []
     for lib, version in libs.items():

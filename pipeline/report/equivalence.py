@@ -27,14 +27,15 @@ def load(use: Callable[..., Path], prompt_id: str, root: Path | str = ".") -> li
 
 
 def _g(x: float) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{x:.3g}"
+    return "n/a" if x is None else "NaN" if math.isnan(x) else f"{x:.3g}"
 
 
 def _row(r: dict) -> list:
-    if math.isnan(r["max_abs_diff"]):
+    if r["kept_recorded"] < 0:      # no logits to compare (`compare.empty`); a variation that ran may give NaN
         return [name(r["variation"]), r["compared"], "not run: " + r["note"], *[""] * 8]
     flips = r["top1_changed"]
-    return [name(r["variation"]), f"{r['compared']} ({r['n_positions']})", _g(r["max_abs_diff"]),
+    worst = "NaN (the variant's logits hold NaN)" if math.isnan(r["max_abs_diff"]) else _g(r["max_abs_diff"])
+    return [name(r["variation"]), f"{r['compared']} ({r['n_positions']})", worst,
             _g(r["mean_abs_diff"]), ", ".join(map(str, flips)) if flips else "none",
             f"{r['kept_recorded']} → {r['kept_variant']}", f"{r['kept_jaccard']:.4f}", _g(r["kl_mean"]),
             _g(r["kl_max"]), yes(r["bit_identical"]),

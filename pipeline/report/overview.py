@@ -22,7 +22,7 @@ from pipeline.store import paths
 from pipeline.store.artifacts import read_json, read_manifest_once, read_parquet
 
 Use = Callable[..., Path]        # StageRun.use(item, prompt_id=None): records an input, returns its path
-UPSTREAM = ("prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "checks")
+UPSTREAM = tuple(s for s in paths.STAGES if s != "report")    # every stage whose manifest the report reads
 EXCERPT = 40                     # characters of a prompt's text or a continuation shown in the overview
 GREEDY, SAMPLE = "greedy", "sample"
 # A set of more prompts than this gets their distribution (quantiles, counts), not one line each (issue 29):

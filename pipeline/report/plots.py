@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,8 +48,29 @@ class Fonts:
         return all(ord(c) in self.codepoints and c.isprintable() for c in text)
 
     def drawable(self, text: str) -> str:
-        """text with each character the fonts cannot draw escaped (\\uXXXX), so no glyph goes missing."""
-        return "".join(c if c in "\n" or self.covers(c) else json.dumps(c)[1:-1] for c in text)
+        """text with each character the fonts cannot draw escaped (`escape`), so no glyph goes missing; a
+        surrogate pair is first read as the one character it encodes (`real_characters`)."""
+        return "".join(c if c in "\n" or self.covers(c) else escape(c) for c in real_characters(text))
+
+
+def real_characters(text: str) -> str:
+    """text with each UTF-16 surrogate pair (two code points, as a JSON `\\ud83c\\udf55` reads back in some
+    readers) joined into the character it encodes (U+1F355); a lone surrogate stays as it is."""
+    if not any("\ud800" <= c <= "\udfff" for c in text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+
+
+def escape(c: str) -> str:
+    """One character as a Python escape: `\\u00e9` in the Basic Multilingual Plane; beyond it (emoji) by its
+    Unicode name, `\\N{SLICE OF PIZZA}`, or `\\U0001f355` where it has none. One escape per character: never
+    the two halves of a UTF-16 surrogate pair, as JSON writes them."""
+    if c == "\n":
+        return "\\n"
+    if ord(c) <= 0xFFFF:
+        return f"\\u{ord(c):04x}"
+    named = unicodedata.name(c, "")
+    return f"\\N{{{named}}}" if named else f"\\U{ord(c):08x}"
 
 
 @lru_cache(maxsize=1)
@@ -74,7 +96,7 @@ def fonts() -> Fonts:
 def token_label(token_id: int, info: dict | None, font: Fonts) -> str:
     """Two lines: the token's text (quoted, so spaces show) and its id.
 
-    Text the fonts cannot draw is shown escaped (\\uXXXX) rather than as empty boxes; a
+    Text the fonts cannot draw is shown escaped (`escape`) rather than as empty boxes; a
     piece that is only part of a UTF-8 character shows its bytes; ids past the tokenizer
     (the model's output can be larger) say so.
     """
@@ -83,8 +105,7 @@ def token_label(token_id: int, info: dict | None, font: Fonts) -> str:
     elif info.get("decodes_alone") is False:
         shown = "bytes " + (info.get("piece_bytes_hex") or "?")
     else:
-        quoted = json.dumps(info["text"], ensure_ascii=False)
-        shown = quoted if font.covers(quoted) else json.dumps(info["text"], ensure_ascii=True)
+        shown = font.drawable(json.dumps(real_characters(info["text"]), ensure_ascii=False))
     return f"{shown}\nid {token_id}"
 
 
@@ -147,6 +168,41 @@ def new_figure(size: tuple[float, float] = SIZE_IN):
     fig = MplFigure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+MINOR_ORDER = (5, 2, 3, 4, 6, 7, 8, 9)     # which minor labels of a log decade are kept first, where not all fit
+
+
+def plain_log_axis(axis) -> None:
+    """A log-scale axis (ax.yaxis / ax.xaxis) labelled in plain numbers (40, not 4 x 10^1) whose labels never
+    overlap: every major (decade) label, and of the minor ticks' labels those that fit beside the ones kept
+    before them (5, then 2, then 3 ... of each decade), measured on the laid-out figure."""
+    from matplotlib.ticker import FuncFormatter
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    axis.set_major_formatter(plain)
+    axis.set_minor_formatter(plain)
+    fig = axis.axes.figure
+    fig.canvas.draw()                                  # the layout: where each label lands, how large it is
+    renderer = fig.canvas.get_renderer()
+    lo, hi = sorted(axis.get_view_interval())
+
+    def shown(ticks, locs) -> list:
+        return [(t.label1.get_window_extent(renderer), float(v)) for t, v in zip(ticks, locs)
+                if lo <= v <= hi and t.label1.get_visible() and t.label1.get_text()]
+    kept = [box for box, _ in shown(axis.get_major_ticks(len(axis.get_majorticklocs())), axis.get_majorticklocs())]
+    minor_locs = axis.get_minorticklocs()
+    minor = shown(axis.get_minor_ticks(len(minor_locs)), minor_locs)
+    labelled = set()
+    for box, v in sorted(minor, key=lambda bv: (_minor_rank(bv[1]), bv[1])):
+        if not any(box.expanded(1.0, 1.15).overlaps(k) for k in kept):
+            kept.append(box)
+            labelled.add(f"{v:g}")
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}" in labelled else ""))
+
+
+def _minor_rank(v: float) -> int:
+    mantissa = round(v / 10 ** np.floor(np.log10(v)))
+    return MINOR_ORDER.index(mantissa) if mantissa in MINOR_ORDER else len(MINOR_ORDER)
 
 
 def save(fig, path: Path) -> None:

@@ -368,7 +368,7 @@ def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overvi
     n = len(prompts.ids) if prompts else 1
     what = (f"prompt {prompt_name} ({shown})" if n == 1 else
             f"prompt set {prompt_name} ({n} prompts; detail: {inp.prompt_id}, {shown})")
-    lines = [f"# Next-token report: {inp.source.get('name')} on {what}", "",
+    lines = [f"# Next-token report: {run_conditions.model_title(inp.source)} on {what}", "",
              "Written by the `report` stage from the artifacts only: each table names the file its numbers come "
              f"from. Figures of one prompt are drawn at {inp.where()}; plot fonts: {fonts}.", "",
              f"Explore it: [{paths.EXPLORER[1]}]({paths.EXPLORER[1]}), one offline page per prompt (tokens, the "

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.report import overview
-from pipeline.report.plots import Figure, Fonts, new_figure, rc, save, write_csv
+from pipeline.report.plots import Figure, Fonts, new_figure, plain_log_axis, rc, save, write_csv
 
 LABEL_CHARS = 24     # characters of a prompt's text in its axis label
 
@@ -36,13 +36,9 @@ def _strip(ax, groups: list[tuple[float, list[tuple[str, float]]]], log: bool) -
         ax.plot([a for a, _ in pts], [b for _, b in pts], "-", color="gray", alpha=0.35, lw=0.8)
         ax.plot([a for a, _ in pts], [b for _, b in pts], "o", color="tab:blue", ms=3.5, alpha=0.8)
     ax.set_xticks(x, [f"T = {t:g}" for t, _ in groups])
-    if log:
-        from matplotlib.ticker import FuncFormatter
-        ax.set_yscale("log")
-        plain = FuncFormatter(lambda v, _: f"{v:g}")     # 40, not 4 x 10^1
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
     ax.grid(axis="y", alpha=0.3, which="both")
+    if log:
+        ax.set_yscale("log")             # labelled once the figure is complete (`plain_log_axis`)
 
 
 def nucleus(out: Callable[[str], Path], s: overview.SetInputs, filter_name: str, font: Fonts) -> Figure:
@@ -56,6 +52,7 @@ def nucleus(out: Callable[[str], Path], s: overview.SetInputs, filter_name: str,
         _strip(ax, groups, log=True)
         ax.set_ylabel(f"ids kept by {filter_name} (log scale)")
         ax.set_title(f"Nucleus size against temperature across {len(s.ids)} prompts")
+        plain_log_axis(ax.yaxis)         # 40, not 4 x 10^1; the minor labels that fit, none overlapping
         save(fig, out("plots/set_nucleus.png"))
     return Figure("set_nucleus", "plots/set_nucleus.png", "plots/set_nucleus.csv",
                   f"How many ids `{filter_name}` keeps at each temperature, one dot per prompt (a gray line joins "

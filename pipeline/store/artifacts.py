@@ -12,6 +12,7 @@ the repository files as they are now (else it is stale, and named so).
 from __future__ import annotations
 
 import functools
+import html
 import json
 import os
 import re
@@ -385,11 +386,112 @@ def _rel(path: Path, root: Path) -> str:
     return Path(os.path.relpath(path, root)).as_posix()
 
 
+# ---------------------------------------------------------------- a report that is no longer current
+# When a stage that feeds the report starts its work, the report in artifacts/report/ stops being the current
+# run's. Its pages are replaced (a new file, then os.replace: DVC's cache may hard-link outputs, so nothing is
+# edited in place) by copies that say so at their top. A run that completes re-runs the report stage (or DVC
+# restores it from its run-cache: its outputs changed), and the clean report comes back; a run that fails, or
+# is killed (even by the OOM killer, where no handler runs), leaves the line in place.
+# Not marked by: validate (a refused config changes nothing; its success alone changes no stage's inputs), the
+# report stage itself (DVC removes its outputs before it runs), or a stage body run outside its entry point
+# (`nexttoken verify` re-runs stages in a scratch folder whose artifacts/report links to the real one).
+UNMARKED = ("validate", "report")
+STALE_MD = "> **Stale report:**"                       # report.md's first line, once marked
+STALE_HTML_ID = "nexttoken-stale"                     # the explorer pages' banner element
+_entry_stage: str | None = None                       # set by `stage_main`: this process is that stage's run
+
+
+def _report_origin(root: Path) -> str:
+    """Which run the report belongs to, from its manifest: git commit, params.yaml, when it was made."""
+    try:
+        m = json.loads(paths.manifest_path("report", root).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "an earlier run (its manifest is unreadable)"
+    git = m.get("git") or {}
+    commit = f"git commit {git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}" if git.get("commit") \
+        else "no git commit recorded"
+    params = (m.get("facts") or {}).get("params_sha256")
+    config = f"params.yaml sha256 {params[:12]}" if params else "params.yaml not recorded"
+    return f"an earlier run ({commit}, {config}, made {m.get('created_at')})"
+
+
+def stale_banner(origin: str, stage: str, started: str) -> str:
+    """The line a stale report carries at its top."""
+    return (f"this report belongs to {origin}. A later run started {started} in stage {stage} and has not "
+            f"finished: its numbers are not shown here. `dvc repro` brings the report up to date.")
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """path's content replaced by a new file (never edited in place: it may be a hard link into DVC's cache)."""
+    tmp = path.with_name(f".{path.name}.stale-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _mark_html(page: Path, line: str) -> None:
+    text = page.read_text(encoding="utf-8")
+    if f'id="{STALE_HTML_ID}"' in text:
+        return
+    banner = (f'<div id="{STALE_HTML_ID}" role="alert" style="background:#b00020;color:#fff;padding:.6em 1em;'
+              f'font:600 1.05rem/1.4 sans-serif">Stale report: {html.escape(line)}</div>')
+    body = re.search(r"<body[^>]*>", text, flags=re.I)
+    at = body.end() if body else 0
+    _replace_text(page, text[:at] + banner + text[at:])
+
+
+def mark_report_stale(stage: str, root: Path | str = ".", started: str | None = None) -> Path | None:
+    """Mark artifacts/report/ as not the current run's: report.md and every explorer page get a first line
+    naming the run they belong to and the stage whose run started since; the report.md marked, or None where
+    there is no report. Already marked pages keep their first mark (the run they belong to is still that one).
+    A page that cannot be read or rewritten is removed: a report must never look current when it is not."""
+    folder = paths.stage_dir("report", root)
+    report = folder / paths.REPORT[1]
+    if not report.is_file():
+        return None
+    if stale_report_note(root):                # marked already, report.md last: every page is (the chain's
+        return report                          # later stages read no 32 explorer pages again)
+    started = started or datetime.now(UTC).isoformat(timespec="seconds")
+    line = stale_banner(_report_origin(Path(root)), stage, started)
+    pages = sorted(folder.glob("explorer*.html"))
+    for page in [*pages, report]:              # report.md last: its mark says every page is marked
+        try:
+            if page == report:
+                text = page.read_text(encoding="utf-8")
+                if not text.startswith(STALE_MD):
+                    _replace_text(page, f"{STALE_MD} {line}\n\n{text}")
+            else:
+                _mark_html(page, line)
+        except (OSError, ValueError):
+            page.unlink(missing_ok=True)
+    return report if report.is_file() else None
+
+
+def stale_report_note(root: Path | str = ".") -> str:
+    """The end of a failing stage's one line: where the last good report is (marked stale); "" where there is
+    no marked report."""
+    report = paths.artifact(paths.REPORT, root)
+    try:
+        with open(report, encoding="utf-8") as f:
+            marked = f.read(len(STALE_MD)) == STALE_MD
+    except (OSError, ValueError):
+        return ""
+    if not marked:
+        return ""
+    rel = paths.artifact(paths.REPORT).as_posix()
+    return f"; the last good report, of {_report_origin(Path(root))}, is {rel} (marked stale)"
+
+
 @contextmanager
 def stage_run(stage: str, config: dict[str, Any], root: Path | str = ".") -> Iterator[StageRun]:
-    """Run a stage's body; commit its outputs on success, leave nothing on failure."""
+    """Run a stage's body; commit its outputs on success, leave nothing on failure. Run from the stage's own
+    entry point (`stage_main`), a stage that feeds the report first marks the report stale (above)."""
     run = StageRun(stage, Path(root), config)
     try:
+        if stage == _entry_stage and stage not in UNMARKED:
+            mark_report_stale(stage, root)
         yield run
         run.commit()
     finally:
@@ -406,14 +508,31 @@ def stage_main(stage: str, body: Callable[[], None]) -> None:
     # Ctrl-C is a KeyboardInterrupt again, so the staging folder is removed on the way out
     # (stages/__init__.py made it a quiet exit while the stage module was importing).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    global _entry_stage
+    _entry_stage = stage              # its stage_run marks the report stale (a process that goes on: reset below)
     try:
         body()
     except UserError as e:
-        print(f"nexttoken {stage}: error: {e}", file=sys.stderr)
+        print(f"nexttoken {stage}: error: {e}{_failed(stage)}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
+        _failed(stage)
         print(interrupted(stage), file=sys.stderr)
         sys.exit(130)
+    except Exception:                 # a bug: its traceback follows
+        _failed(stage)
+        raise
+    finally:
+        _entry_stage = None
+
+
+def _failed(stage: str) -> str:
+    """A stage that feeds the report failed, maybe before its stage_run marked the report (under DVC its outputs
+    are gone already): the report is marked now; the note for its line. A refused config changed nothing."""
+    if stage in UNMARKED:
+        return ""
+    mark_report_stale(stage)
+    return stale_report_note()
 
 
 # ---------------------------------------------------------------- readers

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -142,3 +144,44 @@ def test_dvc_repro_on_a_set_runs_and_is_then_up_to_date(clone):
     checks = pq.read_table(clone / "artifacts/checks/checks.parquet").to_pylist()
     assert {c["prompt_id"] for c in checks} >= {r["id"] for r in records[:2]}
     assert all(c["verdict"] == "pass" for c in checks if c["severity"] == "error")
+
+
+def test_a_failed_run_leaves_no_report_that_looks_current(clone):
+    """Issue 50: after a good run, a stage killed as the OOM killer kills (SIGKILL, no handler runs) leaves the
+    report and every explorer page carrying a first line that names the run they belong to and the stage that
+    started since; a stage failing with its own error says where that report is; a complete `dvc repro` brings
+    the clean report back, and DVC is then up to date."""
+    from pipeline.store.artifacts import STALE_HTML_ID, STALE_MD
+    from tests.reliability.test_interrupted import start_paused
+
+    folder = paths.stage_dir("report", clone)
+    sh(clone, "dvc", "repro")                              # whatever an earlier test left: a good run first
+    clean = {p.name: p.read_text(encoding="utf-8") for p in folder.iterdir() if p.suffix in (".md", ".html")}
+    assert "report.md" in clean and "explorer.html" in clean and not clean["report.md"].startswith(STALE_MD)
+    made_by = json.loads(paths.manifest_path("report", clone).read_text())["git"]["commit"][:12]
+
+    proc, pid = start_paused(clone, "forward.capture", ["dvc", "repro", "--force", "--single-item", "forward"])
+    os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    for name, text in clean.items():
+        now = (folder / name).read_text(encoding="utf-8")
+        if name == "report.md":
+            first = now.splitlines()[0]
+            assert first.startswith(STALE_MD) and "stage forward" in first and f"git commit {made_by}" in first
+            assert "params.yaml sha256 " in first and now.endswith(text)         # the old report follows, whole
+        else:
+            body = text.index("<body>") + len("<body>")
+            assert now.index(f'id="{STALE_HTML_ID}"') < body + 20 and now.count(STALE_HTML_ID) == 1, name
+            assert "stage forward" in now and now.replace(now[body:now.index("</div>", body) + 6], "") == text
+
+    failed = sh(clone, "python", "-m", "stages.logits", check=False)   # its input is gone: its own one line
+    assert failed.returncode == 2 and failed.stderr.count("\n") == 1, failed.stderr
+    assert f"the last good report, of an earlier run (git commit {made_by}" in failed.stderr
+    assert "is artifacts/report/report.md (marked stale)" in failed.stderr
+    assert (folder / "report.md").read_text(encoding="utf-8").count(STALE_MD) == 1   # marked once
+
+    sh(clone, "dvc", "repro")
+    assert not any(STALE_MD in p.read_text(encoding="utf-8") or STALE_HTML_ID in p.read_text(encoding="utf-8")
+                   for p in folder.iterdir() if p.suffix in (".md", ".html"))
+    assert "up to date" in sh(clone, "dvc", "status").stdout

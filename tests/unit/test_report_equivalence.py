@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from pipeline.numerics import compare
 from pipeline.report import equivalence
 
 ROW = {"variation": "sdpa", "compared": "logits at the prompt positions", "n_positions": 25, "max_abs_diff": 0.125,
@@ -21,10 +22,24 @@ def test_the_table_shows_each_figure():
 
 
 def test_a_variation_not_run_says_why_and_no_matrix_no_section():
-    gone = {**ROW, "variation": "kernels", "max_abs_diff": math.nan, "note": "capture.kernels=portable could not run"}
+    gone = {**ROW, "variation": "kernels", **compare.empty("capture.kernels=portable could not run")}
     line = next(x for x in equivalence.markdown([gone], "q").splitlines() if x.startswith("| `kernels`"))
     assert "not run: capture.kernels=portable could not run" in line
     assert equivalence.markdown(None, "q") == ""
+
+
+def test_a_variation_that_ran_and_gave_nan_says_so_not_that_it_did_not_run():
+    """Issue 50: float16 ran and its logits held NaN; the row said "not run: 105 of 105 captured tensors differ"."""
+    import torch
+    recorded = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.25, 4.0]])
+    variant = recorded.clone()
+    variant[1, 2] = math.nan
+    ran = {**ROW, "variation": "float16", **compare.compare(recorded, variant, [0, 1]),
+           "note": "105 of 105 captured tensors differ"}
+    assert math.isnan(ran["max_abs_diff"]) and ran["kept_recorded"] >= 0
+    line = next(x for x in equivalence.markdown([ran], "q").splitlines() if x.startswith("| `float16`"))
+    assert "not run" not in line and "| NaN (the variant's logits hold NaN) |" in line
+    assert "n/a" not in line and "| NaN |" in line        # the mean and KL are NaN too: computed, not missing
 
 
 def test_the_explorer_embeds_each_variant_in_the_fewest_bytes_that_give_it_back():
