@@ -31,8 +31,8 @@ def _g(x: float) -> str:
 
 
 def _row(r: dict) -> list:
-    if math.isnan(r["max_abs_diff"]):
-        return [name(r["variation"]), r["compared"], "not run: " + r["note"], *[""] * 8]
+    if r["kept_recorded"] < 0:      # did not run: its note says why ("not applicable: ..." or "not run: ...")
+        return [name(r["variation"]), r["compared"], r["note"], *[""] * 8]
     flips = r["top1_changed"]
     return [name(r["variation"]), f"{r['compared']} ({r['n_positions']})", _g(r["max_abs_diff"]),
             _g(r["mean_abs_diff"]), ", ".join(map(str, flips)) if flips else "none",

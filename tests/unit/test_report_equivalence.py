@@ -21,9 +21,14 @@ def test_the_table_shows_each_figure():
 
 
 def test_a_variation_not_run_says_why_and_no_matrix_no_section():
-    gone = {**ROW, "variation": "kernels", "max_abs_diff": math.nan, "note": "capture.kernels=portable could not run"}
+    gone = {**ROW, "variation": "kernels", "max_abs_diff": math.nan, "kept_recorded": -1,
+            "note": "not applicable: no second kernel path here"}
     line = next(x for x in equivalence.markdown([gone], "q").splitlines() if x.startswith("| `kernels`"))
-    assert "not run: capture.kernels=portable could not run" in line
+    assert "| not applicable: no second kernel path here |" in line
+    # a variation that ran and gave NaN (float16 overflowing) is a run row with its figures, not "not run"
+    nan = {**ROW, "variation": "float16", "max_abs_diff": math.nan, "kl_mean": math.nan, "note": "23 of 23 differ"}
+    line = next(x for x in equivalence.markdown([nan], "q").splitlines() if x.startswith("| `float16`"))
+    assert "not run" not in line and "| n/a |" in line and "438 → 439" in line
     assert equivalence.markdown(None, "q") == ""
 
 
