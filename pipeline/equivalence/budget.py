@@ -47,6 +47,11 @@ def four_tv(tokens: int, vocab: int) -> int:
     return 4 * tokens * vocab
 
 
+def widths(tokens: int, fillers: list[list[int]]) -> dict[str, int]:
+    """Each batch variation's padded width: its longest row (the prompt, the fillers cycled beside it)."""
+    return {b: max([tokens, *(len(fillers[i % len(fillers)]) for i in range(n - 1))]) for b, n in BATCH.items()}
+
+
 def _pass(e: memory.Estimate, rows: int = 1) -> int:
     """One forward pass of `rows` sequences above its weights, outputs aside: a layer's eager attention (sdpa's
     counted the same, an upper bound) and the activations."""

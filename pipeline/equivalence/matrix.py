@@ -185,9 +185,7 @@ def plans(stage: StageRun, s: v.Setup, cfg: EquivalenceConfig, pids: list[str], 
     for pid in pids:
         facts = read_json(stage.use(paths.FORWARD_FACTS, pid))
         t = len(facts["input_ids"])
-        width = {b: max([t, *(len(fillers[i % len(fillers)]) for i in range(n - 1))])
-                 for b, n in budget.BATCH.items()}
-        out[pid] = budget.predict(s.snapshot, s.dtype, t, s.spec, cfg.variations, width,
+        out[pid] = budget.predict(s.snapshot, s.dtype, t, s.spec, cfg.variations, budget.widths(t, fillers),
                                   int(facts["output_size"]), s.trust_remote_code)
         budget.guard(out[pid], weights, pid)
     return out
