@@ -69,9 +69,10 @@ def predict(snapshot, dtype: torch.dtype, tokens: int, spec: CaptureSpec, variat
         elif v in BATCH:                # the LM head sees the prompt's row only (variations.lm_head_rows)
             wide = memory.estimate(snapshot, dtype, width[v], spec, trust_remote_code)
             work[v] = _pass(wide, BATCH[v]) + est.logits
-        elif v in DTYPES:               # a full capture in that dtype, and it rounded to the record's dtype
-            other = memory.estimate(snapshot, DTYPES[v], tokens, spec, trust_remote_code)
-            work[v], models[v] = _pass(other) + other.captured + est.captured, other.weights
+        elif v in DTYPES:               # a full capture in that dtype; during the pass its attention, after it
+            other = memory.estimate(snapshot, DTYPES[v], tokens, spec, trust_remote_code)     # one tensor rounded
+            work[v] = other.captured + max(_pass(other), est.logits)                        # to the record's dtype
+            models[v] = other.weights
         elif v == "threads_1":          # a full capture
             work[v] = _pass(est) + est.captured
         elif v == "kernels":            # the subprocess's capture, loaded back here; the subprocess loads a model

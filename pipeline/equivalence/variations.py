@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,14 +99,33 @@ def ran_with(s: Setup, **changes) -> dict:
     return {**base, **changes}
 
 
+class _Rounded(Mapping):
+    """The tensors, each rounded to its dtype in `dtypes` when read: one rounded copy alive at a time (all at once
+    they would be another capture's worth of memory)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]):
+        self.tensors, self.dtypes = tensors, dtypes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        return t.to(self.dtypes[name]) if name in self.dtypes and t.is_floating_point() else t
+
+    def __contains__(self, name) -> bool:        # Mapping's would round the tensor to answer
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 def _first(rec: Recorded, tensors: dict[str, torch.Tensor], cast: bool) -> tuple[str | None, str]:
     """The first captured tensor (forward order) whose values differ; cast: rounded to the recorded dtype first."""
-    if cast:
-        tensors = {k: v.to(rec.tensors[k].dtype) if k in rec.tensors and v.is_floating_point() else v
-                   for k, v in tensors.items()}
     names = [n for n in rec.order if n != "input_ids"]
-    d = divergence.first_diverging_tensor({n: rec.tensors[n] for n in names}, {n: tensors[n] for n in names if n in
-                                          tensors}, names, len(rec.ids))
+    mine = _Rounded({n: tensors[n] for n in names if n in tensors},
+                    {n: rec.tensors[n].dtype for n in names} if cast else {})
+    d = divergence.first_diverging_tensor({n: rec.tensors[n] for n in names}, mine, names, len(rec.ids))
     how = "after rounding to the recorded dtype" if cast else "bit for bit"
     if d is None:
         return None, f"all {len(names)} captured tensors equal ({how})"
