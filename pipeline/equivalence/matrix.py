@@ -8,10 +8,16 @@ recorded positions, the rows its figures were computed from (`pipeline.store.var
 the explorer's Equivalence tab compares with the record. The kv_cache rows' step logits are the
 trajectories' step_logits.parquet already and are not copied. The checks on those rows
 (`pipeline.checks.equivalence`) go to the stage's own checks.parquet.
+
+Memory (`budget`): the variations run one at a time, each variant's logits compared in chunks of
+positions and streamed to variant_logits.parquet before the next runs; a variation predicted over the
+stage's bound is a row saying so, and the stage stops in one line before any load when what runs
+cannot fit in the memory free.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +28,7 @@ import torch
 
 from pipeline.config import prompt_set
 from pipeline.config.schema import CaptureConfig, EquivalenceConfig
+from pipeline.equivalence import budget
 from pipeline.equivalence import variations as v
 from pipeline.errors import bad_value
 from pipeline.model import capture, loader, trajectories
@@ -40,6 +47,7 @@ SCHEMA = pa.schema([("variation", pa.string()), ("compared", pa.string()), ("n_p
                     ("first_differing_tensor", pa.string()), ("note", pa.string())])
 # No timing column: the same run gives the same bytes; each variation's seconds are in the manifest's facts.
 DTYPE_OF = {"float32": torch.float32, "float16": torch.float16}
+CHUNK = 2**23        # logits compared per chunk (x 8 bytes for each float64 copy compare makes)
 
 
 def chosen(cfg: EquivalenceConfig, report_prompt: str | None, ids: list[str]) -> list[str]:
@@ -58,14 +66,38 @@ def recorded(capture_path: Path, facts: dict) -> v.Recorded:
 
 
 def row(name: str, compared: str, rec_logits: torch.Tensor, var: v.Variant, positions: list[int]) -> dict:
-    figures = compare.compare(rec_logits, var.logits, positions) if var.logits is not None else compare.empty(var.note)
+    figures = chunked(rec_logits, var.logits, positions) if var.logits is not None else compare.empty(var.note)
     return {"variation": name, "compared": compared, "n_positions": len(positions), **figures,
             "first_differing_tensor": var.first_differing_tensor, "note": var.note}
 
 
-def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fillers, pad_id: int):
-    """(row, ran_with, variant logits [P, V] or None) per configured forward variation, in the configured order."""
-    make = {"sdpa": lambda: v.sdpa_variant(rec, s),
+def chunked(rec_logits: torch.Tensor, var_logits: torch.Tensor, positions: list[int]) -> dict:
+    """`compare.compare` over chunks of positions, merged: its float64 copies of [P, V] would be several
+    4TV at once on a long prompt. Means weighted by the chunk's rows; the kept sets and kl_last are the
+    last position's, so the last chunk's."""
+    if tuple(rec_logits.shape) != tuple(var_logits.shape):
+        raise ValueError(f"logits {list(rec_logits.shape)} vs {list(var_logits.shape)}: expected two equal [P, V]")
+    step = max(1, CHUNK // max(1, rec_logits.shape[-1]))
+    parts = [(len(positions[i:i + step]), compare.compare(rec_logits[i:i + step], var_logits[i:i + step],
+                                                          positions[i:i + step]))
+             for i in range(0, len(positions), step)]
+    n, last = len(positions), parts[-1][1]
+
+    def worst(k):
+        values = [f[k] for _, f in parts]
+        return math.nan if any(math.isnan(x) for x in values) else max(values)
+    return {**last, "max_abs_diff": worst("max_abs_diff"), "kl_max": worst("kl_max"),
+            "mean_abs_diff": sum(m * f["mean_abs_diff"] for m, f in parts) / n,
+            "kl_mean": sum(m * f["kl_mean"] for m, f in parts) / n,
+            "top1_changed": [p for _, f in parts for p in f["top1_changed"]],
+            "bit_identical": all(f["bit_identical"] for _, f in parts)}
+
+
+def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fillers, pad_id: int,
+                 plan: budget.Plan):
+    """(row, ran_with, variant logits [P, V] or None) per configured forward variation, in the configured order;
+    one variation's tensors are released before the next runs (the caller drops the logits it was given)."""
+    make = {"sdpa": lambda: v.sdpa_variant(rec, s, model),
             "batch_2": lambda: v.batch_variant(rec, s, model, fillers, 2, pad_id),
             "batch_8": lambda: v.batch_variant(rec, s, model, fillers, 8, pad_id),
             "float32": lambda: v.dtype_variant(rec, s, torch.float32),
@@ -75,10 +107,11 @@ def forward_rows(rec: v.Recorded, s: v.Setup, cfg: EquivalenceConfig, model, fil
     for name in cfg.variations:
         if name in make:
             start = time.perf_counter()
-            var = make[name]()
+            var = make[name]() if plan.runs(name) else v.Variant(None, None, plan.skipped[name], {})
             seconds = round(time.perf_counter() - start, 3)
             yield row(name, "logits at the prompt positions", rec.logits, var, rec.positions), \
                 {**var.ran_with, "seconds": seconds}, var.logits
+            del var
 
 
 def step_runs(steps_path: Path, step_rows: Path | list) -> dict[tuple[str, bool], list[tuple[int, int, np.ndarray]]]:
@@ -144,6 +177,37 @@ class Matrix:
         return {"recorded": v.ran_with(self.setup), "variations": self.ran_with, "prompts": sorted(self.prompts)}
 
 
+def plans(stage: StageRun, s: v.Setup, cfg: EquivalenceConfig, pids: list[str], fillers: list[list[int]],
+          weights: int) -> dict[str, budget.Plan]:
+    """Each chosen prompt's memory plan, from its recorded facts; one line (before any load) when what runs
+    cannot fit in the memory free."""
+    out = {}
+    for pid in pids:
+        facts = read_json(stage.use(paths.FORWARD_FACTS, pid))
+        t = len(facts["input_ids"])
+        out[pid] = budget.predict(s.snapshot, s.dtype, t, s.spec, cfg.variations, budget.widths(t, fillers),
+                                  int(facts["output_size"]), s.trust_remote_code)
+        budget.guard(out[pid], weights, pid)
+    return out
+
+
+def write_variants(stage: StageRun, pid: str, rows, positions: list[int]) -> None:
+    """Stream each variant's logits to variant_logits.parquet as the variation yields them (one [P, V] held at a
+    time): `variant_logits.write`'s layout, fed one variation after another."""
+    current: dict = {}
+
+    def logit_rows():
+        for name, logits in rows:
+            current.update(variation=name, dtype=str(logits.dtype).removeprefix("torch."))
+            yield from ((p, logits[i]) for i, p in enumerate(positions))
+
+    def keys():
+        while True:
+            yield dict(current)
+    logits_io.write_logits(stage.out(paths.VARIANT_LOGITS[1], pid), logit_rows(), stage.parquet_metadata(),
+                           extra_schema=variant_logits.KEYS, extra_values=keys())
+
+
 def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_prompt: str | None,
            trust_remote_code: bool) -> Matrix:
     """Every chosen prompt's matrix into `stage`."""
@@ -151,25 +215,34 @@ def record(stage: StageRun, cap: CaptureConfig, cfg: EquivalenceConfig, report_p
     source = read_json(stage.use(paths.SOURCE))
     snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
     s = setup(cap, snapshot, trust_remote_code)
-    model = loader.load_model(s.snapshot, s.dtype, s.device, s.attn, trust_remote_code)
     fillers, pad_id = fillers_and_pad(snapshot, cfg, trust_remote_code)
+    planned = plans(stage, s, cfg, pids, fillers, loader.weights_bytes(snapshot, s.dtype))     # before the load
+    model = loader.load_model(s.snapshot, s.dtype, s.device, s.attn, trust_remote_code)
     stage.model = {**provenance.model_record(source), "trust_remote_code": trust_remote_code}
-    ran, matrices = {}, {}
-    for pid in pids:
-        with stage.timed(pid):
-            rec = recorded(stage.use(paths.CAPTURE, pid), read_json(stage.use(paths.FORWARD_FACTS, pid)))
-            rows, variants = [], []
-            for r, with_, logits in forward_rows(rec, s, cfg, model, fillers, pad_id):
+    ran: dict = {}
+    matrices = {pid: one_prompt(stage, pid, s, cfg, model, (fillers, pad_id), planned[pid], ran) for pid in pids}
+    return Matrix(s, fillers, pad_id, matrices, ran)
+
+
+def one_prompt(stage: StageRun, pid: str, s: v.Setup, cfg: EquivalenceConfig, model, batch: tuple[list, int],
+               plan: budget.Plan, ran: dict) -> tuple[v.Recorded, list[dict]]:
+    """The prompt's rows and variant logits into `stage`; (the record, slimmed to what the checks read, rows)."""
+    with stage.timed(pid):
+        rec = recorded(stage.use(paths.CAPTURE, pid), read_json(stage.use(paths.FORWARD_FACTS, pid)))
+        rows: list[dict] = []
+
+        def variants():
+            for r, with_, logits in forward_rows(rec, s, cfg, model, *batch, plan):
                 rows.append(r)
                 ran[r["variation"]] = with_
                 if logits is not None:
-                    variants.append((r["variation"], logits))
-            if "kv_cache" in cfg.variations:
-                rows += kv_rows(step_runs(stage.use(paths.STEPS, pid),
-                                          trajectories.step_rows(stage.use, stage.root, pid, lambda: model)))
-            stage.write_parquet(paths.EQUIVALENCE[1], pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names}
-                                                                            for r in rows], SCHEMA), prompt_id=pid)
-            variant_logits.write(stage.out(paths.VARIANT_LOGITS[1], pid), variants, rec.positions,
-                                 stage.parquet_metadata())
-            matrices[pid] = (rec, rows)
-    return Matrix(s, fillers, pad_id, matrices, ran)
+                    yield r["variation"], logits
+        write_variants(stage, pid, variants(), rec.positions)
+        if "kv_cache" in cfg.variations:
+            rows += kv_rows(step_runs(stage.use(paths.STEPS, pid),
+                                      trajectories.step_rows(stage.use, stage.root, pid, lambda: model)))
+        stage.write_parquet(paths.EQUIVALENCE[1], pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names}
+                                                                        for r in rows], SCHEMA), prompt_id=pid)
+    # the checks read the ids, positions and logits only: the rest of the capture goes
+    logits = capture.act_name("logits")
+    return v.Recorded(rec.ids, rec.positions, {logits: rec.tensors[logits]}, rec.order), rows

@@ -31,8 +31,8 @@ def _g(x: float) -> str:
 
 
 def _row(r: dict) -> list:
-    if r["kept_recorded"] < 0:      # no logits to compare (`compare.empty`); a variation that ran may give NaN
-        return [name(r["variation"]), r["compared"], "not run: " + r["note"], *[""] * 8]
+    if r["kept_recorded"] < 0:      # did not run: its note says why ("not applicable: ..." or "not run: ...")
+        return [name(r["variation"]), r["compared"], r["note"], *[""] * 8]
     flips = r["top1_changed"]
     worst = "NaN (the variant's logits hold NaN)" if math.isnan(r["max_abs_diff"]) else _g(r["max_abs_diff"])
     return [name(r["variation"]), f"{r['compared']} ({r['n_positions']})", worst,

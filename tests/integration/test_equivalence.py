@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.checks import equivalence as checks
 from pipeline.model import loader
+from pipeline.model.capture import CaptureSpec
 from pipeline.store import paths
 from tests.conftest import copy_ws, run_module
 
@@ -120,7 +121,8 @@ def test_the_rederive_check_recomputes_the_row_and_fails_on_a_wrong_one(matrix_w
     from pipeline.equivalence import variations as v
     ids, rec = _recorded(matrix_ws)
     rows = _rows(matrix_ws)
-    s = v.Setup(_snapshot(matrix_ws), torch.bfloat16, torch.device("cpu"), "eager", None, "native", False)
+    s = v.Setup(_snapshot(matrix_ws), torch.bfloat16, torch.device("cpu"), "eager", CaptureSpec((), "all"),
+                "native", False)
     recorded = v.Recorded(ids, list(range(len(ids))), {"logits": rec[None]}, ["logits"])
     cfg = type("Cfg", (), {"rederive": "float32"})()
 
