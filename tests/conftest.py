@@ -42,9 +42,11 @@ for var, val in (("GIT_AUTHOR_NAME", "nexttoken tests"), ("GIT_AUTHOR_EMAIL", "t
 # fixture's folders (below) when its module's tests are done. DVC's per-repository site cache (state
 # and index databases, one folder per clone: /var/tmp/dvc by default) goes under one folder that the
 # run removes at its end.
-_SITE_CACHE = Path(tempfile.gettempdir()) / f"nexttoken-tests-dvc-site-{os.getuid()}"
-_OWN_SITE_CACHE = "DVC_SITE_CACHE_DIR" not in os.environ
-os.environ.setdefault("DVC_SITE_CACHE_DIR", str(_SITE_CACHE))
+# The folder is this run's own (made by the process that starts the run; its xdist workers inherit it), so
+# a second run beside it keeps its databases when the first removes its folder.
+_OWN_SITE_CACHE = None
+if "DVC_SITE_CACHE_DIR" not in os.environ:
+    _OWN_SITE_CACHE = os.environ["DVC_SITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nexttoken-tests-dvc-site-")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -69,8 +71,8 @@ def pytest_fixture_setup(fixturedef, request):
 
 
 def pytest_sessionfinish(session):
-    if _OWN_SITE_CACHE and not hasattr(session.config, "workerinput"):    # the controller, after its workers
-        shutil.rmtree(_SITE_CACHE, ignore_errors=True)
+    if _OWN_SITE_CACHE:     # the process that made it: the controller, after its workers (or -n 0's one process)
+        shutil.rmtree(_OWN_SITE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
