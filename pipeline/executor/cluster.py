@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -41,6 +43,9 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Every ray.init: the dashboard off (a local Ray listens on nothing beyond its own ports, on 127.0.0.1)
 _COMMON = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True,
            "namespace": "nexttoken"}
+# How a client gives a cluster's token (Ray 2.60: ray.exceptions.AuthenticationError's own list)
+GIVE_TOKEN = ("set RAY_AUTH_MODE=token and give the cluster's token in RAY_AUTH_TOKEN, in a file named by "
+              "RAY_AUTH_TOKEN_PATH, or in ~/.ray/auth_token (docs/scale.md)")
 # What Ray 2.60 raises (a bare Exception) when its node is not registered within a wait that is fixed at 30 s
 # (ray/_private/node.py); seen on a loaded 2-core machine, where the stage then ended in a traceback
 START_TIMEOUT = "timed out during startup"
@@ -110,24 +115,69 @@ def _own_threads() -> int:
 def _start(cfg) -> bool:
     """Connect to Ray (start a local one for a null address) -> whether this stage started it."""
     import ray
+    import ray.exceptions as rex
     if ray.is_initialized():
         return False
+    where = "a local Ray" if cfg.address is None else f"the Ray cluster at executor.address={cfg.address!r}"
     try:
         if cfg.address is None:
             _start_local(cfg)
         else:
-            ray.init(address=cfg.address, **_COMMON)
+            _join(cfg.address)
+    except TokenRefused:
+        raise UserError(f"could not join {where}: it refused this process's token (\"Authentication token is missing "
+                        f"or incorrect\"): {GIVE_TOKEN}") from None
     except StartTimedOut as e:
         raise UserError(f"could not start a local Ray: {e}: run the stage again on a less loaded machine, start "
                         f"one with `ray start --head --node-ip-address 127.0.0.1` and set "
                         f"executor.address=127.0.0.1:6379, or set executor=serial") from None
+    except rex.AuthenticationError:        # RAY_AUTH_MODE=token and no token (Ray's own text is a paragraph)
+        raise UserError(f"could not start or join {where}: token authentication is on and this process has no "
+                        f"token: {GIVE_TOKEN}") from None
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = "a local Ray" if cfg.address is None else f"the Ray cluster at executor.address={cfg.address!r}"
-        hint = "" if cfg.address is None else (" (is it running? a cluster started by `ray start` checks a token: "
-                                               "RAY_AUTH_MODE=token and its token here, docs/scale.md)")
+        hint = "" if cfg.address is None else f" (is it running? does it check a token? then {GIVE_TOKEN})"
         raise UserError(f"could not start or join {where}: "
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}{hint}") from None
     return True
+
+
+class TokenRefused(Exception):
+    """A cluster that checks a token, joined without it or with another one."""
+
+
+def _join(address: str) -> None:
+    """Join a running cluster. Ray's C++ client logs a line to fd 2 for each of its 20 tries when the cluster refuses
+    the token, then raises a ConnectionError that does not say why: its lines are held back, and tell which."""
+    import ray
+    error = None
+    with _held_stderr() as held:
+        try:
+            ray.init(address=address, **_COMMON)
+        except ConnectionError as e:
+            error = e
+    if error is None:
+        sys.stderr.write(held[0])                   # a join's own warnings, as they would have been shown
+    elif "InvalidAuthToken" in held[0]:
+        raise TokenRefused() from None
+    else:
+        raise error
+
+
+@contextlib.contextmanager
+def _held_stderr():
+    """fd 2 (Python's and the C++ libraries') into a temporary file for the block -> [its text], after the block."""
+    sys.stderr.flush()
+    saved, held = os.dup(2), []
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            held.append(tmp.read().decode(errors="replace"))
 
 
 class StartTimedOut(Exception):
