@@ -32,7 +32,7 @@ repro: setup
 # than one. TEST_WORKERS=0 runs it in this process, in file order.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray]'
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray,share]'
 	$(RUN) ruff check .
 	$(RUN) python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
@@ -44,7 +44,7 @@ test-fast: setup
 # Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
 # ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.
 bench: setup
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray]'
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test,bench,ray,share]'
 	$(RUN) python -m bench
 
 # The one-shot GPU check (bench/gpu_check.py): tiny_qwen2 through capture, recomputes, tables and

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -38,6 +40,17 @@ LOCAL_OBJECT_STORE = 256 * 1024 ** 2     # bytes: a prompt's results are small; 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 # a local Ray on loopback only: without it Ray resolves its node address by the default route
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Every ray.init: the dashboard off (a local Ray listens on nothing beyond its own ports, on 127.0.0.1)
+_COMMON = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True,
+           "namespace": "nexttoken"}
+# How a client gives a cluster's token (Ray 2.60: ray.exceptions.AuthenticationError's own list)
+GIVE_TOKEN = ("set RAY_AUTH_MODE=token and give the cluster's token in RAY_AUTH_TOKEN, in a file named by "
+              "RAY_AUTH_TOKEN_PATH, or in ~/.ray/auth_token (docs/scale.md)")
+# What Ray 2.60 raises (a bare Exception) when its node is not registered within a wait that is fixed at 30 s
+# (ray/_private/node.py); seen on a loaded 2-core machine, where the stage then ended in a traceback
+START_TIMEOUT = "timed out during startup"
+# The retry's wait: the GCS connect window (Ray's default about 20 tries of 1 s), and a pause before it
+GCS_WAIT, RETRY_GCS_WAIT_S, RETRY_PAUSE_S = "RAY_gcs_server_port_wait_time_s", 120, 5.0
 
 
 class Worker:
@@ -102,25 +115,145 @@ def _own_threads() -> int:
 def _start(cfg) -> bool:
     """Connect to Ray (start a local one for a null address) -> whether this stage started it."""
     import ray
+    import ray.exceptions as rex
     if ray.is_initialized():
         return False
-    common = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
-              "configure_logging": True, "namespace": "nexttoken"}
+    where = "a local Ray" if cfg.address is None else f"the Ray cluster at executor.address={cfg.address!r}"
     try:
         if cfg.address is None:
-            # "local": a new instance, never a cluster found through RAY_ADDRESS or Ray's address file
-            ray.init(address="local", num_cpus=cfg.workers * cfg.cpus_per_worker,
-                     num_gpus=cfg.workers * cfg.gpus_per_worker, object_store_memory=LOCAL_OBJECT_STORE,
-                     _node_ip_address="127.0.0.1", **common)
+            _start_local(cfg)
         else:
-            ray.init(address=cfg.address, **common)
+            _join(cfg.address)
+    except TokenRefused:
+        raise UserError(f"could not join {where}: it refused this process's token (\"Authentication token is missing "
+                        f"or incorrect\"): {GIVE_TOKEN}") from None
+    except StartTimedOut as e:
+        raise UserError(f"could not start a local Ray: {e}: run the stage again on a less loaded machine, start "
+                        f"one with `ray start --head --node-ip-address 127.0.0.1` and set "
+                        f"executor.address=127.0.0.1:6379, or set executor=serial") from None
+    except rex.AuthenticationError:        # RAY_AUTH_MODE=token and no token (Ray's own text is a paragraph)
+        raise UserError(f"could not start or join {where}: token authentication is on and this process has no "
+                        f"token: {GIVE_TOKEN}") from None
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = "a local Ray" if cfg.address is None else f"the Ray cluster at executor.address={cfg.address!r}"
-        hint = "" if cfg.address is None else (" (is it running? a cluster started by `ray start` checks a token: "
-                                               "RAY_AUTH_MODE=token and its token here, docs/scale.md)")
+        hint = "" if cfg.address is None else f" (is it running? does it check a token? then {GIVE_TOKEN})"
         raise UserError(f"could not start or join {where}: "
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}{hint}") from None
     return True
+
+
+class TokenRefused(Exception):
+    """A cluster that checks a token, joined without it or with another one."""
+
+
+def _join(address: str) -> None:
+    """Join a running cluster. Ray's C++ client logs a line to fd 2 for each of its 20 tries when the cluster refuses
+    the token, then raises a ConnectionError that does not say why: its lines are held back, and tell which."""
+    import ray
+    error = None
+    with _held_stderr() as held:
+        try:
+            ray.init(address=address, **_COMMON)
+        except ConnectionError as e:
+            error = e
+    if error is None:
+        sys.stderr.write(held[0])                   # a join's own warnings, as they would have been shown
+    elif "InvalidAuthToken" in held[0]:
+        raise TokenRefused() from None
+    else:
+        raise error
+
+
+@contextlib.contextmanager
+def _held_stderr():
+    """fd 2 (Python's and the C++ libraries') into a temporary file for the block -> [its text], after the block."""
+    sys.stderr.flush()
+    saved, held = os.dup(2), []
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            held.append(tmp.read().decode(errors="replace"))
+
+
+class StartTimedOut(Exception):
+    """A local Ray that did not come up in time, twice."""
+
+
+def _start_local(cfg) -> None:
+    """A new local Ray on 127.0.0.1 for this stage (never a cluster found through RAY_ADDRESS or Ray's address
+    file: "local"); a start-up timeout is retried once, after a pause and with a longer GCS wait."""
+    import ray
+    args = {"address": "local", "num_cpus": cfg.workers * cfg.cpus_per_worker,
+            "num_gpus": cfg.workers * cfg.gpus_per_worker, "object_store_memory": LOCAL_OBJECT_STORE,
+            "_node_ip_address": "127.0.0.1", **_COMMON}
+    for attempt in (1, 2):
+        before = _children()
+        try:
+            with _loopback():
+                ray.init(**args)
+            _check_loopback()
+            return
+        except Exception as e:                          # Ray raises a bare Exception for this one
+            if START_TIMEOUT not in str(e):
+                raise
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            _stop(_children() - before)      # the half-started node's processes (ray.init keeps no handle on them)
+            if attempt == 2:
+                wait = os.environ.get(GCS_WAIT)
+                raise StartTimedOut(f"its node timed out during start-up twice (the second time with {GCS_WAIT}="
+                                    f"{wait})") from None
+        time.sleep(RETRY_PAUSE_S)
+        os.environ.setdefault(GCS_WAIT, str(RETRY_GCS_WAIT_S))    # read at start-up; a user's own value wins
+
+
+@contextlib.contextmanager
+def _loopback():
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (LOOPBACK_ENV) once, when it is imported; where ray was imported
+    before `run_prompts` set it (a notebook, an in-process test), Ray took the default route's address for its node
+    and bound its GCS, raylet and workers to every interface (seen: `::` and 192.0.2.2), whatever
+    `_node_ip_address` said. So the constant it read is set for the start, then put back (a later join of a real
+    cluster must resolve its own address)."""
+    from ray._private import ray_constants
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _check_loopback() -> None:
+    """The local Ray's node is on 127.0.0.1, or it is stopped and the stage refused (never a Ray on the network)."""
+    import ray
+    node = ray._private.worker.global_worker.node
+    if node.node_ip_address != "127.0.0.1" or node.address_info.get("webui_url"):
+        ray.shutdown()
+        raise UserError(f"the local Ray started on {node.node_ip_address} (dashboard: "
+                        f"{node.address_info.get('webui_url') or 'off'}), not on 127.0.0.1 with no dashboard: "
+                        f"refused; join a cluster you started instead (executor.address, docs/scale.md)")
+
+
+def _children() -> set:
+    import psutil
+    return set(psutil.Process().children(recursive=True))
+
+
+def _stop(processes: set, wait_s: float = 10) -> None:
+    """Terminate `processes`, then kill what is left after `wait_s`."""
+    import psutil
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=wait_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
