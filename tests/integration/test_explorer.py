@@ -163,11 +163,12 @@ def test_a_page_computing_otherwise_fails_the_comparison(run, driver, tmp_path, 
     """The comparisons above catch the anchors' shortcuts: float32 arithmetic, a softmax over the top 50."""
     html = (run / "artifacts/report/explorer.html").read_text()
     if mutant == "float32":
-        bad = html.replace("const p = new Float64Array(N);", "const p = new Float32Array(N);")
+        bad = html.replace("const n = L.length, p = new Float64Array(n);",
+                           "const n = L.length, p = new Float32Array(n);")
     else:
-        bad = html.replace("for (let i = 0; i < N; i++) { const e = Math.exp(p[i] - m); p[i] = e; s += e; }",
-                           "for (let i = 0; i < N; i++) { const e = RANK[i] <= 50 ? Math.exp(p[i] - m) : 0;"
-                           " p[i] = e; s += e; }")
+        bad = html.replace("const p = softmax64(LOGITS, T);\n",
+                           "const p = softmax64(LOGITS, T); { let s = 0; for (let i = 0; i < N; i++) {"
+                           " if (RANK[i] > 50) p[i] = 0; s += p[i]; } for (let i = 0; i < N; i++) p[i] /= s; }\n")
     assert bad != html
     page = tmp_path / "explorer.html"
     page.write_text(bad)
@@ -311,11 +312,12 @@ def test_a_panel_computing_otherwise_fails_the_comparison(run, driver, tmp_path,
     """Record and variant swapped, or the variant's softmax at T = 1 whatever the temperature: the panel's
     figures no longer equal numpy's."""
     html = (run / "artifacts/report/explorer.html").read_text()
-    good = "const p = softmax64(T), q = softmax64(T, V.L), lp = logSoftmax64(T, LOGITS), lq = logSoftmax64(T, V.L);"
-    bad = {"swapped": "const q = softmax64(T), p = softmax64(T, V.L), lq = logSoftmax64(T, LOGITS), "
-                      "lp = logSoftmax64(T, V.L);",
-           "no_temperature": "const p = softmax64(T), q = softmax64(1, V.L), lp = logSoftmax64(T, LOGITS), "
-                             "lq = logSoftmax64(1, V.L);"}[mutant]
+    good = ("const p = softmax64(LOGITS, T), q = softmax64(V.L, T), lp = logSoftmax64(LOGITS, T), "
+            "lq = logSoftmax64(V.L, T);")
+    bad = {"swapped": "const q = softmax64(LOGITS, T), p = softmax64(V.L, T), lq = logSoftmax64(LOGITS, T), "
+                      "lp = logSoftmax64(V.L, T);",
+           "no_temperature": "const p = softmax64(LOGITS, T), q = softmax64(V.L, 1), lp = logSoftmax64(LOGITS, T), "
+                             "lq = logSoftmax64(V.L, 1);"}[mutant]
     assert good in html
     page = tmp_path / "explorer.html"
     page.write_text(html.replace(good, bad))

@@ -1,0 +1,254 @@
+const D = JSON.parse(document.getElementById("nt-data").textContent);
+const $ = (id) => document.getElementById(id);
+function el(tag, attrs, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) { if (k === "class") e.className = v; else e.setAttribute(k, v); }
+  for (const k of kids) e.append(k);
+  return e;
+}
+const LOGITS = floats(D.last.logits);             // float32 values of the bf16 logits, exact
+const N = D.last.size;
+const ORDER = logitOrder(LOGITS);                 // the order of p at any temperature > 0
+const RANK = ranks(ORDER);
+
+function configured(T, k, topP) {
+  return D.filters.find((f) => f.temperature === T && f.top_k === k && f.top_p === topP);
+}
+function update() {
+  const T = Number($("temperature").value), k = Math.trunc(Number($("top-k").value)), topP = Number($("top-p").value);
+  if (!(T > 0) || !(k >= 0) || !(topP > 0 && topP <= 1)) { $("kept-source").textContent = "(invalid setting)"; return; }
+  const p = softmax64(LOGITS, T);
+  const f = configured(T, k, topP);
+  let keptMask, count;
+  if (f) {
+    keptMask = bits(f.kept, N); count = f.count;
+    $("kept-source").textContent = `(the set recorded by transformers' warpers for filter ${f.name}: filtered.parquet)`;
+  } else {
+    keptMask = new Uint8Array(N); const ids = keptFP64(p, k, topP, ORDER, LOGITS); ids.forEach((i) => { keptMask[i] = 1; });
+    count = ids.length;
+    $("kept-source").textContent = "(computed here in FP64: not a configured filter)";
+  }
+  let mass = 0;
+  for (const i of ORDER) if (keptMask[i]) mass += p[i];
+  $("kept-count").textContent = String(count);
+  $("kept-mass").textContent = String(mass);
+  updateEquivalence();
+  const body = $("candidates").tBodies[0];
+  body.replaceChildren(...D.last.top.map((id) => {
+    const tr = el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), class: keptMask[id] ? "kept" : ""},
+      el("td", {}, String(RANK[id])), el("td", {}, String(id)), el("td", {}, JSON.stringify(D.last.text[id] ?? "")),
+      el("td", {}, String(LOGITS[id])), el("td", {}, String(p[id])), el("td", {}, keptMask[id] ? "kept" : ""));
+    return tr;
+  }));
+}
+function pages() {
+  const nav = $("pages");
+  for (const [pid, file] of Object.entries(D.pages)) {
+    nav.append(el("a", {href: file, class: pid === D.prompt_id ? "current" : ""}, pid));
+  }
+}
+function conditions() {
+  $("conditions").append(...D.conditions.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v))));
+}
+function tokens() {
+  if (D.chat) $("chat").append(el("p", {class: "note"}, "Chat prompt, rendered by the tokenizer's own template:"),
+    ...D.chat.map((m) => el("p", {}, el("b", {}, m.role + ": "), m.content)));
+  const box = $("tokens");
+  for (const t of D.tokens) {
+    const cls = "tok" + (t.special ? " special" : "") + (t.alone ? "" : " split");
+    const span = el("span", {class: cls, "data-position": String(t.position), title: `id ${t.id}, bytes ${t.bytes}`},
+      (t.alone ? "" : "\u26a0") + JSON.stringify(t.text).slice(1, -1), el("small", {}, " " + t.id));
+    span.addEventListener("click", () => showPosition(t.position, span));
+    box.append(span);
+  }
+}
+function showPosition(pos, span) {
+  document.querySelectorAll(".tok.sel").forEach((s) => s.classList.remove("sel"));
+  if (span) span.classList.add("sel");
+  const row = D.positions.find((r) => r.position === pos);
+  const out = $("position-top");
+  if (!row) { out.replaceChildren(el("p", {class: "note"}, `position ${pos}: no logits recorded there`)); return; }
+  out.replaceChildren(el("p", {}, `position ${pos}: recorded top candidates (logit)`),
+    el("table", {id: "position-candidates"}, ...row.top.map(([id, text, logit]) =>
+      el("tr", {"data-token-id": String(id)}, el("td", {}, String(id)), el("td", {}, JSON.stringify(text)),
+        el("td", {}, String(logit))))));
+}
+function heat(canvas, w, h, value) {
+  const ctx = canvas.getContext("2d"), img = ctx.createImageData(w, h);
+  for (let y = 0; y < h; y++) for (let x = 0; x < w; x++) {
+    const v = Math.max(0, Math.min(1, value(x, y))), o = 4 * (y * w + x);
+    img.data[o] = 255 - Math.round(220 * v); img.data[o + 1] = 255 - Math.round(180 * v);
+    img.data[o + 2] = 255 - Math.round(90 * v); img.data[o + 3] = 255;
+  }
+  ctx.putImageData(img, 0, 0);
+}
+function attention() {
+  const box = $("attention");
+  const layers = Object.keys(D.attention);
+  if (!layers.length) { box.append(el("p", {class: "note"}, "no attention weights captured")); return; }
+  for (const layer of layers) {
+    const a = D.attention[layer], w = floats(a.weights), n = a.n;
+    const row = el("div", {}, el("p", {}, `layer ${layer} (positions ${a.offset}..${a.offset + n - 1}; row = query)`));
+    for (let h = 0; h < a.heads; h++) {
+      const c = el("canvas", {class: "heat", width: String(n), height: String(n), title: `layer ${layer} head ${h}`});
+      c.style.width = c.style.height = Math.max(96, 3 * n) + "px";
+      heat(c, n, n, (x, y) => w[h * n * n + y * n + x]);
+      row.append(el("span", {}, `head ${h} `), c);
+    }
+    box.append(row);
+  }
+}
+function lens() {
+  const box = $("lens"), L = D.lens;
+  if (!L) { box.append(el("p", {class: "note"}, "no logit lens in this run")); return; }
+  box.append(el("p", {class: "note"}, "layer x position: the top-1 piece after the model's own final norm and " +
+    "LM head; colour = its probability (FP64); hover for the top 5 and the final token's rank"));
+  const grid = el("div", {class: "grid", id: "lens-grid"});
+  grid.style.gridTemplateColumns = `60px repeat(${L.positions.length}, minmax(26px, 1fr))`;
+  grid.append(el("div", {}, "layer"), ...L.positions.map((p) => el("div", {class: "cell"}, String(p))));
+  for (let li = L.layers.length - 1; li >= 0; li--) {
+    grid.append(el("div", {}, String(L.layers[li])));
+    for (let pi = 0; pi < L.positions.length; pi++) {
+      const c = L.cells[li][pi], v = c.p;
+      const cell = el("div", {class: "cell", title: c.top5.map(([t, q]) => `${JSON.stringify(t)} ${q.toPrecision(4)}`)
+        .join("\n") + `\nfinal token's rank: ${c.final_rank}`}, c.text);
+      cell.style.background = `rgba(35,57,93,${0.08 + 0.9 * v})`; cell.style.color = v > 0.5 ? "#fff" : "#111";
+      grid.append(cell);
+    }
+  }
+  box.append(grid);
+}
+function trajectories() {
+  const box = $("trajectories");
+  const greedy = D.trajectories.find((b) => b.branch === "greedy" && !b.kv);
+  for (const b of D.trajectories) {
+    const twin = D.trajectories.find((o) => o.branch === b.branch && o.kv !== b.kv);
+    const agree = twin ? b.steps.every((s, i) => twin.steps[i] && twin.steps[i].id === s.id) : null;
+    const kv = agree === null ? "" : agree ? ": KV cache and full prefix agree" : ": KV cache and full prefix DIFFER";
+    const head = `${b.name}${kv}${b.loop ? " (loop)" : ""}`;
+    const t = el("table", {class: "step"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "id"), el("th", {}, "p"),
+      el("th", {}, "text so far"), el("th", {}, "alternatives (id p)")));
+    b.steps.forEach((s, i) => {
+      const leaves = greedy && b.branch !== "greedy" && greedy.steps[i] && greedy.steps[i].id !== s.id;
+      t.append(el("tr", {class: leaves ? "leave" : ""}, el("td", {}, String(s.step)), el("td", {}, String(s.id)),
+        el("td", {}, s.prob.toPrecision(6)), el("td", {}, JSON.stringify(s.text)),
+        el("td", {}, s.alts.map(([id, q]) => `${id} ${q.toPrecision(3)}`).join(", "))));
+    });
+    box.append(el("h3", {}, head), t);
+  }
+}
+function checks() {
+  if (!D.checks) { $("checks").append(el("tr", {}, el("td", {}, "the checks stage has not run"))); return; }
+  if (!D.checks.length) {
+    $("checks-summary").append(el("p", {},
+      "checks: none ran on this prompt (outside the checks.prompts sample of a large set)"));
+    return;
+  }
+  const failed = D.checks.filter((c) => c.verdict !== "pass");
+  const errors = failed.filter((c) => c.severity === "error").length;
+  $("checks-summary").append(el("p", {}, `checks: ${D.checks.length - failed.length} of ${D.checks.length} pass; ` +
+    `${errors} error and ${failed.length - errors} report checks fail`));
+  $("checks").append(...D.checks.map((c) => el("tr", {}, el("td", {class: c.verdict}, c.verdict),
+    el("td", {}, c.severity), el("td", {}, c.name), el("td", {}, c.value === null ? "" : String(c.value)))));
+}
+// ---- Equivalence: the recorded next-token distribution against a variation's, at the page's temperature
+const EQ = D.equivalence, EQ_CACHE = {};
+function variantLogits(v) {            // exact: the encodings are lossless (explorer.variant_encoding)
+  return decodeLogits(v.encoding, v.logits, N, LOGITS);
+}
+function variant(i) {
+  if (!EQ_CACHE[i]) {
+    const L = variantLogits(EQ.variations[i]);
+    const order = L === LOGITS ? ORDER : logitOrder(L);
+    const rank = ranks(order);
+    EQ_CACHE[i] = {L, order, rank};
+  }
+  return EQ_CACHE[i];
+}
+function g(x) {
+  return x === null || x === undefined ? "n/a" : typeof x === "number" && x !== 0 ? x.toPrecision(4) : String(x);
+}
+function storedRow(v) {
+  const r = v.row;
+  return `stored row (equivalence.parquet, ${v.compared}, ${r.n_positions} positions, T = 1): ` +
+    `KL mean ${g(r.kl_mean)}, max ${g(r.kl_max)}, at the last one ${g(r.kl_last)}; ` +
+    `top-p 0.9 kept ${r.kept_recorded} → ${r.kept_variant}, Jaccard ${g(r.kept_jaccard)} ` +
+    `(transformers' float32 warper); top-1 changed at ` +
+    `${r.top1_changed.length ? r.top1_changed.join(", ") : "no position"}; max |Δ logit| ${g(r.max_abs_diff)}, ` +
+    `mean ${g(r.mean_abs_diff)}; bit-identical ${r.bit_identical ? "yes" : "no"}; first differing tensor ` +
+    `${r.first_differing_tensor || "none"}; ${r.note || ""}`;
+}
+function eqClear(why) {
+  for (const id of ["eq-kl", "eq-top1", "eq-kept-recorded", "eq-kept-variant", "eq-jaccard", "eq-max-diff",
+                    "eq-mean-diff", "eq-kept-source"]) $(id).textContent = "";
+  $("eq-candidates").tBodies[0].replaceChildren();
+  $("eq-status").textContent = why;
+}
+function equivalenceSetup() {
+  if (!EQ) { $("eq-variation").disabled = true; $("eq-top-p").disabled = true;
+    eqClear("the equivalence stage did not run for this prompt (equivalence.prompts)"); return; }
+  $("eq-variation").append(...EQ.variations.map((v, i) =>
+    el("option", {value: v.name, "data-index": String(i)}, v.name + (v.shown ? "" : " (not shown)"))));
+  const first = EQ.variations.findIndex((v) => v.shown);
+  if (first >= 0) $("eq-variation").selectedIndex = first;
+  $("eq-variation").addEventListener("change", updateEquivalence);
+  $("eq-top-p").addEventListener("input", updateEquivalence);
+}
+function updateEquivalence() {
+  if (!EQ) return;
+  const T = Number($("temperature").value), topP = Number($("eq-top-p").value);
+  $("eq-temperature").textContent = `T = ${T}`;
+  const idx = EQ.variations.findIndex((v) => v.name === $("eq-variation").value), v = EQ.variations[idx];
+  if (!v) { eqClear("no variation chosen"); return; }
+  $("eq-row").textContent = storedRow(v);
+  if (!v.shown) { eqClear(`${v.name}: not shown: ${v.why}`); return; }
+  if (!(T > 0) || !(topP > 0 && topP <= 1)) { eqClear("(invalid setting)"); return; }
+  if (v.encoding === "nan") { eqClear(`${v.name}: every logit is NaN at position ${EQ.position} (${v.dtype}): ` +
+    "no distribution to compare"); return; }
+  const V = variant(idx);
+  const p = softmax64(LOGITS, T), q = softmax64(V.L, T), lp = logSoftmax64(LOGITS, T), lq = logSoftmax64(V.L, T);
+  let kl = 0, maxd = 0, sumd = 0;
+  for (let i = 0; i < N; i++) {
+    if (p[i] > 0) kl += p[i] * (lp[i] - lq[i]);
+    const d = Math.abs(LOGITS[i] - V.L[i]); if (!(d <= maxd)) maxd = d; sumd += d;
+  }
+  // at the row's own setting the sets are the row's (transformers' float32 warper, which breaks ties at the
+  // boundary its own way); elsewhere the FP64 nucleus
+  const rows = T === 1 && topP === 0.9 && v.kept;
+  const kr = rows ? v.kept.recorded : keptFP64(p, 0, topP, ORDER, LOGITS);
+  const kv = rows ? v.kept.variant : keptFP64(q, 0, topP, V.order, V.L);
+  $("eq-kept-source").textContent = rows ? "(the row's sets: transformers' float32 warper at T = 1, top-p 0.9)"
+    : "(computed here: the FP64 nucleus)";
+  const inR = new Uint8Array(N), inV = new Uint8Array(N);
+  kr.forEach((i) => { inR[i] = 1; }); kv.forEach((i) => { inV[i] = 1; });
+  let both = 0; for (const i of kv) both += inR[i];
+  const jaccard = kr.length + kv.length - both ? both / (kr.length + kv.length - both) : 1;
+  const a = ORDER[0], b = V.order[0];
+  $("eq-status").textContent = `${v.name} (${v.dtype}, embedded as ${v.encoding}) at position ${EQ.position}, ` +
+    `the next token's`;
+  $("eq-kl").textContent = String(kl);
+  const top1 = $("eq-top1");
+  top1.textContent = a === b ? `same: ${a}` : `changed: ${a} → ${b}`;
+  top1.dataset.changed = String(a !== b); top1.dataset.recorded = String(a); top1.dataset.variant = String(b);
+  $("eq-kept-recorded").textContent = String(kr.length); $("eq-kept-variant").textContent = String(kv.length);
+  $("eq-jaccard").textContent = String(jaccard);
+  $("eq-max-diff").textContent = String(maxd); $("eq-mean-diff").textContent = String(sumd / N);
+  const ids = [...new Set([...ORDER.slice(0, EQ.top), ...V.order.slice(0, EQ.top)])].sort((x, y) => RANK[x] - RANK[y]);
+  const text = (id) => D.last.text[id] ?? v.text[id] ?? "";
+  $("eq-candidates").tBodies[0].replaceChildren(...ids.map((id) => {
+    const rr = RANK[id], rv = V.rank[id];
+    return el("tr", {"data-token-id": String(id), "data-p-recorded": String(p[id]), "data-p-variant": String(q[id]),
+                     "data-rank-recorded": String(rr), "data-rank-variant": String(rv),
+                     "data-delta-logit": String(V.L[id] - LOGITS[id]),
+                     class: a !== b && (id === a || id === b) ? "flip" : ""},
+      el("td", {}, String(id)), el("td", {}, JSON.stringify(text(id))), el("td", {}, String(rr)),
+      el("td", {}, String(rv)), el("td", {}, rv === rr ? "0" : (rv > rr ? "+" : "") + String(rv - rr)),
+      el("td", {}, String(LOGITS[id])), el("td", {}, String(V.L[id])), el("td", {}, String(V.L[id] - LOGITS[id])),
+      el("td", {}, String(p[id])), el("td", {}, String(q[id])),
+      el("td", {}, (inR[id] ? "rec" : "") + (inR[id] && inV[id] ? " + " : "") + (inV[id] ? "var" : "")));
+  }));
+}
+pages(); conditions(); tokens(); lens(); equivalenceSetup(); attention(); trajectories(); checks();
+for (const id of ["temperature", "top-k", "top-p"]) $(id).addEventListener("input", update);
+update();
+showPosition(D.last.position, document.querySelector(`.tok[data-position="${D.last.position}"]`));

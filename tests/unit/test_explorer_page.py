@@ -1,0 +1,54 @@
+"""The explorer page is built from real files (pipeline/report/explorer_page/) by one templating pass.
+
+Content cannot confuse it: a prompt id that spells a placeholder stays text, data that spells `</script>` or
+`<!--` stays inside its JSON element, and the JSON read back is the data. The page's files are package data
+and report-stage deps in dvc.yaml, so editing one re-runs the report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.report import explorer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _data(prompt_id: str, text: str) -> dict:
+    return {"prompt_id": prompt_id, "tokens": [{"text": text}]}
+
+
+def _json_of(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="nt-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1))
+
+
+def test_one_pass_keeps_content_out_of_the_template():
+    tricky = "{{script}} __SCRIPT__ {{data}} </script><!--<script> & \u4f60\u597d"
+    page = explorer.render_page(_data(tricky, tricky))
+    title = re.search(r"<title>(.*?)</title>", page, re.S).group(1)
+    assert "{{script}} __SCRIPT__ {{data}} &lt;/script&gt;" in title and len(title) < 200
+    assert page.count("<script") == 2 and page.count("</script>") == 2     # the data element and the module
+    assert _json_of(page) == _data(tricky, tricky)
+    assert not explorer.PLACEHOLDER.search(page.replace(tricky, "").replace("{{script}} __SCRIPT__ {{data}}", ""))
+
+
+def test_fill_refuses_a_placeholder_without_a_value():
+    with pytest.raises(ValueError, match=r"no value for \['b'\]"):
+        explorer.fill("{{a}} {{b}}", {"a": "x"})
+    assert explorer.fill("{{a}}{{a}}", {"a": "{{a}}"}) == "{{a}}{{a}}"
+
+
+def test_the_page_files_are_package_data_and_report_deps():
+    files = sorted(p.relative_to(REPO).as_posix() for p in explorer.PAGE_DIR.iterdir() if p.is_file())
+    assert {Path(f).name for f in files} >= {"page.html", "style.css", "numerics.mjs", "explorer.js"}
+    deps = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["report"]["deps"]
+    assert set(files) <= set(deps), set(files) - set(deps)
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"]
+    assert "report/explorer_page/*" in data
