@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.report import explorer_font
+
 TOP_IDS = 200            # candidate rows the page can list, in logit order (temperature keeps that order)
 TOP_PER_POSITION = 10    # recorded candidates shown for a clicked position
 MAX_POSITIONS = 512      # positions whose candidates are embedded (the last ones)
@@ -50,7 +52,7 @@ EQ_TOP = 20              # Equivalence panel: the union of each side's top 20 id
 EQ_FIGURES = ("n_positions", "max_abs_diff", "mean_abs_diff", "top1_changed", "kept_recorded", "kept_variant",
               "kept_jaccard", "kl_mean", "kl_max", "kl_last", "bit_identical", "first_differing_tensor", "note")
 CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:; "
-       "connect-src 'none'; font-src 'none'; frame-src 'none'; form-action 'none'; base-uri 'none'")
+       "connect-src 'none'; font-src data:; frame-src 'none'; form-action 'none'; base-uri 'none'")
 
 
 def b64_floats(values: np.ndarray) -> str:
@@ -224,6 +226,7 @@ def _checks(rows: list[dict] | None) -> list[dict] | None:
 
 PAGE_DIR = Path(__file__).with_name("explorer_page")   # page.html, style.css, numerics.mjs, explorer.js
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+JS_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
 
 
 def page_file(name: str) -> str:
@@ -249,15 +252,19 @@ def _raw_text(text: str, tag: str) -> str:
 
 
 def render_page(data: dict) -> str:
-    """The page: page.html filled once with the CSP, the title, style.css, numerics.mjs + explorer.js (one inline
-    module) and the data as inline JSON (`<`, `>`, `&` as \\u escapes: no text in it can end or confuse its
-    script element)."""
+    """The page: page.html filled once with the CSP, the title, the embedded fonts (explorer_font) + style.css,
+    numerics.mjs + explorer.js (one inline module) and the data as inline JSON (`<`, `>`, `&` as \\u escapes: no
+    text in it can end or confuse its script element)."""
     payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    payload = payload.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
-    return fill(page_file("page.html"), {
+    template, style = page_file("page.html"), page_file("style.css")
+    script = page_file("numerics.mjs") + "\n" + page_file("explorer.js")
+    title = f"nexttoken explorer: {data['prompt_id']}"
+    escaped = "".join(chr(int(h, 16)) for h in JS_ESCAPE.findall(script))      # "\u26a0" in a JS string
+    fonts, _ = explorer_font.font_faces(template + script + escaped + payload + title)
+    return fill(template, {
         "csp": html.escape(CSP, quote=False),     # a constant without quotes
-        "title": html.escape(f"nexttoken explorer: {data['prompt_id']}"),
-        "style": _raw_text(page_file("style.css"), "style"),
-        "script": _raw_text(page_file("numerics.mjs") + "\n" + page_file("explorer.js"), "script"),
-        "data": payload,
+        "title": html.escape(title),
+        "style": _raw_text(fonts + "\n" + style, "style"),
+        "script": _raw_text(script, "script"),
+        "data": payload.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"),
     })

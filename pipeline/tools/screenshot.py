@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -38,8 +39,9 @@ def available() -> str | None:
 
 
 @contextlib.contextmanager
-def browser() -> Iterator:
-    """A headless Chromium driven by Selenium, in a fresh profile that is deleted afterwards."""
+def browser(env: dict[str, str] | None = None) -> Iterator:
+    """A headless Chromium driven by Selenium, in a fresh profile that is deleted afterwards; `env`: variables
+    for the driver and the browser beside this process's (FONTCONFIG_FILE, say, for a machine with other fonts)."""
     if why := available():
         raise UserError(f"cannot open a browser here: {why}")
     from selenium import webdriver
@@ -51,7 +53,8 @@ def browser() -> Iterator:
     for flag in (*FLAGS, f"--user-data-dir={profile}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or DRIVER), options=options)
+    service = Service(shutil.which("chromedriver") or DRIVER, env={**os.environ, **env} if env else None)
+    driver = webdriver.Chrome(service=service, options=options)
     try:
         yield driver
     finally:

@@ -109,7 +109,8 @@ def test_page_is_offline_and_shows_every_panel(run, driver):
     assert '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'' in html
     assert "http://" not in html and "https://" not in html and "<script src" not in html
     sent = _open(driver, page)
-    assert sent == [page.as_uri()], sent           # the page itself, nothing else
+    # the page itself, nothing else (DevTools lists the embedded data: fonts as requests too: no network)
+    assert [u for u in sent if not u.startswith("data:font/woff;base64,")] == [page.as_uri()], sent
     assert screenshot.console_errors(driver) == []
     for panel in PANELS:
         assert driver.find_element("id", panel).is_displayed(), panel
@@ -122,6 +123,47 @@ def test_page_is_offline_and_shows_every_panel(run, driver):
     assert shot.stat().st_size > 10_000
     report = (run / "artifacts/report/report.md").read_text()
     assert f"]({paths.EXPLORER[1]})" in report and f"]({paths.EXPLORER_SHOT[1]})" in report
+
+
+# The page's glyphs against the fallback's, drawn on a canvas: each character's ink as a 64 x 64 bitmap.
+GLYPHS_JS = """
+const [chars, font] = arguments, done = arguments[arguments.length - 1];
+function draw(family, ch) {
+  const c = document.createElement("canvas"); c.width = c.height = 64;
+  const x = c.getContext("2d"); x.font = "48px " + family; x.textBaseline = "top"; x.fillText(ch, 4, 4);
+  const d = x.getImageData(0, 0, 64, 64).data, key = [];
+  for (let i = 3; i < d.length; i += 4) key.push(d[i] > 127 ? 1 : 0);
+  return key.join("");
+}
+document.fonts.load('48px "nexttoken-cjk"', chars.join("")).then(() => done({
+  page: chars.map((ch) => draw(font, ch)), fallback: chars.map((ch) => draw("sans-serif", ch)),
+  tokens: getComputedStyle(document.querySelector("#tokens .tok")).fontFamily}));
+"""
+
+
+def test_the_prompt_s_chinese_is_drawn_with_real_glyphs_on_a_machine_without_a_cjk_font(run, tmp_path):
+    """A fontconfig that lists DejaVu Sans alone (no CJK font; none at all crashes Chromium's renderer): the
+    fallback draws every Chinese character of the prompt as the same box, the page's embedded font draws each
+    one differently, and not as the fallback does."""
+    from pipeline.report import explorer_font
+
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    shutil.copy(explorer_font.font_path("matplotlib", "mpl-data/fonts/ttf/DejaVuSans.ttf"), fonts)
+    conf = tmp_path / "fonts.conf"
+    conf.write_text(f'<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "urn:fontconfig:fonts.dtd">\n'
+                    f"<fontconfig><dir>{fonts}</dir><cachedir>{tmp_path / 'cache'}</cachedir></fontconfig>\n")
+    prompt = yaml.safe_load((run / paths.PARAMS).read_text())["prompt"]["text"]
+    chars = sorted({c for c in prompt if "\u4e00" <= c <= "\u9fff"})
+    assert len(chars) >= 10
+    with screenshot.browser(env={"FONTCONFIG_FILE": str(conf)}) as driver:
+        _open(driver, run / "artifacts/report/explorer.html")
+        got = driver.execute_async_script(GLYPHS_JS, chars, explorer_font.FAMILIES + ", sans-serif")
+        assert screenshot.console_errors(driver) == []
+    assert len(set(got["fallback"])) == 1                  # no CJK font here: one box for every character
+    assert len(set(got["page"])) == len(chars)             # the page: a glyph of its own for each
+    assert all(p != f and "1" in p for p, f in zip(got["page"], got["fallback"]))
+    assert got["tokens"].replace('"', "").startswith("nexttoken-cjk,")       # the tokens' font: the page's own
 
 
 def test_probabilities_and_kept_sets_equal_the_stored_tables(run, driver):

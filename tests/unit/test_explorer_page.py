@@ -52,3 +52,36 @@ def test_the_page_files_are_package_data_and_report_deps():
     assert set(files) <= set(deps), set(files) - set(deps)
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"]
     assert "report/explorer_page/*" in data
+
+
+def test_the_embedded_fonts_draw_each_character_of_the_text_once():
+    """Chinese, kana, Cyrillic from Noto Sans CJK JP; Arabic and Hebrew (not in Noto CJK) from DejaVu Sans; a
+    character neither has (Devanagari) from neither. The same text gives the same bytes (no timestamp)."""
+    from fontTools.ttLib import TTFont
+
+    from pipeline.report import explorer_font
+
+    text = "问题：温度 かな Привет مرحبا שלום नमस्ते"
+    css, counts = explorer_font.font_faces(text)
+    assert css == explorer_font.font_faces(text)[0]
+    fonts = {}
+    for family, b64 in re.findall(r'font-family:"([^"]+)".*?base64,([A-Za-z0-9+/=]+)', css):
+        import base64
+        import io
+        fonts[family] = TTFont(io.BytesIO(base64.b64decode(b64))).getBestCmap()
+    cjk, dejavu = fonts["nexttoken-cjk"], fonts["nexttoken-dejavu"]
+    for ch in "问题温度かなПривет":
+        assert ord(ch) in cjk and ord(ch) not in dejavu, ch
+    for ch in "مرحباשלום":
+        assert ord(ch) in dejavu and ord(ch) not in cjk, ch
+    assert ord("न") not in cjk and ord("न") not in dejavu
+    assert counts == {"nexttoken-cjk": len({c for c in text if ord(c) in cjk}),
+                      "nexttoken-dejavu": len({c for c in text if ord(c) in dejavu})}
+    assert len(cjk) < 100       # a subset, not the 65,535-glyph font
+
+
+def test_the_page_carries_its_fonts_as_data_fonts_its_csp_allows():
+    page = explorer.render_page(_data("p", "实践中"))
+    assert "font-src data:;" in explorer.CSP and "url(data:font/woff;base64," in page
+    css = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
+    assert css.index("@font-face") < css.index("body{") and '"nexttoken-cjk","nexttoken-dejavu"' in css
