@@ -14,9 +14,10 @@ sampling filter) the page shows the set the pipeline recorded with transformers'
 (filtered.parquet, as a bitmap over the vocabulary), since float32 ties at the boundary are
 the warper's to break; at any other setting it computes the FP64 nucleus itself (temperature ->
 top-k (ties kept) -> top-p: the smallest prefix by probability, ties by lower id, whose mass
-reaches p), and says which it shows. The test contract (`#temperature`, `#top-k`, `#top-p`,
-`#kept-count`, `#kept-mass`, `#candidates tr[data-token-id][data-prob]`) is stable for users'
-own automation too: docs/explorer.md.
+reaches p), and says which it shows. T = 0 is greedy (the argmax); "sample once" draws from the shown
+set by inverse CDF with SplitMix64 (docs/explorer.md gives it in numpy). The test contract (`#temperature`,
+`#top-k`, `#top-p`, `#kept-count`, `#kept-mass`, `#candidates tr[data-token-id][data-prob]`, `#sample`,
+`#sampled-id`, `#input-error`) is stable for users' own automation too: docs/explorer.md.
 
 The Equivalence panel (where the equivalence stage ran for the prompt) compares, at the page's
 temperature, the recorded next-token distribution with each forward variation's own logits at the
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.report import explorer_font
+from pipeline.report import explorer_font, explorer_walk
 
 TOP_IDS = 200            # candidate rows the page can list, in logit order (temperature keeps that order)
 TOP_PER_POSITION = 10    # recorded candidates shown for a clicked position
@@ -86,6 +87,15 @@ def variant_encoding(recorded: np.ndarray, variant: np.ndarray) -> tuple[str, st
     return "f4", b64_floats(v)
 
 
+def kept_set(ids, size: int) -> dict:
+    """A kept set in the fewer bytes: {"ids": [...]} when short, else {"bits": base64 bitmap over the vocabulary}
+    (a flat distribution's top-p set is most of the vocabulary: as an id list, megabytes)."""
+    ids = np.asarray(ids if ids is not None else [], dtype=np.int64)
+    if ids.size * 7 < size // 8 * 4 // 3:         # ~7 bytes a JSON id against the bitmap's base64
+        return {"ids": [int(i) for i in ids]}
+    return {"bits": b64_bits(ids, size)}
+
+
 def _json_number(x):
     return None if isinstance(x, float) and not np.isfinite(x) else x
 
@@ -122,8 +132,8 @@ def equivalence_data(recorded: np.ndarray, position: int, rows: list[dict] | Non
             top = logit_order(row)[:EQ_TOP]
             item.update(shown=True, dtype=stored[0], encoding=encoding, logits=data,
                         text={str(int(i)): vocab_text.get(int(i), "") for i in top},
-                        kept={"recorded": [int(i) for i in r.get("kept_recorded_ids") or []],
-                              "variant": [int(i) for i in r.get("kept_variant_ids") or []]}
+                        kept={"recorded": kept_set(r.get("kept_recorded_ids"), recorded.size),
+                              "variant": kept_set(r.get("kept_variant_ids"), recorded.size)}
                         if r.get("kept_recorded_ids") is not None and r["compared"] != "step logits" else None)
         out.append(item)
     return {"position": position, "top": EQ_TOP, "variations": out}
@@ -145,7 +155,7 @@ def logit_order(logits: np.ndarray) -> np.ndarray:
 
 def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str, np.ndarray],
               positions: list[tuple[int, np.ndarray]], attention: dict[int, np.ndarray], vocab_text: dict[int, str],
-              lens: dict | None, equivalence: dict | None = None) -> dict:
+              lens: dict | None, equivalence: dict | None = None, language: str = "en") -> dict:
     """Everything one page shows, as JSON-ready values. inp: the report's `render.Inputs` for the prompt;
     pages: prompt id -> file name of every page of the run; filters: the probs summary's filters at the
     page's position, kept: filter name -> kept ids (filtered.parquet); positions: (position, logits row)
@@ -157,7 +167,9 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
     forward = inp.manifests.get("forward", {})
     return {
         "prompt_id": inp.prompt_id,
+        "language": language,                    # report.language: the page opens in it (#language switches)
         "pages": pages,
+        "seed": int((forward_seeds(inp) or {}).get("sample", 0)),     # the "sample once" box starts there
         "conditions": _conditions(inp, forward),
         "tokens": [{"position": r["position"], "id": r["token_id"], "piece": r["piece"], "text": r["text"],
                     "bytes": r["piece_bytes_hex"], "alone": bool(r["decodes_alone"]),
@@ -175,11 +187,17 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
                       for p, row in positions],
         "attention": {str(layer): {"heads": int(w.shape[0]), "n": int(w.shape[-1]), "offset": int(offset),
                                    "weights": b64_floats(w)} for layer, (offset, w) in attention.items()},
-        "trajectories": _trajectories(inp),
+        "trajectories": _trajectories(inp, vocab_text),
         "checks": _checks(inp.checks),
         "lens": lens,
         "equivalence": equivalence,
+        "walk": explorer_walk.walk(inp, lens),
     }
+
+
+def forward_seeds(inp) -> dict | None:
+    """The run's sampling seeds (trajectories/manifest.json), None where the stage has not run."""
+    return inp.manifests.get("trajectories", {}).get("seeds")
 
 
 def _conditions(inp, forward: dict) -> list[list[str]]:
@@ -200,13 +218,14 @@ def _conditions(inp, forward: dict) -> list[list[str]]:
             ["created", str(forward.get("created_at", ""))]]
 
 
-def _trajectories(inp) -> list[dict]:
+def _trajectories(inp, vocab_text: dict[int, str]) -> list[dict]:
     branches: dict[str, dict] = {}
     for r in inp.steps:
         key = f"{r['branch']}{' (KV cache)' if r['kv_cache'] else ''}"
         b = branches.setdefault(key, {"name": key, "branch": r["branch"], "kv": bool(r["kv_cache"]), "steps": []})
-        alts = [[int(i), float(p)] for i, p in zip(r["top_ids"], r["top_probs"])]
+        alts = [[int(i), float(p), vocab_text.get(int(i), "")] for i, p in zip(r["top_ids"], r["top_probs"])]
         b["steps"].append({"step": r["step"], "id": r["token_id"], "text": r["text_so_far"], "prob": r["prob"],
+                           "piece": vocab_text.get(int(r["token_id"]), r.get("piece")),
                            "rank": r["rank"], "alts": alts, "stop": r.get("stop_reason")})
     loops = {m.get("branch"): m for m in (inp.prompt_metrics or []) if isinstance(m, dict)}
     out = list(branches.values())
@@ -224,7 +243,7 @@ def _checks(rows: list[dict] | None) -> list[dict] | None:
             for r in rows]
 
 
-PAGE_DIR = Path(__file__).with_name("explorer_page")   # page.html, style.css, numerics.mjs, explorer.js
+PAGE_DIR = Path(__file__).with_name("explorer_page")   # page.html, style.css, numerics.mjs, walk.js, explorer.js
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 JS_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
 
@@ -257,7 +276,7 @@ def render_page(data: dict) -> str:
     text in it can end or confuse its script element)."""
     payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     template, style = page_file("page.html"), page_file("style.css")
-    script = page_file("numerics.mjs") + "\n" + page_file("explorer.js")
+    script = "\n".join(page_file(f) for f in ("numerics.mjs", "walk.js", "explorer.js"))     # walk.js's TEXT first
     title = f"nexttoken explorer: {data['prompt_id']}"
     escaped = "".join(chr(int(h, 16)) for h in JS_ESCAPE.findall(script))      # "\u26a0" in a JS string
     fonts, _ = explorer_font.font_faces(template + script + escaped + payload + title)

@@ -85,3 +85,32 @@ def test_the_page_carries_its_fonts_as_data_fonts_its_csp_allows():
     assert "font-src data:;" in explorer.CSP and "url(data:font/woff;base64," in page
     css = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
     assert css.index("@font-face") < css.index("body{") and '"nexttoken-cjk","nexttoken-dejavu"' in css
+
+
+def test_report_language_is_en_or_zh_and_the_page_opens_in_it():
+    from pipeline.config import schema
+    from pipeline.errors import UserError
+
+    assert schema.load_section({"report": {"prompt_id": None}}, "report").language == "en"
+    with pytest.raises(UserError, match=r"^report.language='fr' is not allowed: .*en or zh$"):
+        schema.load_section({"report": {"prompt_id": None, "language": "fr"}}, "report")
+    page = explorer.render_page({**_data("p", "x"), "language": "zh"})
+    assert _json_of(page)["language"] == "zh"
+
+
+
+def test_a_kept_set_travels_as_ids_when_short_and_as_a_bitmap_when_large():
+    """A flat distribution's top-p set is most of the vocabulary: as JSON ids, ~1 MB per variation (issue 46)."""
+    import base64
+
+    import numpy as np
+
+    size = 152064
+    small = explorer.kept_set([5, 17, 151000], size)
+    assert small == {"ids": [5, 17, 151000]}
+    many = np.arange(0, size, 2)
+    big = explorer.kept_set(many, size)
+    back = np.unpackbits(np.frombuffer(base64.b64decode(big["bits"]), dtype=np.uint8), bitorder="little")[:size]
+    assert np.array_equal(np.flatnonzero(back), many)
+    assert len(json.dumps(big)) < size // 8 * 4 // 3 + 20 < len(json.dumps({"ids": many.tolist()})) // 10
+    assert explorer.kept_set(None, size) == {"ids": []}

@@ -14,32 +14,77 @@ const RANK = ranks(ORDER);
 function configured(T, k, topP) {
   return D.filters.find((f) => f.temperature === T && f.top_k === k && f.top_p === topP);
 }
+let SHOWN = null;        // what the Next token panel shows: {T, p, kept (ids in rank order)}, null when invalid
+function clearNext(why) {
+  SHOWN = null;
+  $("input-error").textContent = why;
+  for (const id of ["kept-count", "kept-mass", "kept-source"]) $(id).textContent = "";
+  $("candidates").tBodies[0].replaceChildren();
+  clearSample();
+}
+function clearSample() {
+  $("sampled-id").textContent = ""; $("sampled-text").textContent = "";
+  delete $("sampled-id").dataset.seed;
+  document.querySelectorAll("#candidates tr.picked").forEach((r) => r.classList.remove("picked"));
+}
+function percent(x) {
+  return x >= 0.001 ? (100 * x).toFixed(1) + "%" : x > 0 ? (100 * x).toPrecision(2) + "%" : "0%";
+}
 function update() {
-  const T = Number($("temperature").value), k = Math.trunc(Number($("top-k").value)), topP = Number($("top-p").value);
-  if (!(T > 0) || !(k >= 0) || !(topP > 0 && topP <= 1)) { $("kept-source").textContent = "(invalid setting)"; return; }
-  const p = softmax64(LOGITS, T);
-  const f = configured(T, k, topP);
-  let keptMask, count;
-  if (f) {
-    keptMask = bits(f.kept, N); count = f.count;
+  const s = parseSetting($("temperature").value, $("top-k").value, $("top-p").value);
+  if (s.error) { clearNext(s.error); updateEquivalence(); return; }
+  const {T, k, topP} = s;
+  $("input-error").textContent = "";
+  clearSample();
+  const p = distribution(LOGITS, T);
+  const f = T > 0 ? configured(T, k, topP) : null;
+  let keptMask, kept;
+  if (T === 0) {
+    kept = [greedy(LOGITS)]; keptMask = new Uint8Array(N); keptMask[kept[0]] = 1;
+    $("kept-source").textContent = "(T = 0: greedy, the highest logit; top-k and top-p do not apply)";
+  } else if (f) {
+    keptMask = bits(f.kept, N); kept = ORDER.filter((i) => keptMask[i]);
     $("kept-source").textContent = `(the set recorded by transformers' warpers for filter ${f.name}: filtered.parquet)`;
   } else {
-    keptMask = new Uint8Array(N); const ids = keptFP64(p, k, topP, ORDER, LOGITS); ids.forEach((i) => { keptMask[i] = 1; });
-    count = ids.length;
+    kept = keptFP64(p, k, topP, ORDER, LOGITS); keptMask = new Uint8Array(N); kept.forEach((i) => { keptMask[i] = 1; });
     $("kept-source").textContent = "(computed here in FP64: not a configured filter)";
   }
   let mass = 0;
   for (const i of ORDER) if (keptMask[i]) mass += p[i];
-  $("kept-count").textContent = String(count);
+  SHOWN = {T, p, kept};
+  $("kept-count").textContent = String(f ? f.count : kept.length);
   $("kept-mass").textContent = String(mass);
   updateEquivalence();
-  const body = $("candidates").tBodies[0];
+  const body = $("candidates").tBodies[0], top = p[ORDER[0]] || 1;
   body.replaceChildren(...D.last.top.map((id) => {
-    const tr = el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), class: keptMask[id] ? "kept" : ""},
-      el("td", {}, String(RANK[id])), el("td", {}, String(id)), el("td", {}, JSON.stringify(D.last.text[id] ?? "")),
-      el("td", {}, String(LOGITS[id])), el("td", {}, String(p[id])), el("td", {}, keptMask[id] ? "kept" : ""));
-    return tr;
+    const bar = el("div", {class: "bar", title: `p = ${p[id]}`}, el("span", {}));
+    bar.firstChild.style.width = (100 * p[id] / top).toFixed(3) + "%";      // the top candidate spans the track
+    return el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), class: keptMask[id] ? "kept" : ""},
+      el("td", {}, String(RANK[id])), el("td", {class: "tokcell"}, JSON.stringify(D.last.text[id] ?? "").slice(1, -1)),
+      el("td", {class: "pct", title: `p = ${p[id]}`}, percent(p[id])), el("td", {class: "barcell"}, bar),
+      el("td", {}, String(id)), el("td", {}, String(LOGITS[id])));
   }));
+}
+// "sample once": one draw from the shown distribution (kept set, FP64) by inverse CDF, u from SplitMix64(seed);
+// the seed box then moves on by one, so the next click draws anew (docs/explorer.md repeats it in numpy).
+function sampleOnce() {
+  if (!SHOWN) return;
+  const seed = parseSeed($("seed").value);
+  if (seed === null) {
+    clearSample();
+    $("input-error").textContent = `seed = ${$("seed").value}: not allowed; a whole number in [0, 2^64)`;
+    return;
+  }
+  $("input-error").textContent = "";
+  const u = uniform(splitmix64(seed));
+  const id = SHOWN.T === 0 ? SHOWN.kept[0] : inverseCdf(SHOWN.p, SHOWN.kept, u);
+  clearSample();
+  const out = $("sampled-id");
+  out.textContent = String(id); out.dataset.seed = String(seed); out.dataset.u = String(u);
+  $("sampled-text").textContent = `${JSON.stringify(D.last.text[id] ?? "")} (seed ${seed}, u = ${u.toFixed(6)})`;
+  const row = document.querySelector(`#candidates tr[data-token-id="${id}"]`);
+  if (row) row.classList.add("picked");
+  $("seed").value = String(seed + 1n < 2n ** 64n ? seed + 1n : 0n);
 }
 function pages() {
   const nav = $("pages");
@@ -104,7 +149,7 @@ function lens() {
   box.append(el("p", {class: "note"}, "layer x position: the top-1 piece after the model's own final norm and " +
     "LM head; colour = its probability (FP64); hover for the top 5 and the final token's rank"));
   const grid = el("div", {class: "grid", id: "lens-grid"});
-  grid.style.gridTemplateColumns = `60px repeat(${L.positions.length}, minmax(26px, 1fr))`;
+  grid.style.gridTemplateColumns = `44px repeat(${L.positions.length}, minmax(0, 1fr))`;   // fits: no scrolling
   grid.append(el("div", {}, "layer"), ...L.positions.map((p) => el("div", {class: "cell"}, String(p))));
   for (let li = L.layers.length - 1; li >= 0; li--) {
     grid.append(el("div", {}, String(L.layers[li])));
@@ -112,7 +157,8 @@ function lens() {
       const c = L.cells[li][pi], v = c.p;
       const cell = el("div", {class: "cell", title: c.top5.map(([t, q]) => `${JSON.stringify(t)} ${q.toPrecision(4)}`)
         .join("\n") + `\nfinal token's rank: ${c.final_rank}`}, c.text);
-      cell.style.background = `rgba(35,57,93,${0.08 + 0.9 * v})`; cell.style.color = v > 0.5 ? "#fff" : "#111";
+      // white text from the middle of the scale on (contrast >= 4.5:1 either side)
+      cell.style.background = `rgba(35,57,93,${0.08 + 0.9 * v})`; cell.style.color = v > 0.35 ? "#fff" : "#111";
       grid.append(cell);
     }
   }
@@ -126,13 +172,15 @@ function trajectories() {
     const agree = twin ? b.steps.every((s, i) => twin.steps[i] && twin.steps[i].id === s.id) : null;
     const kv = agree === null ? "" : agree ? ": KV cache and full prefix agree" : ": KV cache and full prefix DIFFER";
     const head = `${b.name}${kv}${b.loop ? " (loop)" : ""}`;
-    const t = el("table", {class: "step"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "id"), el("th", {}, "p"),
-      el("th", {}, "text so far"), el("th", {}, "alternatives (id p)")));
+    const t = el("table", {class: "step"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "token id"), el("th", {}, "p"),
+      el("th", {}, "text so far"), el("th", {}, "alternatives (text id p)")));
     b.steps.forEach((s, i) => {
       const leaves = greedy && b.branch !== "greedy" && greedy.steps[i] && greedy.steps[i].id !== s.id;
-      t.append(el("tr", {class: leaves ? "leave" : ""}, el("td", {}, String(s.step)), el("td", {}, String(s.id)),
+      t.append(el("tr", {class: leaves ? "leave" : ""}, el("td", {}, String(s.step)),
+        el("td", {}, `${JSON.stringify(s.piece ?? "")} ${s.id}`),
         el("td", {}, s.prob.toPrecision(6)), el("td", {}, JSON.stringify(s.text)),
-        el("td", {}, s.alts.map(([id, q]) => `${id} ${q.toPrecision(3)}`).join(", "))));
+        el("td", {}, s.alts.map(([id, q, text]) => `${JSON.stringify(text ?? "")} ${id} ${(100 * q).toPrecision(3)}%`)
+          .join(", "))));
     });
     box.append(el("h3", {}, head), t);
   }
@@ -202,6 +250,7 @@ function updateEquivalence() {
   if (!v) { eqClear("no variation chosen"); return; }
   $("eq-row").textContent = storedRow(v);
   if (!v.shown) { eqClear(`${v.name}: not shown: ${v.why}`); return; }
+  if (T === 0) { eqClear("T = 0 (greedy): no distribution to compare; choose a temperature > 0"); return; }
   if (!(T > 0) || !(topP > 0 && topP <= 1)) { eqClear("(invalid setting)"); return; }
   if (v.encoding === "nan") { eqClear(`${v.name}: every logit is NaN at position ${EQ.position} (${v.dtype}): ` +
     "no distribution to compare"); return; }
@@ -215,8 +264,9 @@ function updateEquivalence() {
   // at the row's own setting the sets are the row's (transformers' float32 warper, which breaks ties at the
   // boundary its own way); elsewhere the FP64 nucleus
   const rows = T === 1 && topP === 0.9 && v.kept;
-  const kr = rows ? v.kept.recorded : keptFP64(p, 0, topP, ORDER, LOGITS);
-  const kv = rows ? v.kept.variant : keptFP64(q, 0, topP, V.order, V.L);
+  const setIds = (k) => { if (!k.bits) return k.ids; const m = bits(k.bits, N); return ORDER.filter((i) => m[i]); };
+  const kr = rows ? setIds(v.kept.recorded) : keptFP64(p, 0, topP, ORDER, LOGITS);
+  const kv = rows ? setIds(v.kept.variant) : keptFP64(q, 0, topP, V.order, V.L);
   $("eq-kept-source").textContent = rows ? "(the row's sets: transformers' float32 warper at T = 1, top-p 0.9)"
     : "(computed here: the FP64 nucleus)";
   const inR = new Uint8Array(N), inV = new Uint8Array(N);
@@ -248,7 +298,21 @@ function updateEquivalence() {
       el("td", {}, (inR[id] ? "rec" : "") + (inR[id] && inV[id] ? " + " : "") + (inV[id] ? "var" : "")));
   }));
 }
-pages(); conditions(); tokens(); lens(); equivalenceSetup(); attention(); trajectories(); checks();
+pages(); conditions(); tokens(); walk(); lens(); equivalenceSetup(); attention(); trajectories(); checks();
+$("language").addEventListener("change", () => setLanguage($("language").value));
+setLanguage(D.language === "zh" ? "zh" : "en");
 for (const id of ["temperature", "top-k", "top-p"]) $(id).addEventListener("input", update);
+$("temperature").addEventListener("input", () => {
+  const t = Number($("temperature").value);
+  if (t >= 0 && t <= 2) $("temperature-slider").value = String(t);
+});
+$("temperature-slider").addEventListener("input", () => {
+  $("temperature").value = $("temperature-slider").value; update();
+});
+$("sample").addEventListener("click", sampleOnce);
+$("seed").value = String(D.seed ?? 0);
+$("model-line").textContent = D.conditions[0][1];
+$("next-where").textContent = `after position ${D.last.position}, ` +
+  JSON.stringify(D.tokens.find((t) => t.position === D.last.position)?.text ?? "");
 update();
 showPosition(D.last.position, document.querySelector(`.tok[data-position="${D.last.position}"]`));

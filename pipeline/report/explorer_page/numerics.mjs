@@ -1,6 +1,6 @@
 // The explorer's numerics: small pure functions, no DOM. The page inlines this file ahead of explorer.js in one
-// module script element; being pure functions, they can be unit-tested outside the browser. Every probability
-// is a JavaScript number: IEEE float64.
+// module script element; tests/js/numerics.test.mjs tests them under Node against fixtures made by the Python
+// reference (tests/unit/test_explorer_js.py). Every probability is a JavaScript number: IEEE float64.
 
 // base64 -> bytes (the page's embedded arrays)
 export function bytesOf(b64) {
@@ -112,4 +112,28 @@ export function inverseCdf(p, kept, u) {
   let c = 0;
   for (const i of kept) { c += p[i]; if (c > target) return i; }
   return kept[kept.length - 1];
+}
+// The Next token panel's three inputs, as typed: {T, k, topP}, or {error} naming the bad value and what is allowed.
+export function parseSetting(rawT, rawK, rawP) {
+  const num = (s) => (String(s).trim() === "" ? NaN : Number(s));
+  const T = num(rawT), k = num(rawK), topP = num(rawP);
+  if (!(Number.isFinite(T) && T >= 0)) return {error: `temperature = ${rawT}: not allowed; a number >= 0 (0 = greedy)`};
+  if (!(Number.isInteger(k) && k >= 0)) return {error: `top-k = ${rawK}: not allowed; a whole number >= 0 (0 = off)`};
+  if (!(topP > 0 && topP <= 1)) return {error: `top-p = ${rawP}: not allowed; a number in (0, 1] (1 = off)`};
+  return {T, k, topP};
+}
+// A seed as typed: a BigInt in [0, 2^64), or null
+export function parseSeed(raw) {
+  const s = String(raw).trim();
+  if (!/^[0-9]+$/.test(s)) return null;
+  const v = BigInt(s);
+  return v < 2n ** 64n ? v : null;
+}
+// The next-token distribution the page shows at temperature T over logits L: softmax64 for T > 0; for T = 0
+// (greedy) all the mass on the argmax.
+export function distribution(L, T) {
+  if (T > 0) return softmax64(L, T);
+  const p = new Float64Array(L.length);
+  p[greedy(L)] = 1;
+  return p;
 }
