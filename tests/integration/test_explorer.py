@@ -319,6 +319,32 @@ def test_at_projector_size_the_first_screen_shows_the_tokens_and_the_bars(run, d
             (1280, 720), shot
 
 
+def test_attention_has_a_layer_chooser_and_the_last_position_s_weights_under_token_labels(run, driver):
+    """#attention-layer lists every captured layer; for the chosen one, #attention-last holds a label per key
+    position (the tokens' text) and per head the last query row of capture.safetensors' attention weights."""
+    from pipeline.model.names import act_name
+    from pipeline.store import safetensors_io
+
+    _open(driver, run / "artifacts/report/explorer.html")
+    capture = part(paths.CAPTURE, run)
+    tokens = pd.read_parquet(part(paths.TOKENS, run)).sort_values("position")
+    layers = driver.execute_script("return [...document.querySelectorAll('#attention-layer option')].map(o => o.value)")
+    assert layers == ["0", "1"]
+    for layer in layers[::-1]:
+        got = driver.execute_script("""
+            const s = document.getElementById("attention-layer"); s.value = arguments[0];
+            s.dispatchEvent(new Event("change"));
+            const g = document.getElementById("attention-last");
+            return {labels: [...g.querySelectorAll(".att-label")].map((e) => e.textContent),
+                    cells: [...g.querySelectorAll(".att-cell")].map((e) => Number(e.title.split(": ").pop())),
+                    hidden: [...document.querySelectorAll(".att-maps")].map((e) => [e.dataset.layer, e.hidden])};
+        """, layer)
+        w = safetensors_io.read(capture, act_name("attn_weights", int(layer)))[0]       # [heads, T, T]
+        assert got["labels"] == [json.dumps(t, ensure_ascii=False)[1:-1] for t in tokens.text]
+        np.testing.assert_array_equal(np.array(got["cells"], dtype=np.float32), w[:, -1, :].reshape(-1))
+        assert got["hidden"] == [[x, x != layer] for x in layers]
+
+
 @pytest.mark.parametrize("mutant", ["float32", "top50"])
 def test_a_page_computing_otherwise_fails_the_comparison(run, driver, tmp_path, mutant):
     """The comparisons above catch the anchors' shortcuts: float32 arithmetic, a softmax over the top 50."""

@@ -127,21 +127,53 @@ function heat(canvas, w, h, value) {
   }
   ctx.putImageData(img, 0, 0);
 }
+// Attention: a layer chooser over every captured layer; for the chosen one, what the last position attends to, per
+// head, under the tokens' own labels; below it that layer's full maps (row = query).
 function attention() {
   const box = $("attention");
   const layers = Object.keys(D.attention);
   if (!layers.length) { box.append(el("p", {class: "note"}, "no attention weights captured")); return; }
+  const pick = el("select", {id: "attention-layer"}, ...layers.map((l) => el("option", {value: l}, `layer ${l}`)));
+  const focus = el("div", {id: "attention-focus"});
+  box.append(el("label", {}, "layer ", pick), focus);
+  const blocks = {};
   for (const layer of layers) {
     const a = D.attention[layer], w = floats(a.weights), n = a.n;
-    const row = el("div", {}, el("p", {}, `layer ${layer} (positions ${a.offset}..${a.offset + n - 1}; row = query)`));
+    const row = el("div", {class: "att-maps", "data-layer": layer},
+      el("p", {class: "note"}, `layer ${layer}, every head (positions ${a.offset}..${a.offset + n - 1}; row = query)`));
     for (let h = 0; h < a.heads; h++) {
       const c = el("canvas", {class: "heat", width: String(n), height: String(n), title: `layer ${layer} head ${h}`});
       c.style.width = c.style.height = Math.max(96, 3 * n) + "px";
       heat(c, n, n, (x, y) => w[h * n * n + y * n + x]);
       row.append(el("span", {}, `head ${h} `), c);
     }
+    blocks[layer] = {a, w, row};
     box.append(row);
   }
+  const show = () => {
+    const {a, w} = blocks[pick.value], n = a.n, q = n - 1;
+    for (const [l, b] of Object.entries(blocks)) b.row.hidden = l !== pick.value;
+    const label = (pos) => JSON.stringify(D.tokens.find((t) => t.position === pos)?.text ?? "").slice(1, -1);
+    const grid = el("div", {class: "att-grid", id: "attention-last"});
+    grid.style.gridTemplateColumns = `64px repeat(${n}, minmax(0, 1fr))`;
+    grid.append(el("div", {}, ""), ...Array.from({length: n}, (_, k) =>
+      el("div", {class: "att-label", title: `position ${a.offset + k}`}, label(a.offset + k))));
+    for (let h = 0; h < a.heads; h++) {
+      grid.append(el("div", {class: "att-head"}, `head ${h}`));
+      for (let k = 0; k < n; k++) {
+        const v = w[h * n * n + q * n + k];
+        const cell = el("div", {class: "att-cell", title: `head ${h} → ${JSON.stringify(label(a.offset + k))}: ${v}`},
+          v >= 0.1 ? `${Math.round(100 * v)}` : "");
+        cell.style.background = `rgba(35,57,93,${Math.min(1, v)})`; cell.style.color = v > 0.35 ? "#fff" : "#111";
+        grid.append(cell);
+      }
+    }
+    focus.replaceChildren(el("p", {class: "note"}, `what position ${a.offset + q} (the last) attends to, ` +
+      `in percent, per head of layer ${pick.value}`), grid);
+  };
+  pick.value = layers[layers.length - 1];
+  pick.addEventListener("change", show);
+  show();
 }
 function lens() {
   const box = $("lens"), L = D.lens;
@@ -233,8 +265,13 @@ function eqClear(why) {
   $("eq-status").textContent = why;
 }
 function equivalenceSetup() {
-  if (!EQ) { $("eq-variation").disabled = true; $("eq-top-p").disabled = true;
-    eqClear("the equivalence stage did not run for this prompt (equivalence.prompts)"); return; }
+  if (!EQ) {           // no empty shell: the panel says why in one line
+    $("eq-variation").disabled = true; $("eq-top-p").disabled = true;
+    for (const e of document.querySelectorAll("#panel-equivalence .controls, #eq-figures, #eq-candidates, #eq-row")) {
+      e.hidden = true;
+    }
+    eqClear("the equivalence stage did not run for this prompt (equivalence.prompts)"); return;
+  }
   $("eq-variation").append(...EQ.variations.map((v, i) =>
     el("option", {value: v.name, "data-index": String(i)}, v.name + (v.shown ? "" : " (not shown)"))));
   const first = EQ.variations.findIndex((v) => v.shown);
