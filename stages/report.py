@@ -32,7 +32,8 @@ def main() -> None:
                      "params_sha256": provenance.sha256_file(Path(paths.PARAMS))}
         figures = render.draw(inputs, run.out, font)
         across = set_plots.draw(prompts, run.out, font)
-        files = pages.write(run.use, run.out, inputs, ids, lambda pid: render.load(run.use, pid, prompts=prompts))
+        files = pages.write(run.use, run.out, inputs, ids, lambda pid: render.load(run.use, pid, prompts=prompts),
+                            language=cfg.language)
         run.facts["explorer_pages"] = len(files)
         text = render.render(inputs, figures, font, prompts, across) \
             + equivalence.markdown(equivalence.load(run.use, chosen), chosen)

@@ -339,6 +339,7 @@ class ReportConfig(Section):
 
     prompt_id: str | None = Field(None, pattern=PROMPT_ID_PATTERN,
                                   description=f"null (the run's first prompt) or a prompt id: {PROMPT_ID_ALLOWED}")
+    language: Literal["en", "zh"] = Field("en", description="the explorer's language at opening: en or zh")
 
 
 SECTIONS: dict[str, type[Section]] = {"model": ModelConfig, "prompt": PromptConfig, "capture": CaptureConfig,

@@ -105,27 +105,29 @@ def _variants(use: overview.Use, inp: Inputs) -> tuple[list[dict] | None, dict |
     return rows, variant_logits.read(use(paths.VARIANT_LOGITS, inp.prompt_id), positions=[inp.position])
 
 
-def page(use: overview.Use, inp: Inputs, files: dict[str, str]) -> str:
-    """One prompt's page, rendered."""
+def page(use: overview.Use, inp: Inputs, files: dict[str, str], language: str = "en") -> str:
+    """One prompt's page, rendered (explanations in `language` at opening: report.language)."""
     positions = _positions(use, inp)
     lens_rows = _lens_rows(use, inp)
     eq_rows, variants = _variants(use, inp)
     ids = {int(i) for i in explorer.logit_order(inp.logits)[:explorer.TOP_IDS]}
     ids |= {int(i) for _, row in positions for i in explorer.logit_order(row)[:explorer.TOP_PER_POSITION]}
     ids |= {r["token_id"] for r in lens_rows} | explorer.equivalence_ids(variants, inp.position)
+    ids |= {int(i) for r in inp.steps for i in (r["token_id"], *r["top_ids"])}     # the trajectories' picks
     text = _vocab_text(use, ids)
     filters = [f for f in inp.summary["filters"] if f["position"] == inp.position]
     data = explorer.page_data(inp, pages=files, filters=filters, kept=_kept(use, inp), positions=positions,
                               attention=_attention(use, inp), vocab_text=text, lens=_lens(inp, lens_rows, text),
-                              equivalence=explorer.equivalence_data(inp.logits, inp.position, eq_rows, variants, text))
+                              equivalence=explorer.equivalence_data(inp.logits, inp.position, eq_rows, variants, text),
+                              language=language)
     return explorer.render_page(data)
 
 
 def write(use: overview.Use, out: Callable[[str], Path], detailed: Inputs, ids: list[str],
-          load: Callable[[str], Inputs]) -> dict[str, str]:
+          load: Callable[[str], Inputs], language: str = "en") -> dict[str, str]:
     """Every page of the run (the detailed prompt's from `detailed`, the others through `load(id)`); the files."""
     files = file_names(ids, detailed.prompt_id)
     for pid, name in files.items():
         inp = detailed if pid == detailed.prompt_id else load(pid)
-        out(name).write_text(page(use, inp, files), encoding="utf-8")
+        out(name).write_text(page(use, inp, files, language), encoding="utf-8")
     return files

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -38,8 +39,9 @@ def available() -> str | None:
 
 
 @contextlib.contextmanager
-def browser() -> Iterator:
-    """A headless Chromium driven by Selenium, in a fresh profile that is deleted afterwards."""
+def browser(env: dict[str, str] | None = None) -> Iterator:
+    """A headless Chromium driven by Selenium, in a fresh profile that is deleted afterwards; `env`: variables
+    for the driver and the browser beside this process's (FONTCONFIG_FILE, say, for a machine with other fonts)."""
     if why := available():
         raise UserError(f"cannot open a browser here: {why}")
     from selenium import webdriver
@@ -51,7 +53,8 @@ def browser() -> Iterator:
     for flag in (*FLAGS, f"--user-data-dir={profile}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or DRIVER), options=options)
+    service = Service(shutil.which("chromedriver") or DRIVER, env={**os.environ, **env} if env else None)
+    driver = webdriver.Chrome(service=service, options=options)
     try:
         yield driver
     finally:
@@ -73,11 +76,19 @@ def console_errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
 
 
-def shoot(page: Path, out: Path) -> Path:
-    """A PNG of the whole page, opened from file:// in a browser that sends nothing anywhere."""
+SCREEN = (1280, 720)     # a projector's screen: what `screens` shows, section by section
+
+
+def _page(page: Path) -> Path:
     page = Path(page).resolve()
     if not page.is_file():
         raise UserError(f"{page}: no such page (run `dvc repro` to make artifacts/report/explorer.html)")
+    return page
+
+
+def shoot(page: Path, out: Path) -> Path:
+    """A PNG of the whole page, opened from file:// in a browser that sends nothing anywhere."""
+    page = _page(page)
     with browser() as driver:
         driver.get(page.as_uri())
         height = driver.execute_script("return document.body.scrollHeight")
@@ -86,9 +97,45 @@ def shoot(page: Path, out: Path) -> Path:
     return out
 
 
+def set_screen(driver, width: int = SCREEN[0], height: int = SCREEN[1]) -> None:
+    """The page's viewport exactly width x height CSS pixels (a window size would include the browser's frame)."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+
+
+LANGUAGES = ("en", "zh")      # the page's #language choices
+
+
+def screens(page: Path) -> list[Path]:
+    """1280 x 720 PNGs beside the page, in each language: its first screen (<stem>-screen-<lang>-first.png), then
+    each section (the panels and the walk's steps) scrolled to the top of the screen
+    (<stem>-screen-<lang>-<section id>.png), as a projector shows them."""
+    page = _page(page)
+    out = []
+    with browser() as driver:
+        set_screen(driver)
+        driver.get(page.as_uri())
+        driver.execute_script("return document.fonts.ready")
+        sections = driver.execute_script(
+            "return [...document.querySelectorAll('main > section[id], #walk > section[id]')].map(s => s.id)")
+        for lang in LANGUAGES:
+            driver.execute_script("const s = document.getElementById('language'); s.value = arguments[0];"
+                                  "s.dispatchEvent(new Event('change')); window.scrollTo(0, 0)", lang)
+            for sid in ("first", *sections):
+                if sid != "first":
+                    driver.execute_script("document.getElementById(arguments[0]).scrollIntoView({block: 'start'})", sid)
+                shot = page.with_name(f"{page.stem}-screen-{lang}-{sid}.png")
+                driver.save_screenshot(str(shot))
+                out.append(shot)
+    return out
+
+
 def cli(args) -> int:
-    """`nexttoken screenshot [PAGE] [--out PNG]`: the explorer's picture, beside it by default."""
+    """`nexttoken screenshot [PAGE] [--out PNG]`: the explorer's picture (the whole page), beside it by default,
+    and its 1280 x 720 screens (`screens`)."""
     page = Path(args.page)
     out = Path(args.out) if args.out else page.with_suffix(".png")
     print(shoot(page, out))
+    for shot in screens(page):
+        print(shot)
     return 0

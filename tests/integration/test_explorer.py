@@ -26,6 +26,7 @@ from pipeline.numerics.probs import prob_column
 from pipeline.store import paths
 from pipeline.tools import screenshot
 from tests.conftest import TEST_STEPS, copy_ws, run_module
+from tests.helpers import explorer_ref
 from tests.helpers.inprocess import run_chain
 from tests.helpers.partitions import part
 
@@ -81,20 +82,8 @@ def _set(driver, temperature, top_k, top_p) -> dict:
     """, temperature, top_k, top_p)
 
 
-def _fp64(logits: np.ndarray, t: float) -> np.ndarray:
-    x = logits.astype(np.float64) / t
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
-def _nucleus(p: np.ndarray, logits: np.ndarray, k: int, top_p: float) -> np.ndarray:
-    """numpy's FP64 kept set: top-k (ties kept), then the smallest prefix by p (ties lower id) reaching top_p."""
-    order = np.lexsort((np.arange(p.size), -p))
-    if k:
-        order = order[logits[order] >= logits[order[k - 1]]]
-    q = p[order] / p[order].sum()
-    n = int(np.searchsorted(np.cumsum(q), top_p) + 1) if top_p < 1 else order.size
-    return order[:min(n, order.size)]
+_fp64 = explorer_ref.softmax64        # numpy's FP64 softmax(logits / t)
+_nucleus = explorer_ref.nucleus       # numpy FP64 kept set: top-k (ties kept), the smallest prefix reaching top_p
 
 
 def _last(ws):
@@ -109,7 +98,8 @@ def test_page_is_offline_and_shows_every_panel(run, driver):
     assert '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'' in html
     assert "http://" not in html and "https://" not in html and "<script src" not in html
     sent = _open(driver, page)
-    assert sent == [page.as_uri()], sent           # the page itself, nothing else
+    # the page itself, nothing else (DevTools lists the embedded data: fonts as requests too: no network)
+    assert [u for u in sent if not u.startswith("data:font/woff;base64,")] == [page.as_uri()], sent
     assert screenshot.console_errors(driver) == []
     for panel in PANELS:
         assert driver.find_element("id", panel).is_displayed(), panel
@@ -122,6 +112,47 @@ def test_page_is_offline_and_shows_every_panel(run, driver):
     assert shot.stat().st_size > 10_000
     report = (run / "artifacts/report/report.md").read_text()
     assert f"]({paths.EXPLORER[1]})" in report and f"]({paths.EXPLORER_SHOT[1]})" in report
+
+
+# The page's glyphs against the fallback's, drawn on a canvas: each character's ink as a 64 x 64 bitmap.
+GLYPHS_JS = """
+const [chars, font] = arguments, done = arguments[arguments.length - 1];
+function draw(family, ch) {
+  const c = document.createElement("canvas"); c.width = c.height = 64;
+  const x = c.getContext("2d"); x.font = "48px " + family; x.textBaseline = "top"; x.fillText(ch, 4, 4);
+  const d = x.getImageData(0, 0, 64, 64).data, key = [];
+  for (let i = 3; i < d.length; i += 4) key.push(d[i] > 127 ? 1 : 0);
+  return key.join("");
+}
+document.fonts.load('48px "nexttoken-cjk"', chars.join("")).then(() => done({
+  page: chars.map((ch) => draw(font, ch)), fallback: chars.map((ch) => draw("sans-serif", ch)),
+  tokens: getComputedStyle(document.querySelector("#tokens .tok")).fontFamily}));
+"""
+
+
+def test_the_prompt_s_chinese_is_drawn_with_real_glyphs_on_a_machine_without_a_cjk_font(run, tmp_path):
+    """A fontconfig that lists DejaVu Sans alone (no CJK font; none at all crashes Chromium's renderer): the
+    fallback draws every Chinese character of the prompt as the same box, the page's embedded font draws each
+    one differently, and not as the fallback does."""
+    from pipeline.report import explorer_font
+
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    shutil.copy(explorer_font.font_path("matplotlib", "mpl-data/fonts/ttf/DejaVuSans.ttf"), fonts)
+    conf = tmp_path / "fonts.conf"
+    conf.write_text(f'<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "urn:fontconfig:fonts.dtd">\n'
+                    f"<fontconfig><dir>{fonts}</dir><cachedir>{tmp_path / 'cache'}</cachedir></fontconfig>\n")
+    prompt = yaml.safe_load((run / paths.PARAMS).read_text())["prompt"]["text"]
+    chars = sorted({c for c in prompt if "\u4e00" <= c <= "\u9fff"})
+    assert len(chars) >= 10
+    with screenshot.browser(env={"FONTCONFIG_FILE": str(conf)}) as driver:
+        _open(driver, run / "artifacts/report/explorer.html")
+        got = driver.execute_async_script(GLYPHS_JS, chars, explorer_font.FAMILIES + ", sans-serif")
+        assert screenshot.console_errors(driver) == []
+    assert len(set(got["fallback"])) == 1                  # no CJK font here: one box for every character
+    assert len(set(got["page"])) == len(chars)             # the page: a glyph of its own for each
+    assert all(p != f and "1" in p for p, f in zip(got["page"], got["fallback"]))
+    assert got["tokens"].replace('"', "").startswith("nexttoken-cjk,")       # the tokens' font: the page's own
 
 
 def test_probabilities_and_kept_sets_equal_the_stored_tables(run, driver):
@@ -158,16 +189,173 @@ def test_a_setting_that_is_not_configured_equals_numpy_fp64(run, driver):
         assert float(got["mass"]) == pytest.approx(float(p[kept].sum()), rel=1e-12)
 
 
+def _read(driver) -> dict:
+    return driver.execute_script("""
+        const text = (id) => document.getElementById(id).textContent;
+        const rows = [...document.querySelectorAll("#candidates tr[data-token-id]")];
+        return {count: text("kept-count"), mass: text("kept-mass"), error: text("input-error"),
+                sampled: text("sampled-id"), ids: rows.map(r => Number(r.dataset.tokenId)),
+                probs: rows.map(r => r.dataset.prob),
+                kept: rows.filter(r => r.classList.contains("kept")).map(r => Number(r.dataset.tokenId))};
+    """)
+
+
+def _sample(driver, seed: int) -> dict:
+    return driver.execute_script("""
+        document.getElementById("seed").value = String(arguments[0]);
+        document.getElementById("sample").click();
+        const out = document.getElementById("sampled-id");
+        return {id: out.textContent, seed: out.dataset.seed, next: document.getElementById("seed").value};
+    """, str(seed))          # as text: a JSON number would round 2^64 - 1
+
+
+def test_t0_is_greedy_and_invalid_input_clears_what_it_would_change(run, driver):
+    """T = 0: kept count 1, the argmax id, all the mass on it. top-p 1.5 or T = -1: one line naming the value and
+    what is allowed, and no count, mass, bars or drawn id left from the setting before."""
+    _open(driver, run / "artifacts/report/explorer.html")
+    table, _ = _last(run)
+    logits = table.logit.to_numpy()
+    _set(driver, 0, 0, 1)
+    got = _read(driver)
+    assert (got["count"], got["mass"], got["error"]) == ("1", "1", "")
+    assert got["ids"][0] == int(np.argmax(logits)) and got["kept"] == [int(np.argmax(logits))]
+    assert got["probs"][0] == "1" and set(got["probs"][1:]) == {"0"}
+    assert _sample(driver, 5)["id"] == str(int(np.argmax(logits)))
+    for t, top_p, message in ((1, 1.5, "top-p = 1.5: not allowed; a number in (0, 1]"),
+                              (-1, 0.9, "temperature = -1: not allowed; a number >= 0")):
+        _set(driver, 0.8, 0, 0.9)
+        assert _sample(driver, 1)["id"] and _read(driver)["count"]
+        _set(driver, t, 0, top_p)
+        got = _read(driver)
+        assert got["error"].startswith(message), got["error"]
+        assert (got["count"], got["mass"], got["sampled"], got["ids"]) == ("", "", "", [])
+    _set(driver, 1, 0, 1)
+    assert _read(driver)["error"] == "" and len(_read(driver)["ids"]) >= 20
+
+
+def test_sample_once_equals_numpy_with_the_documented_generator_and_rule(run, driver):
+    """#sampled-id for a shown seed = SplitMix64(seed)'s first u, inverse CDF over the FP64 kept set in rank order
+    (tests/helpers/explorer_ref.py, as docs/explorer.md states it); the seed box then moves on by one."""
+    _open(driver, run / "artifacts/report/explorer.html")
+    table, _ = _last(run)
+    logits = table.logit.to_numpy()
+    drawn = []
+    for t, k, top_p in ((1.5, 0, 0.95), (0.7, 40, 0.9)):
+        _set(driver, t, k, top_p)
+        for seed in (0, 1, 2, 3, 20261002, 2 ** 64 - 1):
+            got = _sample(driver, seed)
+            assert got["seed"] == str(seed) and got["next"] == str((seed + 1) % 2 ** 64)
+            assert int(got["id"]) == explorer_ref.sample_once(logits, t, k, top_p, seed), (t, k, top_p, seed)
+            drawn.append(int(got["id"]))
+    assert len(set(drawn)) > 2          # the draws depend on the seed: a constant pick would fail above
+
+
+def _walk(driver, language: str) -> dict:
+    """step -> what its section shows, in page order (a list from the page: an object's keys come back sorted)."""
+    return dict(driver.execute_script("""
+        const s = document.getElementById("language"); s.value = arguments[0]; s.dispatchEvent(new Event("change"));
+        return [...document.querySelectorAll("section[data-step]")].map((sec) => [sec.dataset.step, {
+          title: sec.querySelector("h2").textContent, explain: sec.querySelector(".explain").textContent,
+          labels: [...sec.querySelectorAll("tr th")].map((t) => t.textContent),
+          numbers: [...sec.querySelectorAll("[data-source]")].map((n) => [n.textContent, n.dataset.source]),
+          missing: sec.querySelector("p.note")?.textContent ?? ""}]);
+    """, language))
+
+
+def test_the_walk_shows_each_step_with_the_run_s_numbers_and_their_files_in_both_languages(run, driver):
+    """section[data-step] for every step, in order, each with a title and an explanation in English and in Chinese
+    (different texts, the same numbers); every number names an artifact file of the run that exists; a few numbers
+    equal the artifacts' own."""
+    from pipeline.report.explorer_walk import STEPS
+
+    _open(driver, run / "artifacts/report/explorer.html")
+    en, zh = _walk(driver, "en"), _walk(driver, "zh")
+    assert list(en) == list(STEPS) and list(zh) == list(STEPS)
+    for step in STEPS:
+        a, b = en[step], zh[step]
+        assert a["title"] and a["explain"] and b["title"] and b["explain"], step
+        assert a["explain"] != b["explain"] and a["labels"] != b["labels"] or not a["labels"], step
+        assert a["numbers"] == b["numbers"], step
+        assert a["numbers"] or a["missing"], step
+        for _, source in a["numbers"]:
+            assert (run / source.split(" (")[0]).is_file(), source
+    table, _ = _last(run)
+    tokens = pd.read_parquet(part(paths.TOKENS, run))
+    assert en["tokens"]["numbers"][0][0] == str(len(tokens))
+    top = table.sort_values(["rank"]).iloc[0]
+    assert en["lm-head"]["numbers"][-1][0] == f"{top.logit:g} ({int(top.token_id)})"
+    summary = json.loads(part(paths.PROBS_SUMMARY, run).read_text())
+    kept = [n[0].split(",")[0] for n in en["filter"]["numbers"]]
+    assert kept == [str(f["kept_count"]) for f in summary["filters"] if f["position"] == table.position.max()]
+    assert driver.execute_script("return document.documentElement.lang") == "zh-Hans"
+
+
+def test_at_projector_size_the_first_screen_shows_the_tokens_and_the_bars(run, driver, tmp_path):
+    """At 1280 x 720 every prompt token and the first 5 candidate bars are on the first screen; `nexttoken
+    screenshot`'s screens are 1280 x 720 PNGs of the first screen and of every section and step, in en and zh."""
+    from pipeline.report.explorer_walk import STEPS
+
+    page = shutil.copy(run / "artifacts/report/explorer.html", tmp_path / "explorer.html")
+    screenshot.set_screen(driver)
+    try:
+        _open(driver, page)
+        bottoms = driver.execute_script("""
+            const b = (e) => e.getBoundingClientRect().bottom;
+            return [[...document.querySelectorAll("#tokens .tok")].map(b),
+                    [...document.querySelectorAll("#candidates tbody tr")].slice(0, 5).map(b), innerWidth, innerHeight];
+        """)
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    assert bottoms[2:] == [1280, 720]
+    assert len(bottoms[0]) == 25 and max(bottoms[0]) <= 720 and len(bottoms[1]) == 5 and max(bottoms[1]) <= 720
+    shots = screenshot.screens(page)
+    names = {p.name for p in shots}
+    for lang in ("en", "zh"):
+        assert {f"explorer-screen-{lang}-first.png", f"explorer-screen-{lang}-panel-next.png"} <= names
+        assert {f"explorer-screen-{lang}-step-{s}.png" for s in STEPS} <= names
+    for shot in shots:
+        head = shot.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n" and (int.from_bytes(head[16:20]), int.from_bytes(head[20:24])) == \
+            (1280, 720), shot
+
+
+def test_attention_has_a_layer_chooser_and_the_last_position_s_weights_under_token_labels(run, driver):
+    """#attention-layer lists every captured layer; for the chosen one, #attention-last holds a label per key
+    position (the tokens' text) and per head the last query row of capture.safetensors' attention weights."""
+    from pipeline.model.names import act_name
+    from pipeline.store import safetensors_io
+
+    _open(driver, run / "artifacts/report/explorer.html")
+    capture = part(paths.CAPTURE, run)
+    tokens = pd.read_parquet(part(paths.TOKENS, run)).sort_values("position")
+    layers = driver.execute_script("return [...document.querySelectorAll('#attention-layer option')].map(o => o.value)")
+    assert layers == ["0", "1"]
+    for layer in layers[::-1]:
+        got = driver.execute_script("""
+            const s = document.getElementById("attention-layer"); s.value = arguments[0];
+            s.dispatchEvent(new Event("change"));
+            const g = document.getElementById("attention-last");
+            return {labels: [...g.querySelectorAll(".att-label")].map((e) => e.textContent),
+                    cells: [...g.querySelectorAll(".att-cell")].map((e) => Number(e.title.split(": ").pop())),
+                    hidden: [...document.querySelectorAll(".att-maps")].map((e) => [e.dataset.layer, e.hidden])};
+        """, layer)
+        w = safetensors_io.read(capture, act_name("attn_weights", int(layer)))[0]       # [heads, T, T]
+        assert got["labels"] == [json.dumps(t, ensure_ascii=False)[1:-1] for t in tokens.text]
+        np.testing.assert_array_equal(np.array(got["cells"], dtype=np.float32), w[:, -1, :].reshape(-1))
+        assert got["hidden"] == [[x, x != layer] for x in layers]
+
+
 @pytest.mark.parametrize("mutant", ["float32", "top50"])
 def test_a_page_computing_otherwise_fails_the_comparison(run, driver, tmp_path, mutant):
     """The comparisons above catch the anchors' shortcuts: float32 arithmetic, a softmax over the top 50."""
     html = (run / "artifacts/report/explorer.html").read_text()
     if mutant == "float32":
-        bad = html.replace("const p = new Float64Array(N);", "const p = new Float32Array(N);")
+        bad = html.replace("const n = L.length, p = new Float64Array(n);",
+                           "const n = L.length, p = new Float32Array(n);")
     else:
-        bad = html.replace("for (let i = 0; i < N; i++) { const e = Math.exp(p[i] - m); p[i] = e; s += e; }",
-                           "for (let i = 0; i < N; i++) { const e = RANK[i] <= 50 ? Math.exp(p[i] - m) : 0;"
-                           " p[i] = e; s += e; }")
+        bad = html.replace("const p = distribution(LOGITS, T);\n",
+                           "const p = distribution(LOGITS, T); { let s = 0; for (let i = 0; i < N; i++) {"
+                           " if (RANK[i] > 50) p[i] = 0; s += p[i]; } for (let i = 0; i < N; i++) p[i] /= s; }\n")
     assert bad != html
     page = tmp_path / "explorer.html"
     page.write_text(bad)
@@ -311,11 +499,12 @@ def test_a_panel_computing_otherwise_fails_the_comparison(run, driver, tmp_path,
     """Record and variant swapped, or the variant's softmax at T = 1 whatever the temperature: the panel's
     figures no longer equal numpy's."""
     html = (run / "artifacts/report/explorer.html").read_text()
-    good = "const p = softmax64(T), q = softmax64(T, V.L), lp = logSoftmax64(T, LOGITS), lq = logSoftmax64(T, V.L);"
-    bad = {"swapped": "const q = softmax64(T), p = softmax64(T, V.L), lq = logSoftmax64(T, LOGITS), "
-                      "lp = logSoftmax64(T, V.L);",
-           "no_temperature": "const p = softmax64(T), q = softmax64(1, V.L), lp = logSoftmax64(T, LOGITS), "
-                             "lq = logSoftmax64(1, V.L);"}[mutant]
+    good = ("const p = softmax64(LOGITS, T), q = softmax64(V.L, T), lp = logSoftmax64(LOGITS, T), "
+            "lq = logSoftmax64(V.L, T);")
+    bad = {"swapped": "const q = softmax64(LOGITS, T), p = softmax64(V.L, T), lq = logSoftmax64(LOGITS, T), "
+                      "lp = logSoftmax64(V.L, T);",
+           "no_temperature": "const p = softmax64(LOGITS, T), q = softmax64(V.L, 1), lp = logSoftmax64(LOGITS, T), "
+                             "lq = logSoftmax64(V.L, 1);"}[mutant]
     assert good in html
     page = tmp_path / "explorer.html"
     page.write_text(html.replace(good, bad))
