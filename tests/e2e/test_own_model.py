@@ -68,6 +68,9 @@ def test_local_folder_runs_with_nothing_of_it_in_git(own):
     tracked = sh(clone, "git", "ls-files").stdout.splitlines()
     assert not [f for f in tracked if f.endswith(".safetensors") or f.startswith("artifacts/prepare_model/")]
     assert "up to date" in sh(clone, "dvc", "status").stdout
+    # issue 50: the report's title names which model (the folder, its model_type), not only "local"
+    title = (clone / "artifacts/report/report.md").read_text(encoding="utf-8").splitlines()[0]
+    assert title.startswith(f"# Next-token report: {folder.name} (llama, model=local) on prompt "), title
 
 
 def test_edited_weight_is_seen_by_dvc_and_named_by_the_audit(own, tmp_path):

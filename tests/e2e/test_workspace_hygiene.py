@@ -77,8 +77,12 @@ def test_audit_is_clean_with_a_prompt_file_and_catches_its_edit(clone):
         assert checks.returncode == 2 and checks.stderr.count("\n") == 1, checks.stderr
         assert f"is stale: stage tokenize read {PROMPT} (sha256 " in checks.stderr
         assert "re-run tokenize and the stages after it (`dvc repro`)" in checks.stderr
+        # issue 50: a stage of a run that started and failed marks the report, and its line says where it is
+        assert "; the last good report, of an earlier run (git commit " in checks.stderr
+        assert (clone / "artifacts/report/report.md").read_text(encoding="utf-8").startswith("> **Stale report:**")
     finally:
         sh(clone, "git", "checkout", "--", PROMPT)
+        sh(clone, "dvc", "checkout", "--force", "artifacts/report")    # the run's own report back, for the tests below
 
 
 def test_a_refused_exp_run_leaves_the_workspace_as_it_was(clone):
