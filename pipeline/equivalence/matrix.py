@@ -199,7 +199,9 @@ def write_variants(stage: StageRun, pid: str, rows, positions: list[int]) -> Non
     def logit_rows():
         for name, logits in rows:
             current.update(variation=name, dtype=str(logits.dtype).removeprefix("torch."))
-            yield from ((p, logits[i]) for i, p in enumerate(positions))
+            for i, p in enumerate(positions):
+                yield p, logits[i].clone()      # a copy: the writer's last row must not keep all of [P, V] alive
+            del logits                          # ... while the next variation runs
 
     def keys():
         while True:
@@ -237,6 +239,7 @@ def one_prompt(stage: StageRun, pid: str, s: v.Setup, cfg: EquivalenceConfig, mo
                 ran[r["variation"]] = with_
                 if logits is not None:
                     yield r["variation"], logits
+                del logits                      # not alive while the next variation runs
         write_variants(stage, pid, variants(), rec.positions)
         if "kv_cache" in cfg.variations:
             rows += kv_rows(step_runs(stage.use(paths.STEPS, pid),
