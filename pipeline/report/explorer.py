@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.report import explorer_font, explorer_walk
+from pipeline.report import conditions, explorer_font, explorer_walk
 
 TOP_IDS = 200            # candidate rows the page can list, in logit order (temperature keeps that order)
 TOP_PER_POSITION = 10    # recorded candidates shown for a clicked position
@@ -209,8 +209,10 @@ def _conditions(inp, forward: dict) -> list[list[str]]:
               f"oneDNN {kernels.get('onednn')}, {kernels.get('torch_threads')} threads; flags "
               f"{' '.join(kernels.get('cpu_flags') or [])}") if kernels else "not recorded"
     commit = git.get("commit") or "not a git checkout"
-    return [["model", f"{inp.source.get('name')} ({facts.get('model_type')}, {facts.get('num_layers')} layers, "
-                      f"capture {facts.get('capture_level', 'full')})"],
+    title = conditions.model_title(inp.source)     # a model=local run: its folder and model_type, not "local"
+    arch = f"{facts.get('num_layers')} layers, capture {facts.get('capture_level', 'full')}"
+    model = f"{title} ({arch})" if title != inp.source.get("name") else f"{title} ({facts.get('model_type')}, {arch})"
+    return [["model", model],
             ["dtype / attention", f"{facts.get('dtype')} / {facts.get('attn_implementation')}"],
             ["device", f"{device}; {cpu}"],
             ["kernel path", kernel],
