@@ -194,7 +194,7 @@ def _start_local(cfg) -> None:
     for attempt in (1, 2):
         before = _children()
         try:
-            with _loopback():
+            with loopback():
                 ray.init(**args)
             _check_loopback()
             return
@@ -213,7 +213,7 @@ def _start_local(cfg) -> None:
 
 
 @contextlib.contextmanager
-def _loopback():
+def loopback():
     """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (LOOPBACK_ENV) once, when it is imported; where ray was imported
     before `run_prompts` set it (a notebook, an in-process test), Ray took the default route's address for its node
     and bound its GCS, raylet and workers to every interface (seen: `::` and 192.0.2.2), whatever

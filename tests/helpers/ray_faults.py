@@ -30,11 +30,16 @@ def cluster(plan_file: Path, nodes: int = 2):
     os.environ.update(env(plan_file))             # the raylets (and so their workers) inherit it
     import ray  # after: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER on import
     from ray.cluster_utils import Cluster
+
+    from pipeline.executor.cluster import loopback
     try:
-        c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
-        for _ in range(nodes - 1):
-            c.add_node(**NODE)
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        # loopback: where an earlier test of this worker imported ray, it read the variable already, and the
+        # head and this driver took the machine's interface address (ray.init then waited on it for ever)
+        with loopback():
+            c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+            for _ in range(nodes - 1):
+                c.add_node(**NODE)
+            ray.init(address=c.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     finally:
         os.environ.clear()
         os.environ.update(saved)
