@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -170,18 +173,22 @@ def token_head(tmp_path_factory):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "HOME": str(top)}
     before = {p.pid for p in psutil.process_iter()}
+    # Ray's sockets live under its temp folder and AF_UNIX paths end at 107 bytes: a short folder of its own
+    # (under an xdist worker's basetemp the session's socket paths ran past it and `ray start` failed)
+    ray_dir = Path(tempfile.mkdtemp(prefix="ntray-", dir="/tmp"))
     subprocess.run(["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus",
-                    "0", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(top / "ray")],
+                    "0", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(ray_dir)],
                    env=env, check=True, capture_output=True, timeout=180)
     try:
         yield f"127.0.0.1:{port}", token
     finally:
         ours = _tree([p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
-                      and str(top) in " ".join(p.info["cmdline"] or [])])
+                      and str(ray_dir) in " ".join(p.info["cmdline"] or [])])
         for p in ours:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         psutil.wait_procs(ours, timeout=30)
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _tree(roots: list[psutil.Process]) -> list[psutil.Process]:
