@@ -29,9 +29,14 @@ def cluster(plan_file: Path, nodes: int = 2):
     saved = dict(os.environ)
     os.environ.update(env(plan_file))             # the raylets (and so their workers) inherit it
     import ray  # after: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER on import
+    from ray._raylet import AuthenticationMode, get_authentication_mode
     from ray.cluster_utils import Cluster
 
     from pipeline.executor.cluster import loopback
+    if get_authentication_mode() == AuthenticationMode.TOKEN:
+        # a local ray.init earlier in this process (test_ray_start) turned token auth on for the process (Ray's
+        # config is per process and stays): the cluster's nodes must check tokens too, or its actors never start
+        os.environ["RAY_AUTH_MODE"] = "token"
     try:
         # loopback: where an earlier test of this worker imported ray, it read the variable already, and the
         # head and this driver took the machine's interface address (ray.init then waited on it for ever)
