@@ -122,7 +122,9 @@ def equivalence_data(recorded: np.ndarray, position: int, rows: list[dict] | Non
         elif variants is None:
             item["why"] = "no variant_logits.parquet for this prompt (made by older code: re-run the equivalence stage)"
         elif stored is None:
-            item["why"] = f"not run here: {r.get('note')}" if r["kept_recorded"] == -1 else \
+            note = str(r.get("note"))        # the stage's notes say "not applicable: ..." or "not run: ..." already
+            said = note.startswith(("not applicable:", "not run:"))
+            item["why"] = (note if said else f"not run here: {note}") if r["kept_recorded"] == -1 else \
                 "variant_logits.parquet holds no rows for it"
         elif position not in stored[1]:
             item["why"] = f"variant_logits.parquet holds no row at position {position}"
