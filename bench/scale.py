@@ -222,13 +222,11 @@ def bench_dvc(ws, plan, res, tmp: Path) -> None:
         prepared = tiny_workspace(ws, tmp) if name == "tiny_qwen2" else ws.root
         section[name] = _dvc_one(name, prepared, plan, tmp / f"dvc_{name}")
         runs = section[name]["runs"]
-        forked = sum(bool(r and r.get("warm")) for r in section[name]["process_in_last_dvc_run"].values())
         res.ratio(f"dvc_repro_vs_in_process[{name}]",
                   float(np.median([a / b for a, b in zip(runs["dvc_s"], runs["in_process_s"])])), DVC_TARGET,
                   f"dvc repro --force ({name}, stages after prepare_model) / the same stages in one fresh process",
-                  "the price of stage isolation: interpreter starts, imports, model and tokenizer loads, dvc; "
-                  f"{forked} of {len(section[name]['process_in_last_dvc_run'])} stages of the last dvc run "
-                  "forked from a warm process (pipeline/warm.py)")
+                  "the price of stage isolation: interpreter starts, imports, model and tokenizer loads, dvc "
+                  "(each stage a fresh interpreter, as DVC starts it)")
 
 
 def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
@@ -249,14 +247,10 @@ def _dvc_one(name: str, prepared: Path, plan, tmp: Path) -> dict:
                 dvc_runs.append(_timed_dvc(clone, dvc_command(plan.dvc_stages)))
             else:
                 chain_runs.append(child(scratch, {"kind": "chain", "stages": list(stages)}, timeout=4 * 3600))
-    # how the last dvc run's stages started (pipeline/warm.py), read before the -X importtime re-runs below
-    process = {s: json.loads(paths.manifest_path(s, clone).read_text()).get("process")
-               for s in stages if paths.manifest_path(s, clone).exists()}
     imports = child(clone, {"kind": "imports"})
     timed = {s: stage_importtime(clone, s) for s in (IMPORTTIME_QUICK if plan.quick else stages)}
     return {"model": name, "command": " ".join(dvc_command(plan.dvc_stages)), "stages": list(stages),
             **_isolation(clone, stages, dvc_runs[-1], chain_runs[-1], imports, timed), "stage_imports": timed,
-            "process_in_last_dvc_run": process,
             "runs": {"dvc_s": [r["total_s"] for r in dvc_runs],
                      "in_process_s": [r["process_wall_s"] for r in chain_runs]}}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline import kernels, warm
+from pipeline import kernels
 from pipeline.config import registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run, stale_report_note
@@ -25,7 +25,6 @@ STAGE = "checks"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     kernels.pin(schema.load_section(params, "capture").kernels)   # before torch loads (imported below)
-    warm.hand_off(STAGE)              # the rest in a process that imported torch already
     from pipeline.checks import stage, verdicts
     stage.sections(params)                             # a bad name fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline import kernels, warm
+from pipeline import kernels
 from pipeline.config import registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
@@ -24,7 +24,6 @@ def main() -> None:
     cfg = schema.load_section(params, "equivalence")
     report_prompt = schema.load_section(params, "report").prompt_id
     kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
-    warm.hand_off(STAGE)              # the rest in a process that imported torch already
     from pipeline.checks import equivalence as checks
     from pipeline.checks import verdicts
     from pipeline.equivalence import matrix

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import kernels, warm
+from pipeline import kernels
 from pipeline.config import registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
@@ -17,7 +17,6 @@ def main() -> None:
     model_cfg = schema.load_section(params, "model")
     cap = schema.load_section(params, "capture")
     kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
-    warm.hand_off(STAGE)              # the rest in a process that imported torch already
     from pipeline.model import forward
     plan = forward.plan(cap, paths.stage_dir("prepare_model"))   # every check before any load or write
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:

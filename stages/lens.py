@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import kernels, warm
+from pipeline import kernels
 from pipeline.config import registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
@@ -18,7 +18,6 @@ def main() -> None:
     cap = schema.load_section(params, "capture")
     cfg = schema.load_section(params, "lens")
     kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
-    warm.hand_off(STAGE)              # the rest in a process that imported torch already
     from pipeline.model import lens, loader
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:

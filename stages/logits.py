@@ -6,17 +6,15 @@ tokenize stage's vocab.parquet): the stage holds one row of [T, V] at any prompt
 
 from __future__ import annotations
 
-from pipeline import warm
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "logits"
 
 
 def main() -> None:
-    warm.hand_off(STAGE)              # the rest in a process that imported pyarrow and pandas already
     from pipeline.model import logits_table
     with stage_run(STAGE, {}) as run:
-        run.with_torch = False        # no torch here: the manifest records no kernel path, warm or fresh
+        run.with_torch = False        # no torch here: the manifest records no kernel path
         logits_table.record(run)
 
 

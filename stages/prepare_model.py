@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import warm
 from pipeline.config import registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
@@ -15,7 +14,6 @@ STAGE = "prepare_model"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     model = schema.load_section(params, "model")
-    warm.hand_off(STAGE)              # the rest in a process that imported torch and transformers already
     from pipeline.model import snapshot
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         record = snapshot.prepare(model.source, run.staging, trust_remote_code=model.trust_remote_code,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import kernels, warm
+from pipeline import kernels
 from pipeline.config import registry, schema
 from pipeline.store import paths
 from pipeline.store.artifacts import stage_main, stage_run
@@ -16,7 +16,6 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     probs_cfg, sampling = schema.load_section(params, "probs"), schema.load_section(params, "sampling")
     kernels.pin(schema.load_section(params, "capture").kernels)   # the FP64 softmax runs ATen's kernels
-    warm.hand_off(STAGE)              # the rest in a process that imported torch already
     from pipeline.numerics import probs
     probs.filters(probs_cfg, sampling)                  # a bad value fails before any work
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:

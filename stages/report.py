@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import warm
 from pipeline.config import prompt_set, registry, schema
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import stage_main, stage_run
@@ -16,10 +15,9 @@ STAGE = "report"
 def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     cfg = schema.load_section(params, "report")
-    warm.hand_off(STAGE)              # pyarrow and pandas imported already; matplotlib in the child
     from pipeline.report import equivalence, overview, pages, plots, render, set_plots
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
-        run.with_torch = False        # no torch here: the manifest records no kernel path, warm or fresh
+        run.with_torch = False        # no torch here: the manifest records no kernel path
         ids = run.prompt_ids(paths.TOKENS)
         chosen = prompt_set.detailed(cfg.prompt_id, ids)   # an id the run lacks: one line, before any read
         prompts = overview.load(run.use, ids)

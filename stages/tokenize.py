@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import warm
 from pipeline.config import prompt_set, registry, schema
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import read_json, stage_main, stage_run
@@ -17,7 +16,6 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     model_cfg = schema.load_section(params, "model")
     prompt = schema.load_section(params, "prompt")
-    warm.hand_off(STAGE)              # the rest in a process that imported torch and transformers already
     from pipeline.model import loader, tokenization
     with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
         source = read_json(run.use(paths.SOURCE))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import warm
 from pipeline.config import prompt_set, registry, schema
 from pipeline.model import sources
 from pipeline.store import paths, provenance
@@ -32,7 +31,6 @@ def main() -> None:
     prompt_set.for_run(sections)                             # a bad prompt set, report.prompt_id: one line
     sources.up_front(sections["model"].source, Path.cwd())   # a model that cannot load or be captured: one line
     resolved_prompt = prompt_set.resolved(prompt)
-    warm.settings()                                          # NEXTTOKEN_WARM*, read by every later stage
     config = schema.subset(params, registry.PARAMS[STAGE])
     inputs = [Path(given) for given in (prompt.file, prompt.set) if given is not None]
     files = {paths.validated(stage).name: registry.resolved(params, stage, resolved_prompt)

@@ -27,9 +27,6 @@ CHAIN = ("forward", "logits", "probs", "trajectories", "lens")
 # Tests never reach the network, and git commits in temp clones need an identity.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# The stages the tests start hand off to warm processes (pipeline/warm.py) as a user's would; one
-# per environment, so a suite that varies the environment keeps several: each leaves soon when idle.
-os.environ.setdefault("NEXTTOKEN_WARM_IDLE_S", "20")
 for var, val in (("GIT_AUTHOR_NAME", "nexttoken tests"), ("GIT_AUTHOR_EMAIL", "tests@nexttoken.invalid"),
                  ("GIT_COMMITTER_NAME", "nexttoken tests"), ("GIT_COMMITTER_EMAIL", "tests@nexttoken.invalid")):
     os.environ.setdefault(var, val)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import kernels, warm
+from pipeline import kernels
 
 # The layout of a run's files (manifest fields, file names, partitions, columns, the logical hash).
 # Every manifest records it; every reader refuses a run of another format (`format_refusal`):
@@ -292,7 +292,7 @@ def environment(root: Path, with_torch: bool = True) -> dict[str, Any]:
     return {"libraries": library_versions(), "hardware": hardware(with_torch),
             "determinism": determinism() if with_torch else None,
             "kernels": kernel_path() if with_torch else None,
-            "git": git_state(root), "python_executable": sys.executable, "process": warm.record()}
+            "git": git_state(root), "python_executable": sys.executable}
 
 
 def json_bytes(obj: Any) -> bytes:

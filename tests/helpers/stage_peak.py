@@ -6,8 +6,8 @@ forked with into its high-water mark, so a child of a process holding a model re
 that process's size. Measured: a `python -c pass` started from a parent holding 2 GB reports
 2059 MB, its own VmHWM 11 MB. The bench and the tests start stages from such processes, so the
 child reports its own `VmHWM` (the high-water mark of the address space exec gave it) as it
-exits, into a file named by an environment variable. The stage runs in that interpreter, not
-in a child of a warm process (NEXTTOKEN_WARM=0, pipeline/warm.py): its own work is what is measured.
+exits, into a file named by an environment variable. The stage runs in that interpreter:
+its own work is what is measured.
 """
 
 from __future__ import annotations

@@ -79,11 +79,10 @@ def test_killed_stage_leaves_the_previous_run_whole(chain_ws, tmp_path, point, s
 
 def test_ctrl_c_while_a_stage_imports_is_one_line(chain_ws, tmp_path):
     """SIGINT while `python -m stages.forward` is still importing torch: one line, exit 130, no
-    traceback (it was 34 lines): stages/__init__.py sets the handler before the heavy imports.
-    A fresh interpreter (NEXTTOKEN_WARM=0); the warm process's start is test_warm.py's."""
+    traceback (it was 34 lines): stages/__init__.py sets the handler before the heavy imports."""
     ws = copy_ws(chain_ws, tmp_path / "ws")
     before = snapshot(ws)
-    env = {**pause.env("import.torch"), "NEXTTOKEN_WARM": "0"}
+    env = pause.env("import.torch")
     proc, pid = pause.start([sys.executable, "-m", "stages.forward"], ws, env, "import.torch", timeout=120)
     assert pid == proc.pid                               # the stage process itself, importing
     os.kill(proc.pid, signal.SIGINT)

@@ -18,8 +18,7 @@ PIPELINE = REPO / "pipeline"
 LAYERS = ("base", "config", "store", "executor", "numerics", "model", "checks", "report", "tools", "equivalence",
           "api")   # api: pipeline/api.py; equivalence re-runs the model and reads tools.divergence
 # shared by every layer
-BASE = ("pipeline", "pipeline.errors", "pipeline.progress", "pipeline.atomic", "pipeline.kernels", "pipeline.warm",
-        "pipeline.warm_server")
+BASE = ("pipeline", "pipeline.errors", "pipeline.progress", "pipeline.atomic", "pipeline.kernels")
 
 
 def _module_name(path: Path) -> str:

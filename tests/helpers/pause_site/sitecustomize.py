@@ -7,8 +7,8 @@ Points: `forward.capture` (capture.safetensors: its tensors streamed by safetens
 not yet rewritten in canonical order, i.e. the first write of the `r+b` pass);
 `logits.rows` (logits.parquet after its first row group); `import.torch` (the stage module's
 imports, when torch is about to be imported). At the point, the process writes
-its id to `.nexttoken/test-pause-<point>` in its working directory (or in NEXTTOKEN_TEST_PAUSE_DIR:
-a warm process, pipeline/warm.py, runs from "/") and sleeps (10 minutes).
+its id to `.nexttoken/test-pause-<point>` in its working directory (or in NEXTTOKEN_TEST_PAUSE_DIR)
+and sleeps (10 minutes).
 """
 
 import os
