@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from pipeline import kernels
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from pipeline.store.artifacts import stage_main, stage_run, stale_report_note
 
 STAGE = "checks"
@@ -27,7 +27,7 @@ def main() -> None:
     kernels.pin(schema.load_section(params, "capture").kernels)   # before torch loads (imported below)
     from pipeline.checks import stage, verdicts
     stage.sections(params)                             # a bad name fails before any work
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         results = stage.record(run, params, schema.load_section(params, "executor"))
     print(stage.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails

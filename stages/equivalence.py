@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from pipeline import kernels
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "equivalence"
@@ -27,7 +27,7 @@ def main() -> None:
     from pipeline.checks import equivalence as checks
     from pipeline.checks import verdicts
     from pipeline.equivalence import matrix
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         m = matrix.record(run, cap, cfg, report_prompt, model_cfg.trust_remote_code)
         results = checks.record(run, m, cfg)
         run.facts = {**m.facts(), **verdicts.summary(results)}      # after the tables (see Matrix.facts)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import kernels
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "forward"
@@ -19,7 +19,7 @@ def main() -> None:
     kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
     from pipeline.model import forward
     plan = forward.plan(cap, paths.stage_dir("prepare_model"))   # every check before any load or write
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         forward.record(run, plan, model_cfg.trust_remote_code, schema.load_section(params, "executor"))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import kernels
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "lens"
@@ -20,7 +20,7 @@ def main() -> None:
     kernels.pin(cap.kernels)          # before torch loads: the model code is imported below
     from pipeline.model import lens, loader
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         lens.record(run, model_cfg, cap, cfg, schema.load_section(params, "executor"))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "prepare_model"
@@ -15,7 +15,7 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     model = schema.load_section(params, "model")
     from pipeline.model import snapshot
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         record = snapshot.prepare(model.source, run.staging, trust_remote_code=model.trust_remote_code,
                                 progress=True)
         record = {"name": model.name, "trust_remote_code": model.trust_remote_code, **record}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import kernels
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "probs"
@@ -18,7 +18,7 @@ def main() -> None:
     kernels.pin(schema.load_section(params, "capture").kernels)   # the FP64 softmax runs ATen's kernels
     from pipeline.numerics import probs
     probs.filters(probs_cfg, sampling)                  # a bad value fails before any work
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         probs.record(run, probs_cfg, sampling, schema.load_section(params, "executor"))
 
 

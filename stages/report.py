@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import prompt_set, registry, schema
-from pipeline.store import paths, provenance
+from pipeline.config import prompt_set, schema
+from pipeline.store import graph, paths, provenance
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "report"
@@ -16,7 +16,7 @@ def main() -> None:
     params = schema.read_params(Path(paths.PARAMS))
     cfg = schema.load_section(params, "report")
     from pipeline.report import equivalence, overview, pages, plots, render, set_plots
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         run.with_torch = False        # no torch here: the manifest records no kernel path
         ids = run.prompt_ids(paths.TOKENS)
         chosen = prompt_set.detailed(cfg.prompt_id, ids)   # an id the run lacks: one line, before any read

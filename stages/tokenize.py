@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import prompt_set, registry, schema
-from pipeline.store import paths, provenance
+from pipeline.config import prompt_set, schema
+from pipeline.store import graph, paths, provenance
 from pipeline.store.artifacts import read_json, stage_main, stage_run
 
 STAGE = "tokenize"
@@ -17,7 +17,7 @@ def main() -> None:
     model_cfg = schema.load_section(params, "model")
     prompt = schema.load_section(params, "prompt")
     from pipeline.model import loader, tokenization
-    with stage_run(STAGE, schema.subset(params, registry.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
         source = read_json(run.use(paths.SOURCE))
         for given in (prompt.file, prompt.set):
             if given is not None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import prompt_set, registry, schema
+from pipeline.config import prompt_set, schema
 from pipeline.model import sources
-from pipeline.store import paths, provenance
+from pipeline.store import graph, paths, provenance
 from pipeline.store.artifacts import stage_main, stage_run
 
 STAGE = "validate"
@@ -31,10 +31,10 @@ def main() -> None:
     prompt_set.for_run(sections)                             # a bad prompt set, report.prompt_id: one line
     sources.up_front(sections["model"].source, Path.cwd())   # a model that cannot load or be captured: one line
     resolved_prompt = prompt_set.resolved(prompt)
-    config = schema.subset(params, registry.PARAMS[STAGE])
+    config = schema.subset(params, graph.PARAMS[STAGE])
     inputs = [Path(given) for given in (prompt.file, prompt.set) if given is not None]
-    files = {paths.validated(stage).name: registry.resolved(params, stage, resolved_prompt)
-             for stage in registry.validated_stages()}
+    files = {paths.validated(stage).name: graph.resolved(params, stage, resolved_prompt)
+             for stage in graph.validated_stages()}
     folder = paths.stage_dir(STAGE)
     if provenance.unchanged_outputs(folder, Path.cwd(), STAGE, config,
                                     {name: provenance.json_bytes(obj) for name, obj in files.items()}, inputs):

@@ -30,7 +30,7 @@ from typing import Any
 from pipeline import kernels, progress
 from pipeline.config import registry, schema
 from pipeline.errors import EXIT_USER_ERROR, UserError, interrupted
-from pipeline.store import paths, provenance
+from pipeline.store import graph, paths, provenance
 
 PARQUET_META_KEY = b"nexttoken"
 # Files in a stage folder that are not the stage's outputs but git's record of them: DVC
@@ -224,7 +224,7 @@ class StageRun(Writer):
         repository file (a prompt file) that has changed since: its numbers belong to another
         run, and the checks would blame them instead of naming what is stale."""
         params = self._params
-        keys = registry.PARAMS.get(stage)
+        keys = graph.PARAMS.get(stage)
         if params is not None and keys is not None:
             try:
                 now = schema.subset(params, keys)

@@ -24,11 +24,11 @@ from pathlib import Path
 
 from pipeline import kernels, progress
 from pipeline.checks import verdicts
-from pipeline.config import registry, schema
+from pipeline.config import schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError
 from pipeline.model import sources
-from pipeline.store import paths, provenance
+from pipeline.store import graph, paths, provenance
 from pipeline.store.artifacts import parquet_facts, read_parquet
 from pipeline.tools import rederived, revisions
 from pipeline.tools.divergence import kernel_difference_line, recorded_kernels
@@ -201,13 +201,13 @@ def _repository_input(root: Path, stage: str, inp: dict, result: Audit) -> None:
 
 
 def verify_config(params: dict, manifests: dict[str, dict], result: Audit) -> None:
-    """The recorded config = the params.yaml subset the stage reads (`registry.PARAMS`)."""
+    """The recorded config = the params.yaml subset the stage reads (`graph.PARAMS`)."""
     for stage, m in manifests.items():
-        if stage not in registry.PARAMS:
+        if stage not in graph.PARAMS:
             result.warn(f"config of {stage} not checked: this code has no stage {stage}")
             continue
         try:
-            expected = schema.subset(params, registry.PARAMS[stage])
+            expected = schema.subset(params, graph.PARAMS[stage])
         except UserError as e:
             result.find("config", f"{stage}: {e}")
             continue

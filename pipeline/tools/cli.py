@@ -123,12 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="collect the current baseline's experiments into a table and plots")
     s.add_argument("--out", type=Path, default=None, help="output folder (default: artifacts/sweep)")
     s.set_defaults(func=_sweep)
+    g = sub.add_parser("dvc-yaml", help="(in a checkout) write dvc.yaml from the stage declarations "
+                                        "(pipeline/store/graph.py) and the stages' imports")
+    g.add_argument("--check", action="store_true", help="write nothing; exit 1 when dvc.yaml is not what they give")
+    g.set_defaults(func=_dvc_yaml)
     sh = sub.add_parser("screenshot", help="a PNG of the explorer page, in headless Chromium with no network "
                         "(needs chromium, chromium-driver and selenium)")
     sh.add_argument("page", nargs="?", default="artifacts/report/explorer.html", help="the page (default: %(default)s)")
     sh.add_argument("--out", default=None, help="the PNG (default: beside the page, explorer.png)")
     sh.set_defaults(func=_screenshot)
     return p
+
+
+def _dvc_yaml(args) -> int:
+    from pipeline.tools import dvc_yaml
+    return dvc_yaml.cli(args)
 
 
 def _screenshot(args) -> int:

@@ -138,8 +138,8 @@ def test_clean_run_measures_the_fp32_sums_and_the_kv_cache(ws, clean_run):
 
 
 def test_checks_stage_params_are_in_params_yaml(ws):
-    from pipeline.config import registry
-    assert schema.subset(schema.read_params(ws / paths.PARAMS), registry.PARAMS["checks"])
+    from pipeline.store import graph
+    assert schema.subset(schema.read_params(ws / paths.PARAMS), graph.PARAMS["checks"])
 
 
 def test_a_failed_error_check_fails_the_stage_after_writing_results(ws, tmp_path):

@@ -12,8 +12,8 @@ import sys
 
 import yaml
 
-from pipeline.config import registry, schema
-from pipeline.store import paths
+from pipeline.config import schema
+from pipeline.store import graph, paths
 from tests.conftest import ON_CPU, TEST_STEPS, make_workspace, run_module, snapshot
 
 # The stage run as DVC runs it, then a look at what it imported.
@@ -31,9 +31,9 @@ def test_validate_writes_each_stage_s_resolved_config_without_importing_torch(tm
     proc = subprocess.run([sys.executable, "-c", code], cwd=ws, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     params = schema.read_params(ws / paths.PARAMS)
-    for stage in registry.validated_stages():
+    for stage in graph.validated_stages():
         written = json.loads(paths.validated(stage, ws).read_text(encoding="utf-8"))
-        assert written == registry.resolved(params, stage, {"text": "Once upon a time\n"}), stage
+        assert written == graph.resolved(params, stage, {"text": "Once upon a time\n"}), stage
     tokenize = json.loads(paths.validated("tokenize", ws).read_text(encoding="utf-8"))
     assert tokenize["prompt"]["text"] == "Once upon a time\n" and tokenize["prompt"]["file"] == "prompts/story.txt"
     manifest = json.loads(paths.manifest_path("validate", ws).read_text())
@@ -73,7 +73,7 @@ def test_a_rerun_on_the_same_config_leaves_every_output_byte_identical(tmp_path)
                "prompt.file=prompts/story.txt", "prompt.text=null", check=True)
     run_module("stages.validate", ws, check=True)
     first = _validate_files(ws)
-    assert "manifest.json" in first and len(first) == len(registry.validated_stages()) + 1
+    assert "manifest.json" in first and len(first) == len(graph.validated_stages()) + 1
     (ws / "prompts/story.txt").touch()                                  # a new modification time, the same text
     proc = run_module("stages.validate", ws, check=True)
     assert _validate_files(ws) == first, "a re-run on the same config rewrote artifacts/validate"
@@ -85,8 +85,8 @@ def test_a_rerun_on_the_same_config_leaves_every_output_byte_identical(tmp_path)
         after = _validate_files(ws)
         assert after != before and after["manifest.json"] != before["manifest.json"], what
         params = schema.read_params(ws / paths.PARAMS)
-        for stage in registry.validated_stages():       # what it wrote is the config's, whatever was there
-            want = registry.resolved(params, stage, {"text": (ws / "prompts/story.txt").read_text(encoding="utf-8")})
+        for stage in graph.validated_stages():       # what it wrote is the config's, whatever was there
+            want = graph.resolved(params, stage, {"text": (ws / "prompts/story.txt").read_text(encoding="utf-8")})
             assert json.loads(after[paths.validated(stage).name]) == want, (what, stage)
 
     (ws / "prompts/story.txt").write_text("Once upon a time, again\n", encoding="utf-8")

@@ -1,48 +1,63 @@
-"""dvc.yaml lists, per stage, exactly its params keys and the code it runs.
+"""dvc.yaml is generated from the stage declarations (pipeline/store/graph.py) and the stages' imports
+(pipeline/tools/dvc_yaml.py): the file in the checkout is what they give, and what they give is right.
 
 Code deps: the stage module plus every pipeline/ module it imports, transitively (found by
 reading the imports, not by hand), so editing library code invalidates exactly the stages
-that run it. Params: `pipeline.config.registry.PARAMS`. Outs: the stage's fixed folder from pipeline/store/paths.py.
+that run it. Params: the declaration's keys. Outs: the stage's fixed folder from pipeline/store/paths.py.
 """
 
 from __future__ import annotations
 
-import ast
+import argparse
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pipeline.config import registry
 from pipeline.config.schema import PROMPT_DIR, SECTIONS
-from pipeline.store import paths
+from pipeline.store import graph, paths
+from pipeline.tools import dvc_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 
 
-def _pipeline_imports(path: Path) -> set[str]:
-    """The pipeline modules a file imports (anywhere in it, inside functions too)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pipeline":
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}   # `from pipeline.store import paths`
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] == "pipeline"}
-    return {m for m in out if (REPO / (m.replace(".", "/") + ".py")).exists()}
+def test_dvc_yaml_is_what_the_declarations_give(capsys):
+    """`nexttoken dvc-yaml --check` in the checkout: exit 0 (the tests' gate on a hand-edited dvc.yaml)."""
+    assert (REPO / "dvc.yaml").read_text(encoding="utf-8") == dvc_yaml.render(REPO)
 
 
-def _code_deps(stage: str) -> set[str]:
-    seen, todo = set(), [f"stages.{stage}"]
-    while todo:
-        mod = todo.pop()
-        if mod in seen:
-            continue
-        seen.add(mod)
-        todo.extend(_pipeline_imports(REPO / (mod.replace(".", "/") + ".py")))
-    return {m.replace(".", "/") + ".py" for m in seen}
+def _copy(tmp: Path) -> Path:
+    for part in ("stages", "pipeline"):
+        shutil.copytree(REPO / part, tmp / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "dvc.yaml", tmp / "dvc.yaml")
+    return tmp
+
+
+def test_a_new_import_changes_exactly_its_stages_code_deps(tmp_path, monkeypatch, capsys):
+    """An import added inside a function of a library module (lazily, as the stages import torch) makes
+    that module's importers depend on the imported one: found, not listed; `--check` then fails and
+    names the difference, and writing the file makes it pass again."""
+    root = _copy(tmp_path)
+    target = "pipeline/numerics/exactsum.py"
+    importers = {s.name for s in graph.STAGES if "pipeline/model/logits_table.py" in dvc_yaml.code_deps(s.name, REPO)}
+    assert importers and all(target not in dvc_yaml.code_deps(s, REPO) for s in importers)
+    lib = root / "pipeline/model/logits_table.py"
+    lib.write_text(lib.read_text() + "\n\ndef _later():\n    from pipeline.numerics import exactsum  # noqa: F401\n")
+    dvc_yaml.code_deps.cache_clear()
+    try:
+        changed = {s.name for s in graph.STAGES if target in dvc_yaml.code_deps(s.name, root)
+                   and target not in dvc_yaml.code_deps(s.name, REPO)}
+        assert changed == importers
+        monkeypatch.chdir(root)
+        assert dvc_yaml.cli(argparse.Namespace(check=True)) == 1
+        assert f"+      - {target}" in capsys.readouterr().out
+        assert dvc_yaml.cli(argparse.Namespace(check=False)) == 0
+        assert dvc_yaml.cli(argparse.Namespace(check=True)) == 0
+    finally:
+        dvc_yaml.code_deps.cache_clear()
 
 
 def test_stage_order_matches_paths():
@@ -64,11 +79,11 @@ def test_stage_declares_its_code_params_and_outs(stage):
     spec = DVC[stage]
     assert spec["cmd"] == f"python -m stages.{stage}"
     if stage == "validate":     # the whole params.yaml: it checks every section and refuses unknown ones
-        assert spec["params"] == [{paths.PARAMS: None}] and registry.PARAMS[stage] == tuple(SECTIONS)
+        assert spec["params"] == [{paths.PARAMS: None}] and graph.PARAMS[stage] == tuple(SECTIONS)
     else:
-        assert tuple(spec.get("params", ())) == registry.PARAMS[stage]
-    code = {d for d in spec["deps"] if d.endswith(".py")}
-    assert code == _code_deps(stage)
+        assert tuple(spec.get("params", ())) == graph.PARAMS[stage]
+    assert spec["deps"][0] == f"stages/{stage}.py"
+    assert {"pipeline/store/paths.py", "pipeline/store/artifacts.py"} <= set(spec["deps"])   # every stage writes
     # outputs: the stage folder itself, or (where DVC metrics/plots live beside them) its files
     # one by one, always including the manifest; nothing outside the folder
     folder = paths.stage_dir(stage).as_posix()
@@ -104,15 +119,15 @@ def test_each_stage_that_reads_params_depends_on_its_validated_config(stage):
     deps = DVC[stage]["deps"]
     assert (PROMPT_DIR in deps) == (stage == "validate")
     assert (REPO / PROMPT_DIR).is_dir()      # DVC refuses a missing dependency
-    wants = stage in registry.validated_stages()
+    wants = stage in graph.validated_stages()
     assert (paths.validated(stage).as_posix() in deps) == wants
-    assert wants == (bool(registry.PARAMS[stage]) and stage != "validate")
+    assert wants == (bool(graph.PARAMS[stage]) and stage != "validate")
     if stage == "validate":
         assert DVC[stage]["outs"] == [{paths.stage_dir(stage).as_posix(): {"persist": True}}]
 
 
 def test_validate_writes_a_file_for_each_stage_that_depends_on_one():
-    assert set(registry.validated_stages()) == {s for s in DVC if paths.validated(s).as_posix() in DVC[s]["deps"]}
+    assert set(graph.validated_stages()) == {s for s in DVC if paths.validated(s).as_posix() in DVC[s]["deps"]}
 
 
 # ---------------------------------------------------------------- what DVC keeps in git (issue 27 item 5)
