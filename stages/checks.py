@@ -12,29 +12,26 @@ checked: `logits_finite` fails naming the positions, and each missing stage is o
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from pipeline import kernels
-from pipeline.config import schema
 from pipeline.store import graph, paths
-from pipeline.store.artifacts import stage_main, stage_run, stale_report_note
+from pipeline.store.artifacts import entry, stage_main, stage_run, stale_report_note
 
 STAGE = "checks"
 
 
-def main() -> None:
-    params = schema.read_params(Path(paths.PARAMS))
-    kernels.pin(schema.load_section(params, "capture").kernels)   # before torch loads (imported below)
+def work(cfg: graph.StageConfig) -> None:
     from pipeline.checks import stage, verdicts
-    stage.sections(params)                             # a bad name fails before any work
-    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
-        results = stage.record(run, params, schema.load_section(params, "executor"))
+    stage.sections(cfg.recorded)                       # a bad name fails before any work
+    with stage_run(STAGE, cfg.recorded) as run:
+        results = stage.record(run, cfg.recorded, cfg.executor())
     print(stage.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails
         print(f"nexttoken {STAGE}: error checks failed: {failed} "
               f"(see {paths.artifact(paths.CHECKS).as_posix()}){stale_report_note()}", file=sys.stderr)
         sys.exit(1)
 
+
+main = entry(STAGE, work)
 
 if __name__ == "__main__":
     stage_main(STAGE, main)

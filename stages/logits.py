@@ -6,17 +6,19 @@ tokenize stage's vocab.parquet): the stage holds one row of [T, V] at any prompt
 
 from __future__ import annotations
 
-from pipeline.store.artifacts import stage_main, stage_run
+from pipeline.store.artifacts import entry, stage_main, stage_run
 
 STAGE = "logits"
 
 
-def main() -> None:
+def work(cfg: None) -> None:
     from pipeline.model import logits_table
     with stage_run(STAGE, {}) as run:
         run.with_torch = False        # no torch here: the manifest records no kernel path
         logits_table.record(run)
 
+
+main = entry(STAGE, work)
 
 if __name__ == "__main__":
     stage_main(STAGE, main)

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import prompt_set, schema
+from pipeline.config import prompt_set
 from pipeline.store import graph, paths, provenance
-from pipeline.store.artifacts import read_json, stage_main, stage_run
+from pipeline.store.artifacts import entry, read_json, stage_main, stage_run
 
 STAGE = "tokenize"
 
 
-def main() -> None:
-    params = schema.read_params(Path(paths.PARAMS))
-    model_cfg = schema.load_section(params, "model")
-    prompt = schema.load_section(params, "prompt")
+def work(cfg: graph.StageConfig) -> None:
+    model_cfg = cfg.section("model")
+    prompt = cfg.section("prompt")
     from pipeline.model import loader, tokenization
-    with stage_run(STAGE, schema.subset(params, graph.PARAMS[STAGE])) as run:
+    with stage_run(STAGE, cfg.recorded) as run:
         source = read_json(run.use(paths.SOURCE))
         for given in (prompt.file, prompt.set):
             if given is not None:
@@ -46,6 +45,8 @@ def main() -> None:
         # every id of the model's output, built here once: later stages read it instead of a tokenizer
         run.write_parquet(paths.VOCAB[1], tokenization.vocab_table(tokenizer, range(loader.output_size(snapshot))))
 
+
+main = entry(STAGE, work)
 
 if __name__ == "__main__":
     stage_main(STAGE, main)

@@ -19,12 +19,12 @@ from pathlib import Path
 from pipeline.config import prompt_set, schema
 from pipeline.model import sources
 from pipeline.store import graph, paths, provenance
-from pipeline.store.artifacts import stage_main, stage_run
+from pipeline.store.artifacts import entry, stage_main, stage_run
 
 STAGE = "validate"
 
 
-def main() -> None:
+def work(cfg: None) -> None:
     params = schema.read_params(Path(paths.PARAMS))          # an unknown section is refused here
     sections = {name: schema.load_section(params, name) for name in schema.SECTIONS}
     prompt = sections["prompt"]
@@ -35,18 +35,24 @@ def main() -> None:
     inputs = [Path(given) for given in (prompt.file, prompt.set) if given is not None]
     files = {paths.validated(stage).name: graph.resolved(params, stage, resolved_prompt)
              for stage in graph.validated_stages()}
+    # how the per-prompt stages run: read by them, a dependency of none (pipeline/store/graph.py)
+    files[paths.validated(graph.EXECUTOR).name] = sections[graph.EXECUTOR].model_dump(mode="json")
     folder = paths.stage_dir(STAGE)
+    params_sha256 = provenance.sha256_file(Path(paths.PARAMS))
     if provenance.unchanged_outputs(folder, Path.cwd(), STAGE, config,
                                     {name: provenance.json_bytes(obj) for name, obj in files.items()}, inputs):
         print(f"nexttoken validate: params.yaml and the prompt files give the files {folder} holds: kept as they are")
         return                                               # a rewrite would change only its manifest's run facts
     with stage_run(STAGE, config) as run:
         run.with_torch = False
+        run.facts = {"params_sha256": params_sha256}         # the params.yaml it checked (the report names it)
         for given in inputs:
             run.use(given)                      # its sha256 goes into the manifest
         for name, obj in files.items():
             run.write_json(name, obj)
 
+
+main = entry(STAGE, work)
 
 if __name__ == "__main__":
     stage_main(STAGE, main)

@@ -25,8 +25,9 @@ SECTIONS = ("model", "prompt", "capture", "probs", "sampling", "checks")
 
 def sections(params: dict, root: Path | str = ".") -> tuple[dict, prompt_set.PromptSet, dict[str, list]]:
     """The typed config sections, the run's prompts and the reference figures per prompt: a bad value
-    fails here, before any work."""
-    cfg = {name: schema.load_section(params, name, root) for name in SECTIONS}
+    fails here, before any work. `params`: the checks stage's validated config (the keys it declared,
+    pipeline/store/graph.py), or a whole params.yaml (audit, verify)."""
+    cfg = {name: schema.load_part(params, name, root) for name in SECTIONS}
     prompts = prompt_set.for_config(cfg["prompt"], root)
     return cfg, prompts, references(cfg, prompts)
 

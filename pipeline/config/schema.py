@@ -8,6 +8,7 @@ given by the rule that failed. Library code receives these objects and never re-
 them. Nothing else happens here (no seeding; no I/O but reading a prompt file).
 """
 
+import functools
 import hashlib
 import re
 from collections.abc import Callable
@@ -15,7 +16,16 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from pipeline.errors import UserError, bad_value
 from pipeline.kernels import MODES as KERNEL_MODES
@@ -538,6 +548,26 @@ def load_section(params: dict, name: str, root: Path | str = "."):
     if section.file is not None:    # text is null (validated above); the file's text is checked as a prompt
         section = section.model_copy(update={"text": read_prompt_file("prompt.file", section.file, root)})
     return section.model_copy(update={"name": prompt_name(section)})
+
+
+@functools.cache
+def _part(cls: type[Section], keys: frozenset[str]) -> type[Section]:
+    """`cls` with only the fields `keys` (each with its own type and rules): reading any other is an error."""
+    return create_model(f"{cls.__name__}Part", __base__=Section,
+                        **{k: (cls.model_fields[k].annotation, cls.model_fields[k]) for k in sorted(keys)})
+
+
+def load_part(params: dict, name: str, root: Path | str = "."):
+    """A section of which a stage reads some keys only (its validated config, pipeline/store/graph.py): those
+    keys, typed and checked as in the whole section; a key the stage did not declare is an AttributeError
+    (so a stage that reads more than it declares, and DVC would not re-run on, fails in the tests)."""
+    if name not in params:
+        raise UserError(f"the config has no `{name}` section: run `dvc repro` (validate writes each stage's)")
+    cls = SECTIONS[name]
+    data = params[name]
+    if isinstance(data, dict) and set(data) < set(cls.model_fields):
+        return parse(_part(cls, frozenset(data)), data, name)
+    return load_section(params, name, root)
 
 
 def subset(params: dict, keys: tuple[str, ...]) -> dict:

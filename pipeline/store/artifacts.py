@@ -23,12 +23,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pipeline import kernels, progress
-from pipeline.config import registry, schema
+from pipeline.config import registry
 from pipeline.errors import EXIT_USER_ERROR, UserError, interrupted
 from pipeline.store import graph, paths, provenance
 
@@ -220,16 +219,12 @@ class StageRun(Writer):
         self._verified.add(stage)
 
     def _fresh(self, rel: str, stage: str, manifest: dict) -> None:
-        """Refuse an input whose stage ran with another config than params.yaml's, or read a
-        repository file (a prompt file) that has changed since: its numbers belong to another
-        run, and the checks would blame them instead of naming what is stale."""
-        params = self._params
-        keys = graph.PARAMS.get(stage)
-        if params is not None and keys is not None:
-            try:
-                now = schema.subset(params, keys)
-            except UserError:
-                now = {}
+        """Refuse an input whose stage ran with another config than the one validate wrote for it now
+        (artifacts/validate/<stage>.json, from params.yaml), or read a repository file (a prompt file)
+        that has changed since: its numbers belong to another run, and the checks would blame them
+        instead of naming what is stale."""
+        now = self._validated(stage)
+        if now is not None:
             recorded = manifest.get("config") or {}
             for key in registry.diff_keys(recorded, now)[:1]:
                 was, has = registry.dotted(recorded, key), registry.dotted(now, key)
@@ -247,11 +242,15 @@ class StageRun(Writer):
             if now_sha != i.get("sha256"):
                 raise UserError(f"{rel} is stale: {_changed_since(stage, path, str(i.get('sha256')), now_sha)}")
 
-    @cached_property
-    def _params(self) -> dict | None:
-        """params.yaml as it is now (None without one: nothing to compare a recorded config with)."""
-        file = self.root / paths.PARAMS
-        return schema.read_params(file) if file.exists() else None
+    def _validated(self, stage: str) -> dict | None:
+        """The config validate wrote for `stage` from params.yaml as it is now, in the form a manifest records
+        it (None where there is none: validate itself, logits, a folder without a validate run)."""
+        if stage not in graph.validated_stages():
+            return None
+        try:
+            return graph.recorded(stage, json.loads(paths.validated(stage, self.root).read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            return None
 
     def _agree(self, rel: str, sha: str, made_from_by: str | None) -> None:
         """Note a sha256 for rel (on disk: made_from_by None; else recorded as an input of that stage)."""
@@ -496,6 +495,21 @@ def stage_run(stage: str, config: dict[str, Any], root: Path | str = ".") -> Ite
         run.commit()
     finally:
         run.discard()
+
+
+def entry(stage: str, work: Callable[[graph.StageConfig | None], None]) -> Callable[[], None]:
+    """A stage's `main()`: its validated config read (artifacts/validate/<stage>.json: the one file of the
+    config a stage reads; none for validate, which reads params.yaml, and logits, which reads no params),
+    the CPU kernels pinned before anything imports torch where the stage declared `capture.kernels`, then
+    `work(config)`. Run by `stage_main` under `python -m stages.<name>`, or called as it is in one process
+    (the tests' and the bench's chains)."""
+    def main() -> None:
+        cfg = graph.config(stage) if stage in graph.validated_stages() else None
+        if cfg is not None and "kernels" in (cfg.recorded.get("capture") or {}):
+            kernels.pin(cfg.section("capture").kernels)
+        work(cfg)
+    main.__doc__ = f"Stage {stage}: {work.__module__}'s work on its validated config."
+    return main
 
 
 def stage_main(stage: str, body: Callable[[], None]) -> None:

@@ -17,9 +17,13 @@ included) and skips it otherwise.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from pipeline.config import schema
+from pipeline.errors import UserError
 from pipeline.store import paths
 
 
@@ -131,3 +135,51 @@ def resolved(params: dict, stage: str, prompt: dict) -> dict:
     if reads_prompt(stage):
         out["prompt"] = {**out["prompt"], **prompt}
     return out
+
+
+# How the per-prompt stages run (serial, or on Ray): validate writes it beside the stages' configs, the
+# stages read it, and no stage depends on it in DVC: where the work runs does not change its bytes.
+EXECUTOR = "executor"
+
+
+def recorded(stage: str, validated: dict) -> dict:
+    """The params.yaml subset a stage's validated config came from (what its manifest records and
+    `nexttoken audit` compares): the prompt as given, without its resolved text or records."""
+    if not reads_prompt(stage):
+        return validated
+    prompt = {k: v for k, v in validated["prompt"].items() if k != "prompts"}
+    if prompt.get("file") is not None or prompt.get("set") is not None:
+        prompt["text"] = None
+    return {**validated, "prompt": prompt}
+
+
+class StageConfig:
+    """What a stage reads of the config: the file validate wrote for it (artifacts/validate/<stage>.json),
+    nothing else of params.yaml. `section(name)` is typed: the whole section where the stage declared it,
+    else just the keys it declared (schema.load_part)."""
+
+    def __init__(self, stage: str, validated: dict, root: Path | str = "."):
+        self.stage, self.validated, self.root = stage, validated, Path(root)
+        self.recorded = recorded(stage, validated)
+
+    def section(self, name: str):
+        return schema.load_part(self.recorded, name, self.root)
+
+    def executor(self):
+        """Where its per-prompt work runs (`executor`): read, never a DVC dependency."""
+        return schema.parse(schema.SECTIONS[EXECUTOR], _read(paths.validated(EXECUTOR, self.root)), EXECUTOR)
+
+
+def _read(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{file.as_posix()} not found: the validate stage writes it; run `dvc repro` "
+                        f"(or `python -m stages.validate` first)") from None
+
+
+def config(stage: str, root: Path | str = ".") -> StageConfig:
+    """The stage's validated config (see StageConfig)."""
+    if not PARAMS[stage] or stage == "validate":
+        raise ValueError(f"stage {stage} reads no validated config")
+    return StageConfig(stage, _read(paths.validated(stage, root)), root)

@@ -305,7 +305,7 @@ def unchanged_outputs(folder: Path, root: Path, stage: str, config: dict, files:
     """Whether `folder` (a stage's output folder) already holds exactly `files` (name -> bytes, besides its
     manifest), under a manifest of this format that records this stage, this config, these inputs (sha256 of
     each, read now) and these outputs (sha256). A run would then rewrite only what says when and where it ran
-    (created_at, duration, process, each output's modification time): for a stage whose outputs are a pure
+    (created_at, duration, each output's modification time): for a stage whose outputs are a pure
     function of its config and inputs (validate), the folder is left as it is, so its DVC hash, and dvc.lock,
     do not change when nothing changed (issue 50). Anything unreadable or different: False (the stage runs)."""
     try:

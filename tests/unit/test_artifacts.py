@@ -128,16 +128,20 @@ def _run_checks_on(tmp_path) -> None:
 
 
 def test_an_input_made_with_another_config_is_named_stale(tmp_path):
-    """`python -m stages.checks` after params.yaml changed and probs did not re-run: the input
-    is refused as stale, naming the stage and the key, before any check blames the numbers."""
+    """`python -m stages.checks` after params.yaml changed (and validate wrote probs' config from it) and
+    probs did not re-run: the input is refused as stale, naming the stage and the key, before any check
+    blames the numbers."""
     sampling, capture = {"temperature": 1.0, "top_k": 0, "top_p": 0.9}, {"kernels": "native"}
     config = {"probs": {"top_n": 3}, "sampling": sampling, "capture": capture}
-    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(config))
+    validated = paths.validated("probs", tmp_path)
+    validated.parent.mkdir(parents=True)
+    validated.write_text(json.dumps(config))
     with artifacts.stage_run("probs", config, tmp_path) as run:
         run.write_parquet(paths.TABLE[1], _table(), prompt_id="q")
     _run_checks_on(tmp_path)                                          # in step: fine
     changed = {**config, "sampling": {**sampling, "top_p": 1.0}}
-    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(changed))
+    validated.write_text(json.dumps(changed))
+    (tmp_path / paths.PARAMS).write_text(yaml.safe_dump(config))     # params.yaml is not what a stage reads
     with pytest.raises(UserError, match=r"^artifacts/probs/table/prompt_id=q/table.parquet is stale: "
                                         r"stage probs ran with "
                                         r"sampling.top_p=0.9, params.yaml has 1.0: re-run probs and the stages "

@@ -1,0 +1,100 @@
+"""The stage layer's promises, read off the code (issue 45): one way to run a stage (a fresh interpreter, as
+DVC starts it: no module forks, none calls a private CPython API), and no stage reads params.yaml but
+validate (the others read the file validate wrote for them, pipeline/store/graph.py)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import graph
+from pipeline.tools import dvc_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CODE = sorted(p for folder in ("pipeline", "stages", "bench") for p in (REPO / folder).rglob("*.py"))
+FORKS = {("os", "fork"), ("os", "forkpty"), ("os", "register_at_fork")}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _calls(tree: ast.AST, imported: dict[str, str]):
+    """(module, attribute) for every `<module>.<attribute>` a file names, its module resolved through its imports."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
+            yield imported[node.value.id], node.attr
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                yield node.module, a.name
+
+
+def _imports(tree: ast.AST) -> dict[str, str]:
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {(a.asname or a.name.split(".")[0]): (a.name if a.asname else a.name.split(".")[0])
+                    for a in node.names}
+    return out
+
+
+def offences(source: str) -> list[str]:
+    tree = ast.parse(source)
+    found = []
+    for module, attr in _calls(tree, _imports(tree)):
+        top = module.split(".")[0]
+        if (module, attr) in FORKS or (top == "multiprocessing" and attr in {"set_start_method", "get_context"}):
+            found.append(f"{module}.{attr} (a fork)")
+        elif top in STDLIB and attr.startswith("_") and not attr.startswith("__"):
+            found.append(f"{module}.{attr} (a private CPython API)")
+    return found
+
+
+def test_the_check_finds_what_it_looks_for():
+    """The two offences the warm fork server committed, and one spelled another way, are found."""
+    warm = "import os, runpy\nimport threading as th\nfrom atexit import _run_exitfuncs\n" \
+           "pid = os.fork()\nrunpy._run_module_as_main('stages.forward')\nth._shutdown()\n"
+    assert sorted(offences(warm)) == ["atexit._run_exitfuncs (a private CPython API)", "os.fork (a fork)",
+                                      "runpy._run_module_as_main (a private CPython API)",
+                                      "threading._shutdown (a private CPython API)"]
+    assert offences("import os\nos.getpid()\nimport torch\ntorch._C._get_tracing_state\n") == []
+
+
+@pytest.mark.parametrize("path", CODE, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_no_module_forks_or_calls_a_private_cpython_api(path):
+    assert offences(path.read_text(encoding="utf-8")) == []
+
+
+def _reads_params_yaml(path: Path, root: Path = REPO) -> list[str]:
+    """Where a file reads params.yaml: a call of schema.read_params, or the name paths.PARAMS."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    hits = []
+    named = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)    # paths.PARAMS = "params.yaml"
+             and [getattr(t, "id", None) for t in n.targets] == ["PARAMS"]}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (node.attr, getattr(node.value, "id", None)) in {
+                ("read_params", "schema"), ("PARAMS", "paths")}:
+            hits.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value == "params.yaml" and id(node) not in named:
+            hits.append(f"{path.relative_to(root).as_posix()}:{node.lineno} 'params.yaml'")
+    return sorted(hits)
+
+
+@pytest.mark.parametrize("stage", [s.name for s in graph.STAGES])
+def test_no_stage_reads_params_yaml_but_validate(stage):
+    """The stage module and every library module it runs: validate alone reads params.yaml; every other
+    stage reads its validated config (graph.config), so it reads exactly what DVC re-runs it on."""
+    files = [REPO / "stages" / f"{stage}.py", *(REPO / f for f in dvc_yaml.code_deps(stage, REPO) if f.endswith(".py"))]
+    hits = [h for f in files for h in _reads_params_yaml(f)]
+    if stage == "validate":
+        assert any(h.startswith("stages/validate.py") for h in hits)
+    else:
+        assert hits == []
+
+
+def test_the_params_check_finds_a_read(tmp_path):
+    f = tmp_path / "stage.py"
+    f.write_text("from pipeline.config import schema\nfrom pipeline.store import paths\n"
+                 "params = schema.read_params(Path(paths.PARAMS))\nother = open('params.yaml')\n")
+    assert _reads_params_yaml(f, tmp_path) == ["stage.py:3 paths.PARAMS", "stage.py:3 schema.read_params",
+                                               "stage.py:4 'params.yaml'"]
