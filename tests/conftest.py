@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.store import paths, provenance
+from tests.helpers import validated
 
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = ("forward", "logits", "probs", "trajectories", "lens")
@@ -95,7 +96,14 @@ def _process_state_restored():
 
 def run_module(module: str, cwd: Path, *args: str, check: bool = False, env: dict | None = None,
                timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run `python -m module` in cwd the way DVC runs a stage."""
+    """Run `python -m module` in cwd the way DVC runs a stage: after validate, when params.yaml or a prompt
+    file changed since it last ran (tests/helpers/validated.py; its failure is the result then)."""
+    if module.startswith("stages.") and module != "stages.validate":
+        proc = validated.ensure(cwd, env, timeout)
+        if proc is not None and proc.returncode != 0:
+            if check:
+                raise AssertionError(f"stages.validate failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+            return proc
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:

@@ -1,9 +1,10 @@
 """Run stages in this process, in a workspace, as `python -m stages.<name>` would there.
 
 For tests that run many whole chains (every model family): the imports and the interpreter
-start are paid once. A stage's main reads params.yaml from the working directory, so each
-runs with the workspace as cwd; the model loads are shared within one chain
-(`loader.shared_loads`), as `nexttoken verify` shares them.
+start are paid once. A stage's main reads its validated config (validate's file, brought up to
+date first as dvc repro would) from the working directory, so each runs with the workspace as
+cwd; the model loads are shared within one chain (`loader.shared_loads`), as `nexttoken verify`
+shares them.
 
 CHAIN is the one list of stages the tests run as "the whole chain": the stages of dvc.yaml, in
 its order (a topological one: tests/unit/test_dvc_yaml.py), read from dvc.yaml itself. So a stage
@@ -18,6 +19,8 @@ import os
 from pathlib import Path
 
 import yaml
+
+from tests.helpers import validated
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,4 +49,6 @@ def run_chain(ws: Path, stages=CHAIN) -> None:
 
     with cwd(ws), loader.shared_loads():
         for stage in stages:
+            if stage != "validate":
+                validated.ensure_here()      # as dvc repro runs validate first (params.yaml edited by a test)
             importlib.import_module(f"stages.{stage}").main()

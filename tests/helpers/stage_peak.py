@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.helpers import validated
+
 PEAK_FILE_ENV = "NEXTTOKEN_PEAK_FILE"
 # Runs the module as `python -m` would (while the package imports, sys.argv[0] is "-m" and
 # sys.orig_argv names the module, so stages/__init__.py sets its quiet Ctrl-C handler; sys.path[0]
@@ -47,13 +49,15 @@ def run(module: str, cwd: Path, env: dict[str, str], log: Path) -> dict:
     """`python -m module` in cwd, stdout dropped, stderr to log: rc, wall_s, cpu_s (user + system,
     every thread and the children it waited for, from wait4: CPU time is not inherited), peak_mb
     (the child's own VmHWM, not its children's; None if it died before writing it, e.g. killed)."""
+    if module != "stages.validate":
+        validated.ensure(cwd, env)            # as dvc repro runs validate first (not measured)
     fd, peak_file = tempfile.mkstemp(prefix="peak-", suffix=".kb")
     os.close(fd)
     try:
         t0 = time.perf_counter()
         with open(log, "w") as err:
             proc = subprocess.Popen([sys.executable, "-c", RUNNER, module], cwd=cwd,
-                                    env={**env, PEAK_FILE_ENV: peak_file, "NEXTTOKEN_WARM": "0"},
+                                    env={**env, PEAK_FILE_ENV: peak_file},
                                     stdout=subprocess.DEVNULL, stderr=err)
             _, status, usage = os.wait4(proc.pid, 0)     # this child's own accounting, not every child's
             proc.returncode = os.waitstatus_to_exitcode(status)     # reaped: Popen must not wait again

@@ -34,6 +34,8 @@ def test_validate_writes_each_stage_s_resolved_config_without_importing_torch(tm
     for stage in graph.validated_stages():
         written = json.loads(paths.validated(stage, ws).read_text(encoding="utf-8"))
         assert written == graph.resolved(params, stage, {"text": "Once upon a time\n"}), stage
+    executor = json.loads(paths.validated(graph.EXECUTOR, ws).read_text(encoding="utf-8"))
+    assert executor == schema.load_section(params, "executor").model_dump(mode="json") and executor["kind"] == "serial"
     tokenize = json.loads(paths.validated("tokenize", ws).read_text(encoding="utf-8"))
     assert tokenize["prompt"]["text"] == "Once upon a time\n" and tokenize["prompt"]["file"] == "prompts/story.txt"
     manifest = json.loads(paths.manifest_path("validate", ws).read_text())
@@ -73,7 +75,9 @@ def test_a_rerun_on_the_same_config_leaves_every_output_byte_identical(tmp_path)
                "prompt.file=prompts/story.txt", "prompt.text=null", check=True)
     run_module("stages.validate", ws, check=True)
     first = _validate_files(ws)
-    assert "manifest.json" in first and len(first) == len(graph.validated_stages()) + 1
+    # a file per stage that reads params, where its work runs (executor.json), its manifest
+    assert set(first) == {paths.validated(s).name for s in [*graph.validated_stages(), graph.EXECUTOR]} \
+        | {"manifest.json"}
     (ws / "prompts/story.txt").touch()                                  # a new modification time, the same text
     proc = run_module("stages.validate", ws, check=True)
     assert _validate_files(ws) == first, "a re-run on the same config rewrote artifacts/validate"
