@@ -94,20 +94,6 @@ def test_a_sample_of_n_holds_n_prompts_the_reference_figures_prompt_first():
     assert checked_prompts(1, big, {}) == ["p00000"]
 
 
-def test_audit_and_verify_re_run_every_prompt_of_a_run_recorded_before_checks_prompts():
-    """Such a run checked every prompt of its set, and its manifest records no prompts_checked: its checks are
-    re-run on all of them (a sample would read its unsampled prompts' stored rows as checks now absent). A run
-    that records prompts_checked keeps its setting, written or defaulted."""
-    from pipeline.config.schema import checks_as_recorded
-
-    params = {"model": {"name": "m"}, "checks": {"kv_cache_atol": 1}}
-    old = {"facts": {"checks": 10}}
-    assert checks_as_recorded(params, old) == {"model": {"name": "m"}, "checks": {"kv_cache_atol": 1, "prompts": "all"}}
-    assert checks_as_recorded({**params, "checks": {"prompts": 7}}, old)["checks"] == {"prompts": "all"}
-    new = {"facts": {"checks": 10, "prompts_checked": 100}}
-    assert checks_as_recorded(params, new) is params and checks_as_recorded(params, None) is params
-
-
 def test_the_stored_step_logits_sample_is_the_checks_sample_without_the_reference_prompt():
     """`sampling.step_logits` (trajectories) and `checks.prompts` pick by one rule (`prompt_set.fixed_sample`): with no
     reference figures in the set, the prompts the checks read are exactly the ones whose rows are stored."""
