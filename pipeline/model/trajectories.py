@@ -46,7 +46,6 @@ PROMPT_METRICS_SCHEMA = pa.schema([
 ])
 NGRAMS = (1, 2, 3)
 TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metrics (`dvc exp show`)
-STEP_LOGITS_KEYS = logits_io.STEP_KEY_SCHEMA
 
 
 def branch_settings(branch: str, sampling: SamplingConfig) -> SamplingSettings:
