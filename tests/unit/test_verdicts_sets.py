@@ -108,6 +108,28 @@ def test_the_stored_step_logits_sample_is_the_checks_sample_without_the_referenc
     assert len(set(with_ref) & set(fixed_sample(3, big))) == 2   # the reference prompt displaces one: re-derived
 
 
+def test_steps_parquet_says_whether_its_step_logits_are_stored_and_a_file_without_the_fact_is_refused(tmp_path):
+    """The trajectories stage writes `step_logits` (stored or derived) into every steps.parquet: a file without
+    it (or with another value) is no current run's, refused in one line rather than read as stored."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.errors import UserError
+    from pipeline.model.trajectories import step_logits_stored
+    from pipeline.store.artifacts import PARQUET_META_KEY
+
+    def steps(name: str, facts: dict | None):
+        meta = None if facts is None else {PARQUET_META_KEY: json.dumps(facts).encode()}
+        pq.write_table(pa.table({"step": [1]}).replace_schema_metadata(meta), tmp_path / name)
+        return tmp_path / name
+
+    assert step_logits_stored(steps("stored.parquet", {"step_logits": "stored"}))
+    assert not step_logits_stored(steps("derived.parquet", {"step_logits": "derived"}))
+    for name, facts in (("none.parquet", None), ("empty.parquet", {}), ("other.parquet", {"step_logits": "yes"})):
+        with pytest.raises(UserError, match=rf"{name}: fact step_logits=.* is not allowed: stored or derived"):
+            step_logits_stored(steps(name, facts))
+
+
 # ---------------------------------------------------------------- step logits rows vs their recorded sha256
 def _rows_and_record(n_steps: int = 3):
     import numpy as np
