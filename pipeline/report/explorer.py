@@ -210,7 +210,7 @@ def _conditions(inp, forward: dict) -> list[list[str]]:
               f"{' '.join(kernels.get('cpu_flags') or [])}") if kernels else "not recorded"
     commit = git.get("commit") or "not a git checkout"
     title = conditions.model_title(inp.source)     # a model=local run: its folder and model_type, not "local"
-    arch = f"{facts.get('num_layers')} layers, capture {facts.get('capture_level', 'full')}"
+    arch = f"{facts.get('num_layers')} layers, capture {facts['capture_level']}"
     model = f"{title} ({arch})" if title != inp.source.get("name") else f"{title} ({facts.get('model_type')}, {arch})"
     return [["model", model],
             ["dtype / attention", f"{facts.get('dtype')} / {facts.get('attn_implementation')}"],
