@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.store import logits_io, paths
-from pipeline.store.artifacts import read_json, read_manifest
+from pipeline.store.artifacts import read_json, read_manifest, tables_stored
 
 STAGES = ("tokenize", "forward", "logits", "probs", "trajectories", "lens")
 
@@ -66,7 +66,7 @@ def main(root: Path, before: bool) -> None:
         stored += 1
     k = max(stored, 1)
     print(f"before: table.parquet {table / n / 1e6:.3f}, filtered.parquet {kept / n / 1e6:.3f} MB/prompt "
-          f"(stored: {probs.table_is_stored(manifest)}); step_logits.parquet per prompt that stores it "
+          f"(stored: {tables_stored(manifest)}); step_logits.parquet per prompt that stores it "
           f"({stored} of {n}): long layout {steps_long / k / 1e6:.3f} MB, this layout {steps_now / k / 1e6:.3f}")
 
 

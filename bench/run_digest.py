@@ -37,8 +37,7 @@ FILES = [
 
 
 def data_files(repo: Path, item: tuple[str, str]) -> list[Path]:
-    """An item's files in a run: a per-prompt item's partitions (a run recorded before partitions: its
-    one flat file), a set-level item's one file."""
+    """An item's files in a run: a per-prompt item's partitions, a set-level item's one file."""
     if item not in paths.PER_PROMPT:
         return [paths.artifact(item, repo)]
     return [paths.partition(item, pid, repo) for pid in paths.run_prompt_ids(repo)]

@@ -37,6 +37,7 @@ from pipeline.store.artifacts import (
     read_parquet,
     read_safetensors,
     recorded_cpu_kernels,
+    tables_stored,
 )
 
 
@@ -135,7 +136,7 @@ def _probs_table(use: Callable[..., Path], root: Path | str, prompt_id: str,
     if not paths.stage_dir(item[0], root).exists():
         return None
     manifest = read_manifest_once(item[0], root)        # a set's lists every prompt: not read per prompt
-    if probs.table_is_stored(manifest):
+    if tables_stored(manifest):
         return use(item, prompt_id)
     return probs.read_table(use, prompt_id, manifest, item)
 

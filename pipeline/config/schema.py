@@ -326,16 +326,6 @@ class ChecksConfig(Section):
                             "of a larger one), all, or an integer >= 1 (a fixed sample of that many)")
 
 
-def checks_as_recorded(params: dict, checks_manifest: dict | None) -> dict:
-    """`params` for re-running a recorded run's checks (audit, verify): a checks stage that ran before
-    `checks.prompts` existed checked every prompt, and its manifest's facts hold no `prompts_checked`; its
-    checks are re-run on every prompt (`all`), not on the sample the default `auto` takes of a larger set."""
-    if checks_manifest is None or "prompts_checked" in (checks_manifest.get("facts") or {}):
-        return params
-    checks = params.get("checks") if isinstance(params.get("checks"), dict) else {}
-    return {**params, "checks": {**checks, "prompts": "all"}}
-
-
 class LensConfig(Section):
     """`lens`: the logit lens (pipeline/model/lens.py); whether top_k fits the model's output size is
     checked by the lens stage against the model, before any work."""

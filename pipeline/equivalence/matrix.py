@@ -46,7 +46,6 @@ SCHEMA = pa.schema([("variation", pa.string()), ("compared", pa.string()), ("n_p
                     ("bit_identical", pa.bool_()),
                     ("first_differing_tensor", pa.string()), ("note", pa.string())])
 # No timing column: the same run gives the same bytes; each variation's seconds are in the manifest's facts.
-DTYPE_OF = {"float32": torch.float32, "float16": torch.float16}
 CHUNK = 2**23        # logits compared per chunk (x 8 bytes for each float64 copy compare makes)
 
 

@@ -46,7 +46,6 @@ PROMPT_METRICS_SCHEMA = pa.schema([
 ])
 NGRAMS = (1, 2, 3)
 TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metrics (`dvc exp show`)
-STEP_LOGITS_KEYS = logits_io.STEP_KEY_SCHEMA
 
 
 def branch_settings(branch: str, sampling: SamplingConfig) -> SamplingSettings:
@@ -147,8 +146,12 @@ def stored_step_logits(sampling: SamplingConfig, prompt_ids: list[str]) -> set[s
 
 def step_logits_stored(steps_path: Path) -> bool:
     """Whether the trajectories stage wrote the step_logits.parquet of the prompt whose steps.parquet this is (the
-    `step_logits` fact in its metadata, `stored` or `derived`)."""
-    return parquet_facts(steps_path).get("step_logits", "stored") == "stored"
+    `step_logits` fact in its metadata, `stored` or `derived`: the stage writes one or the other)."""
+    said = parquet_facts(steps_path).get("step_logits")
+    if said not in ("stored", "derived"):
+        raise bad_value(f"{steps_path}: fact step_logits", said,
+                        "stored or derived (what the trajectories stage writes)")
+    return said == "stored"
 
 
 def rederive_step_logits(model, prompt_ids: list[int], sampling: SamplingConfig, recorded: dict) \

@@ -18,7 +18,6 @@ import statistics
 import pyarrow as pa
 
 PROBS_KEYS = ("entropy_median", "entropy_mean", "kept_median")
-TRAJECTORY_KEYS = ("n_prompts", "greedy_loop_rate", "sample_loop_rate", "diverge_mean")
 
 
 def aggregate_temperature(temperatures: list[float]) -> float:

@@ -17,8 +17,6 @@ import torch
 from pipeline.numerics.sampling import SamplingSettings, warpers
 
 TOP_P = 0.9
-FIGURES = ("max_abs_diff", "mean_abs_diff", "top1_changed", "kept_recorded", "kept_variant", "kept_jaccard",
-           "kept_recorded_ids", "kept_variant_ids", "kl_mean", "kl_max", "kl_last", "bit_identical")
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:

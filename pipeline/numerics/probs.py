@@ -159,9 +159,6 @@ def config_filters(config: dict) -> list[NamedFilter]:
          for f in config["probs"]["extra_filters"]]
 
 
-table_is_stored = tables_stored      # whether a probs manifest's stage wrote table.parquet and filtered.parquet
-
-
 def read_table(find, prompt_id: str, manifest: dict, item: tuple[str, str] = paths.TABLE) -> pa.Table:
     """One prompt's table.parquet (or `item=paths.FILTERED`, filtered.parquet) as a table, stored or
     derived (`manifest`: the probs stage's). `find(item, prompt_id)` gives a file's path
@@ -170,7 +167,7 @@ def read_table(find, prompt_id: str, manifest: dict, item: tuple[str, str] = pat
     and filters."""
     if item not in DERIVABLE:
         raise ValueError(f"{item[1]} is not one of the probs files a run may derive")
-    if table_is_stored(manifest):
+    if tables_stored(manifest):
         return read_parquet(find(item, prompt_id))
     positions = read_json(find(paths.PROBS_SUMMARY, prompt_id))["positions"]
     if item == paths.FILTERED:

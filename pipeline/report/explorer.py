@@ -108,19 +108,17 @@ def equivalence_data(recorded: np.ndarray, position: int, rows: list[dict] | Non
                      variants: dict[str, tuple[str, list[int], np.ndarray]] | None,
                      vocab_text: dict[int, str]) -> dict | None:
     """The Equivalence panel: per row of equivalence.parquet its stored figures and, for a forward variation,
-    its logits at `position` (variants: variant_logits.read of that position). None: the stage did not run
-    for the prompt."""
+    its logits at `position` (variants: variant_logits.read of that position, which the stage writes beside
+    every equivalence.parquet). None: the stage did not run for the prompt (rows and variants None)."""
     if rows is None:
         return None
     out = []
     for r in rows:
         item = {"name": r["variation"], "compared": r["compared"],
                 "row": {k: _json_number(r.get(k)) for k in EQ_FIGURES}, "shown": False}
-        stored = (variants or {}).get(r["variation"])
+        stored = variants.get(r["variation"])
         if r["variation"].startswith("kv_cache_"):
             item["why"] = NOT_SHOWN_KV
-        elif variants is None:
-            item["why"] = "no variant_logits.parquet for this prompt (made by older code: re-run the equivalence stage)"
         elif stored is None:
             note = str(r.get("note"))        # the stage's notes say "not applicable: ..." or "not run: ..." already
             said = note.startswith(("not applicable:", "not run:"))
@@ -212,7 +210,7 @@ def _conditions(inp, forward: dict) -> list[list[str]]:
               f"{' '.join(kernels.get('cpu_flags') or [])}") if kernels else "not recorded"
     commit = git.get("commit") or "not a git checkout"
     title = conditions.model_title(inp.source)     # a model=local run: its folder and model_type, not "local"
-    arch = f"{facts.get('num_layers')} layers, capture {facts.get('capture_level', 'full')}"
+    arch = f"{facts.get('num_layers')} layers, capture {facts['capture_level']}"
     model = f"{title} ({arch})" if title != inp.source.get("name") else f"{title} ({facts.get('model_type')}, {arch})"
     return [["model", model],
             ["dtype / attention", f"{facts.get('dtype')} / {facts.get('attn_implementation')}"],

@@ -98,10 +98,10 @@ def _lens(inp: Inputs, rows: list[dict], text: dict[int, str]) -> dict | None:
 
 def _variants(use: overview.Use, inp: Inputs) -> tuple[list[dict] | None, dict | None]:
     """The prompt's equivalence rows and its variants' logits at the page's position (None, None: the
-    equivalence stage did not run for it; rows, None: no variant_logits.parquet beside them)."""
+    equivalence stage did not run for it; it writes variant_logits.parquet beside every equivalence.parquet)."""
     rows = equivalence.load(use, inp.prompt_id)
-    if rows is None or not paths.partition(paths.VARIANT_LOGITS, inp.prompt_id).is_file():
-        return rows, None
+    if rows is None:
+        return None, None
     return rows, variant_logits.read(use(paths.VARIANT_LOGITS, inp.prompt_id), positions=[inp.position])
 
 

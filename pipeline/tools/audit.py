@@ -99,7 +99,7 @@ def audit_folder(root: Path, label: str) -> Audit:
     if "trajectories" in manifests:
         rederived.rederive_trajectories(root, manifests["trajectories"], result, same_code)
     if "checks" in manifests:
-        rederive_checks(root, schema.checks_as_recorded(params, manifests["checks"]), result)  # the prompts it checked
+        rederive_checks(root, params, result)
     environment(manifests, result)
     kernel_path(manifests, result)
     return result

@@ -18,7 +18,7 @@ import pyarrow as pa
 from pipeline.config import schema
 from pipeline.errors import UserError
 from pipeline.store import paths
-from pipeline.store.artifacts import read_json, read_parquet
+from pipeline.store.artifacts import read_json, read_parquet, tables_stored
 from pipeline.tools.rundiff import json_difference, shared_keys, table_difference
 
 
@@ -38,7 +38,7 @@ def rederive_probs(root: Path, params: dict, manifest: dict, result: Findings, s
     view, whose layout follows the code) is compared on the keys both layouts have."""
     recorded, items, per_prompt, figures, failed = {o["path"] for o in manifest["outputs"]}, [], [], [], False
     prompt_ids = paths.run_prompt_ids(root)
-    table = (manifest.get("facts") or {}).get("table", "stored")     # derived: no table / filtered file to compare
+    table = "stored" if tables_stored(manifest) else "derived"     # derived: no table / filtered file to compare
     for pid in prompt_ids:
         try:
             derived = probs_outputs(root, params, pid, table)

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from pipeline.config import schema
 from pipeline.config.compose import diff_keys
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_json, read_manifest, read_safetensors
+from pipeline.store.artifacts import read_json, read_manifest, read_safetensors, tables_stored
 from pipeline.tools import prompt_tables, revisions
 from pipeline.tools.divergence import (
     capture_order,
@@ -236,7 +236,7 @@ def _tables(align: Alignment) -> tuple[Any, Any] | None:
             continue
         from pipeline.numerics import probs  # torch: only to re-derive a table
         record = read_manifest(paths.TABLE[0], root)
-        out.append(None if probs.table_is_stored(record) else probs.read_table(paths.lookup(root), pid, record))
+        out.append(None if tables_stored(record) else probs.read_table(paths.lookup(root), pid, record))
     return None if None in out else (out[0], out[1])
 
 

@@ -114,8 +114,7 @@ def verify_folder(root: Path, label: str, wanted: list[str]) -> Verification:
     with tempfile.TemporaryDirectory(prefix="nexttoken-verify-") as tmp:
         here = Path(tmp)
         _mirror(root, here, rerun)
-        _rerun(here, schema.checks_as_recorded(params, manifests.get("checks")),
-               {s: manifests[s].get("config") or {} for s in rerun})
+        _rerun(here, params, {s: manifests[s].get("config") or {} for s in rerun})
         now = revisions.load_manifests(here)
         result.lines.append(kernel_difference_line(recorded_kernels(manifests), recorded_kernels(now), LABELS))
         result.lines += prompt_kernel_lines(manifests, recorded_kernels(now))

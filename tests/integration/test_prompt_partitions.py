@@ -22,7 +22,7 @@ import yaml
 
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_dataset, read_parquet
+from pipeline.store.artifacts import read_dataset, read_parquet, tables_stored
 from pipeline.tools import audit
 from tests.conftest import CHAIN, copy_ws, run_module
 
@@ -62,7 +62,7 @@ def test_two_prompts_run_in_one_pass_each_equal_to_the_prompt_alone(two_prompts,
     # a set (probs.table auto) derives the full-vocabulary tables the prompt alone stores: what a reader gets in
     # their place is the prompt alone's table, value for value
     probs_manifest = json.loads(paths.manifest_path("probs", ws).read_text())
-    assert not probs.table_is_stored(probs_manifest)
+    assert not tables_stored(probs_manifest)
     for item in probs.DERIVABLE:
         assert paths.prompt_ids(item, ws) == [] and (paths.dataset(item, ws) / probs.DERIVED_NOTE).is_file(), item
         alone = read_parquet(paths.partition(item, pid, tiny_chain))

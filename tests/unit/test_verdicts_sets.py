@@ -94,20 +94,6 @@ def test_a_sample_of_n_holds_n_prompts_the_reference_figures_prompt_first():
     assert checked_prompts(1, big, {}) == ["p00000"]
 
 
-def test_audit_and_verify_re_run_every_prompt_of_a_run_recorded_before_checks_prompts():
-    """Such a run checked every prompt of its set, and its manifest records no prompts_checked: its checks are
-    re-run on all of them (a sample would read its unsampled prompts' stored rows as checks now absent). A run
-    that records prompts_checked keeps its setting, written or defaulted."""
-    from pipeline.config.schema import checks_as_recorded
-
-    params = {"model": {"name": "m"}, "checks": {"kv_cache_atol": 1}}
-    old = {"facts": {"checks": 10}}
-    assert checks_as_recorded(params, old) == {"model": {"name": "m"}, "checks": {"kv_cache_atol": 1, "prompts": "all"}}
-    assert checks_as_recorded({**params, "checks": {"prompts": 7}}, old)["checks"] == {"prompts": "all"}
-    new = {"facts": {"checks": 10, "prompts_checked": 100}}
-    assert checks_as_recorded(params, new) is params and checks_as_recorded(params, None) is params
-
-
 def test_the_stored_step_logits_sample_is_the_checks_sample_without_the_reference_prompt():
     """`sampling.step_logits` (trajectories) and `checks.prompts` pick by one rule (`prompt_set.fixed_sample`): with no
     reference figures in the set, the prompts the checks read are exactly the ones whose rows are stored."""
@@ -120,6 +106,28 @@ def test_the_stored_step_logits_sample_is_the_checks_sample_without_the_referenc
     with_ref = checked_prompts(3, big, {"p00500": [("seed_article", "tokenizer")]})
     assert "p00500" in with_ref and big[0] in with_ref and len(with_ref) == 3
     assert len(set(with_ref) & set(fixed_sample(3, big))) == 2   # the reference prompt displaces one: re-derived
+
+
+def test_steps_parquet_says_whether_its_step_logits_are_stored_and_a_file_without_the_fact_is_refused(tmp_path):
+    """The trajectories stage writes `step_logits` (stored or derived) into every steps.parquet: a file without
+    it (or with another value) is no current run's, refused in one line rather than read as stored."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.errors import UserError
+    from pipeline.model.trajectories import step_logits_stored
+    from pipeline.store.artifacts import PARQUET_META_KEY
+
+    def steps(name: str, facts: dict | None):
+        meta = None if facts is None else {PARQUET_META_KEY: json.dumps(facts).encode()}
+        pq.write_table(pa.table({"step": [1]}).replace_schema_metadata(meta), tmp_path / name)
+        return tmp_path / name
+
+    assert step_logits_stored(steps("stored.parquet", {"step_logits": "stored"}))
+    assert not step_logits_stored(steps("derived.parquet", {"step_logits": "derived"}))
+    for name, facts in (("none.parquet", None), ("empty.parquet", {}), ("other.parquet", {"step_logits": "yes"})):
+        with pytest.raises(UserError, match=rf"{name}: fact step_logits=.* is not allowed: stored or derived"):
+            step_logits_stored(steps(name, facts))
 
 
 # ---------------------------------------------------------------- step logits rows vs their recorded sha256
