@@ -224,8 +224,8 @@ def logit_parts(rec: Recorded, candidates: Mapping[int, Sequence[int]]) -> pd.Da
         values = torch.cat([contrib, *(v[None] for _, v in extra)])                # [C', K]
         fp64 = rec.norm_out[p] @ rows.T + bias
         fp64 = fp64 + lp.softcap_part(fp64, rec.softcap)
-        bound = lp.logit_bound(rec.dtype, rec.resid_bound[p:p + 1], rec.scale[p:p + 1], rec.gain,
-                               rec.norm_out[p:p + 1], rows)[0]
+        gap = (rec.parts[:, p:p + 1].sum(0) - rec.resid[p:p + 1]).abs()
+        bound = lp.logit_bound(rec.dtype, gap, rec.scale[p:p + 1], rec.gain, rec.norm_out[p:p + 1], rows)[0]
         for k, t in enumerate(ids):
             frames.append(pd.DataFrame({
                 "position": position, "token_id": t, "component": [c for c, _, _ in labels],

@@ -80,19 +80,24 @@ def residual_bound(dtype: torch.dtype, partial_abs: torch.Tensor, attn_abs: torc
     return 2 * (u * partial_abs + 2 * u * attn_abs + inner * u_acc * attn_mac)
 
 
-def logit_bound(dtype: torch.dtype, resid_bound: torch.Tensor, scale: torch.Tensor, gain: torch.Tensor,
+def logit_bound(dtype: torch.dtype, resid_gap: torch.Tensor, scale: torch.Tensor, gain: torch.Tensor,
                 norm_out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[P, K]: how far the parts' sum may be from the FP64 logit of the recorded norm output.
+    """[P, K]: how far the parts' sum may be from the FP64 logit of the recorded norm output f.
 
-    The norm output the head read is the stream's / s * g rounded at most twice in `dtype` (the
-    normalised value, then its product with the gain: 2 u |f|); the parts' stream is
-    off by `resid_bound` times |g| / s. Each head row [K, H] maps an error vector e to at most
-    |W_t| . |e|; a softcap's slope is at most 1, so the bound holds after it too. Doubled, as
-    `residual_bound` is, for the second-order terms and the float32 steps of the norm.
+    Two differences, each mapped to a logit by a head row as |W_t| . |e| (a softcap's slope is at
+    most 1, so the bound holds after it too):
+    - the parts' stream is off the recorded one by `resid_gap` = |sum of parts - x| (measured; that
+      it is rounding is `residual_check`'s business), which the frozen norm scales by |g| / s;
+    - f is x / s * g as the model's norm computed it: in float32 (HF's RMSNorms upcast), 1 / s off
+      by (H / 2 + 2) u32 at worst (mean of H squares, sqrt, rsqrt), then rounded to `dtype` at most
+      twice (the normalised value, its product with the gain), and the float32 steps between them:
+      4 u |f| covers the roundings with room for the second-order terms.
+    Using the measured stream gap, not its worst case, keeps the bound below what a wrong fold
+    changes on a real bf16 model (gemma3_270m: the worst case alone exceeded its logits).
     """
-    u = unit_roundoff(dtype)
-    per_dim = resid_bound * gain.abs() / scale + 2 * u * norm_out.double().abs()
-    return 2 * per_dim @ rows.double().abs().T
+    u, u32, hidden = unit_roundoff(dtype), unit_roundoff(torch.float32), norm_out.shape[-1]
+    per_dim = resid_gap * gain.abs() / scale + (4 * u + (hidden / 2 + 2) * u32) * norm_out.double().abs()
+    return per_dim @ rows.double().abs().T
 
 
 @dataclass(frozen=True)
