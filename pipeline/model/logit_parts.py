@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipeline.model.capture import decoder_layers, family, text_config
+from pipeline.model.capture import act_name, decoder_layers, family, text_config
 from pipeline.numerics import logit_parts as lp
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
@@ -128,10 +128,23 @@ def record_parts(model: nn.Module, input_ids: torch.Tensor, positions: Sequence[
 
     def at(t: torch.Tensor) -> torch.Tensor:                # [1, T, X] -> [P, X] FP64 on the CPU
         return t[0].index_select(0, pos.to(t.device)).to("cpu", torch.float64)
+    labels, stacked, bound = _split(model, seen, at)
+    names, resid = family(model), at(seen["resid"])
+    norm, head = model.get_submodule(names.final_norm), model.get_submodule(names.lm_head)
+    cap = getattr(text_config(model), names.final_softcap) if names.final_softcap else None
+    return Recorded(seen["resid"].dtype, list(positions), labels, stacked, resid, at(seen["norm_out"]),
+                    out.logits[0].index_select(0, pos.to(out.logits.device)).cpu(),
+                    lp.frozen_scale(resid, _eps(norm)), lp.norm_gain(norm.weight.detach().cpu(), names.norm_formula),
+                    bound, head.weight.detach(), None if head.bias is None else head.bias.detach(), cap)
+
+
+def _split(model: nn.Module, seen: dict[str, torch.Tensor], at):
+    """(labels, parts [C, P, H], the residual bound [P, H]) from the hooked tensors, in the order the model adds
+    them; the stream is summed again here, in FP64, for the bound's |partial sums| (`residual_bound`)."""
     names, n_heads = family(model), text_config(model).num_attention_heads
     embed = at(seen["embed"])
     labels, parts, inner = [("embed", None, None)], [embed], 0
-    stream, partial_abs, attn_abs, attn_mac = embed.clone(), 0.0, 0.0, 0.0     # for the bound: see residual_bound
+    stream, partial_abs, attn_abs, attn_mac = embed.clone(), 0.0, 0.0, 0.0
     for i, layer in enumerate(decoder_layers(model)):
         o_proj = layer.get_submodule(names.attn).get_submodule(names.o_proj)
         heads, mac, inner = _attention_parts(layer, o_proj, at(seen[f"z{i}"]), at(seen[f"o{i}"]), names, n_heads)
@@ -139,25 +152,14 @@ def record_parts(model: nn.Module, input_ids: torch.Tensor, positions: Sequence[
         if o_proj.bias is not None:
             labels.append((f"blocks.{i}.attn.bias", i, None))
             heads.append(_attention_bias(layer, o_proj, at(seen[f"o{i}"]), names))
-        attn = torch.stack(heads).sum(0)
-        mlp = at(seen[f"mlp{i}"])
+        attn, mlp = torch.stack(heads).sum(0), at(seen[f"mlp{i}"])
         labels.append((f"blocks.{i}.mlp", i, None))
         parts += [*heads, mlp]
-        stream = stream + attn
-        partial_abs = partial_abs + stream.abs()
-        stream = stream + mlp
-        partial_abs = partial_abs + stream.abs()
+        partial_abs = partial_abs + (stream + attn).abs() + (stream + attn + mlp).abs()
+        stream = stream + attn + mlp
         attn_abs, attn_mac = attn_abs + attn.abs(), attn_mac + mac
-    stacked, resid = torch.stack(parts), at(seen["resid"])
-    norm = model.get_submodule(names.final_norm)
-    head = model.get_submodule(names.lm_head)
-    dtype = seen["resid"].dtype
-    bound = lp.residual_bound(dtype, partial_abs, attn_abs, attn_mac, inner)
-    cap = getattr(text_config(model), names.final_softcap) if names.final_softcap else None
-    return Recorded(dtype, list(positions), labels, stacked, resid, at(seen["norm_out"]),
-                    out.logits[0].index_select(0, pos.to(out.logits.device)).cpu(),
-                    lp.frozen_scale(resid, _eps(norm)), lp.norm_gain(norm.weight.detach().cpu(), names.norm_formula),
-                    bound, head.weight.detach(), None if head.bias is None else head.bias.detach(), cap)
+    bound = lp.residual_bound(seen["resid"].dtype, partial_abs, attn_abs, attn_mac, inner)
+    return labels, torch.stack(parts), bound
 
 
 def _post_norm(layer: nn.Module, names) -> tuple[nn.Module | None, str]:
@@ -192,6 +194,28 @@ def residual_check(rec: Recorded) -> lp.Gap:
     """The parts' FP64 sum against the recorded final-norm input, element by element, within `resid_bound`."""
     (p, h), measured, bound = lp.worst((rec.parts.sum(0) - rec.resid).abs(), rec.resid_bound)
     return lp.Gap(measured, bound, f"position {rec.positions[p]}, dim {h}")
+
+
+def capture_gap(rec: Recorded, tensors: Mapping[str, torch.Tensor]) -> lp.Gap:
+    """The hooked pass against a capture of the same model and prompt (`capture.run_capture`, the forward
+    stage's capture.safetensors): the final norm's input (the last block's `resid_post`) and output, and the
+    logits where the capture has every row (with capture.positions=last the LM head ran on one row, a matmul
+    of another shape: other bits, which the lm_head recompute check covers), at the recorded positions. The
+    same pass on the same machine gives the same bits: the bound is 0, so the parts belong to the recorded
+    run."""
+    n_layers = sum(1 for k in tensors if k.endswith(".resid_post"))
+    logits, T = tensors[act_name("logits")][0], tensors[act_name("final_norm_out")].shape[1]
+    worst = (0.0, "nowhere")
+    for p, position in enumerate(rec.positions):
+        pairs = [("resid_post", rec.resid[p], tensors[act_name("resid_post", n_layers - 1)][0, position]),
+                 ("final_norm_out", rec.norm_out[p], tensors[act_name("final_norm_out")][0, position])]
+        if logits.shape[0] == T:        # positions="last": HF's LM head ran on one row, another matmul shape
+            pairs.append(("logits", rec.logits[p], logits[position]))
+        for name, mine, theirs in pairs:
+            gap = float((mine.double() - theirs.double()).abs().max())
+            if gap > worst[0] or worst[1] == "nowhere":
+                worst = (gap, f"{name} at position {position}")
+    return lp.Gap(worst[0], 0.0, worst[1])
 
 
 def top_candidates(rec: Recorded, position: int, k: int) -> list[int]:

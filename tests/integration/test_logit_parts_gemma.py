@@ -1,6 +1,7 @@
 """Logit parts on the default model, gemma3_270m (bf16 as the forward stage runs it, and float32): the parts add
-up within the dtype bound on the reference prompt, and the two fold mutants fail the sum check there too (on
-this model the worst-case stream bound alone exceeded the logits, so the toys could not show it).
+up within the dtype bound on the reference prompt, the hooked pass is the capture's bit for bit, and the two
+fold mutants fail the sum check there too (on this model the worst-case stream bound alone exceeded the
+logits, so the toys could not show it).
 
 Slow. The snapshot is prepared once from the pinned PyPI package (about 2 minutes on 2 cores), or read (never
 written) from the folder NEXTTOKEN_GEMMA_PREPARED names, as in test_gemma_capture.
@@ -15,7 +16,7 @@ import torch
 import yaml
 
 from pipeline.config import schema
-from pipeline.model import loader, snapshot
+from pipeline.model import capture, loader, snapshot
 from pipeline.model import logit_parts as parts
 from pipeline.numerics import logit_parts as lp
 from tests.conftest import REPO
@@ -53,6 +54,8 @@ def test_gemma_parts_add_up_and_the_mutants_fail(dtype, snapshot_dir, ids, monke
     rec = parts.record_parts(model, ids, [last])
     table = parts.logit_parts(rec, {last: parts.top_candidates(rec, last, K)})
     assert parts.residual_check(rec).passed, parts.residual_check(rec)
+    tensors = capture.run_capture(model, ids, capture.CaptureSpec((0,), "all"))
+    assert parts.capture_gap(rec, tensors).measured == 0.0       # the parts are those of the recorded pass
     check = lp.sum_check(table)
     assert check.passed and check.bound < table["logit"].abs().max(), check
     for mutant in (_no_gain, _unfrozen):

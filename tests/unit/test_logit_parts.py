@@ -226,3 +226,23 @@ def test_top1_minus_other_differences_add_up_to_the_logit_gap(ids):
         other = table[(table.position == position) & (table.token_id == token_id)].set_index("component")
         np.testing.assert_array_equal(d.set_index("component")["difference"],
                                       (mine["contribution"] - other["contribution"])[d["component"]])
+
+
+# ---------------------------------------------------------------- the hooked pass is the recorded one
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_hooked_pass_reproduces_the_capture_bit_for_bit(dtype, ids):
+    from pipeline.model import capture
+
+    src = _tiny_qwen2_source()
+    model = _norms_count(tiny.build(_arch(), src["seed"], EOS).to(dtype).eval())
+    for cfg in capture._configs(model):
+        cfg._attn_implementation = "eager"          # the capture's requirement
+    for positions in ("all", "last"):
+        tensors = capture.run_capture(model, ids, capture.CaptureSpec((0,), positions))
+        rec = parts.record_parts(model, ids, [2, T - 1])
+        gap = parts.capture_gap(rec, tensors)
+        assert gap.passed and gap.measured == 0.0, gap
+    # and it tells another pass apart: the capture of another prompt
+    other = capture.run_capture(model, ids.flip(1), capture.CaptureSpec((0,), "all"))
+    assert not parts.capture_gap(rec, other).passed
