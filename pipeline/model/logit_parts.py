@@ -85,15 +85,20 @@ def _first(output):
 
 
 @contextlib.contextmanager
-def _hooks(model: nn.Module, seen: dict[str, torch.Tensor]):
-    """Record embed, every o_proj's input (z) and output, every MLP part, the final norm's input and output."""
+def _hooks(model: nn.Module, seen: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], pos: torch.Tensor):
+    """Record embed, every o_proj's input (z) and output, every MLP part, the final norm's input and output,
+    each [P, X] in FP64 at the positions `pos` only (so a long prompt holds L x P rows, not L x T)."""
     names = family(model)
 
+    def keep(key, t):
+        dtypes[key] = t.dtype
+        seen[key] = t.detach()[0].index_select(0, pos.to(t.device)).to("cpu", torch.float64)
+
     def post(key):
-        return lambda m, args, out: seen.__setitem__(key, _first(out).detach())
+        return lambda m, args, out: keep(key, _first(out))
 
     def pre(key):
-        return lambda m, args, kwargs: seen.__setitem__(key, (args[0] if args else kwargs["hidden_states"]).detach())
+        return lambda m, args, kwargs: keep(key, args[0] if args else kwargs["hidden_states"])
     plan = [(model.get_submodule(names.embed), post("embed"), False),
             (model.get_submodule(names.final_norm), pre("resid"), True),
             (model.get_submodule(names.final_norm), post("norm_out"), False)]
@@ -121,44 +126,44 @@ def record_parts(model: nn.Module, input_ids: torch.Tensor, positions: Sequence[
     if not positions or any(not 0 <= p < T for p in positions):
         raise ValueError(f"positions {list(positions)}: each must be in [0, {T - 1}] for this {T}-token input")
     seen: dict[str, torch.Tensor] = {}
-    model.eval()
-    with _hooks(model, seen), torch.no_grad():
-        out = model(input_ids=input_ids.to(model.get_input_embeddings().weight.device), use_cache=False)
+    dtypes: dict[str, torch.dtype] = {}
     pos = torch.tensor(list(positions))
-
-    def at(t: torch.Tensor) -> torch.Tensor:                # [1, T, X] -> [P, X] FP64 on the CPU
-        return t[0].index_select(0, pos.to(t.device)).to("cpu", torch.float64)
-    labels, stacked, bound = _split(model, seen, at)
-    names, resid = family(model), at(seen["resid"])
+    model.eval()
+    # Every row of logits, as the forward stage computes them: the same matmul shape, the capture's bits.
+    with _hooks(model, seen, dtypes, pos), torch.no_grad():
+        out = model(input_ids=input_ids.to(model.get_input_embeddings().weight.device), use_cache=False)
+    dtype = dtypes["resid"]                     # the stream's dtype, what the bounds are in
+    labels, stacked, bound = _split(model, seen, dtype)
+    names, resid = family(model), seen["resid"]
     norm, head = model.get_submodule(names.final_norm), model.get_submodule(names.lm_head)
     cap = getattr(text_config(model), names.final_softcap) if names.final_softcap else None
-    return Recorded(seen["resid"].dtype, list(positions), labels, stacked, resid, at(seen["norm_out"]),
+    return Recorded(dtype, list(positions), labels, stacked, resid, seen["norm_out"],
                     out.logits[0].index_select(0, pos.to(out.logits.device)).cpu(),
                     lp.frozen_scale(resid, _eps(norm)), lp.norm_gain(norm.weight.detach().cpu(), names.norm_formula),
                     bound, head.weight.detach(), None if head.bias is None else head.bias.detach(), cap)
 
 
-def _split(model: nn.Module, seen: dict[str, torch.Tensor], at):
+def _split(model: nn.Module, seen: dict[str, torch.Tensor], dtype: torch.dtype):
     """(labels, parts [C, P, H], the residual bound [P, H]) from the hooked tensors, in the order the model adds
     them; the stream is summed again here, in FP64, for the bound's |partial sums| (`residual_bound`)."""
     names, n_heads = family(model), text_config(model).num_attention_heads
-    embed = at(seen["embed"])
+    embed = seen["embed"]
     labels, parts, inner = [("embed", None, None)], [embed], 0
     stream, partial_abs, attn_abs, attn_mac = embed.clone(), 0.0, 0.0, 0.0
     for i, layer in enumerate(decoder_layers(model)):
         o_proj = layer.get_submodule(names.attn).get_submodule(names.o_proj)
-        heads, mac, inner = _attention_parts(layer, o_proj, at(seen[f"z{i}"]), at(seen[f"o{i}"]), names, n_heads)
+        heads, mac, inner = _attention_parts(layer, o_proj, seen[f"z{i}"], seen[f"o{i}"], names, n_heads)
         labels += [(f"blocks.{i}.attn.head{h}", i, h) for h in range(len(heads))]
         if o_proj.bias is not None:
             labels.append((f"blocks.{i}.attn.bias", i, None))
-            heads.append(_attention_bias(layer, o_proj, at(seen[f"o{i}"]), names))
-        attn, mlp = torch.stack(heads).sum(0), at(seen[f"mlp{i}"])
+            heads.append(_attention_bias(layer, o_proj, seen[f"o{i}"], names))
+        attn, mlp = torch.stack(heads).sum(0), seen[f"mlp{i}"]
         labels.append((f"blocks.{i}.mlp", i, None))
         parts += [*heads, mlp]
         partial_abs = partial_abs + (stream + attn).abs() + (stream + attn + mlp).abs()
         stream = stream + attn + mlp
         attn_abs, attn_mac = attn_abs + attn.abs(), attn_mac + mac
-    bound = lp.residual_bound(seen["resid"].dtype, partial_abs, attn_abs, attn_mac, inner)
+    bound = lp.residual_bound(dtype, partial_abs, attn_abs, attn_mac, inner)
     return labels, torch.stack(parts), bound
 
 
