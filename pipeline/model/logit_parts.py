@@ -197,8 +197,9 @@ def _attention_bias(layer, o_proj, o: torch.Tensor, names) -> torch.Tensor:
 
 def residual_check(rec: Recorded) -> lp.Gap:
     """The parts' FP64 sum against the recorded final-norm input, element by element, within `resid_bound`."""
-    (p, h), measured, bound = lp.worst((rec.parts.sum(0) - rec.resid).abs(), rec.resid_bound)
-    return lp.Gap(measured, bound, f"position {rec.positions[p]}, dim {h}")
+    gap = (rec.parts.sum(0) - rec.resid).abs()
+    (p, h), measured, bound = lp.worst(gap, rec.resid_bound)
+    return lp.Gap(measured, bound, f"position {rec.positions[p]}, dim {h}", float(gap.max()))
 
 
 def capture_gap(rec: Recorded, tensors: Mapping[str, torch.Tensor]) -> lp.Gap:
@@ -220,7 +221,7 @@ def capture_gap(rec: Recorded, tensors: Mapping[str, torch.Tensor]) -> lp.Gap:
             gap = float((mine.double() - theirs.double()).abs().max())
             if gap > worst[0] or worst[1] == "nowhere":
                 worst = (gap, f"{name} at position {position}")
-    return lp.Gap(worst[0], 0.0, worst[1])
+    return lp.Gap(worst[0], 0.0, worst[1], worst[0])
 
 
 def top_candidates(rec: Recorded, position: int, k: int) -> list[int]:

@@ -102,11 +102,13 @@ def logit_bound(dtype: torch.dtype, resid_gap: torch.Tensor, scale: torch.Tensor
 
 @dataclass(frozen=True)
 class Gap:
-    """A check's figure: the worst |difference| (worst relative to its own bound) and that bound."""
+    """A check's figure: the |difference| that is worst relative to its own bound, that bound, where it is,
+    and the largest |difference| anywhere (`largest`, which may sit under a larger bound)."""
 
     measured: float
     bound: float
     where: str
+    largest: float = float("nan")
 
     @property
     def passed(self) -> bool:
@@ -127,7 +129,7 @@ def sum_check(parts: pd.DataFrame) -> Gap:
     gap = torch.tensor((per["total"] - per["logit_fp64"]).abs().to_numpy())
     (i,), measured, bound = worst(gap, torch.tensor(per["bound"].to_numpy()))
     position, token_id = per.index[i]
-    return Gap(measured, bound, f"position {position}, token_id {token_id}")
+    return Gap(measured, bound, f"position {position}, token_id {token_id}", float(gap.max()))
 
 
 def top1_differences(parts: pd.DataFrame) -> pd.DataFrame:

@@ -246,3 +246,15 @@ def test_the_hooked_pass_reproduces_the_capture_bit_for_bit(dtype, ids):
     # and it tells another pass apart: the capture of another prompt
     other = capture.run_capture(model, ids.flip(1), capture.CaptureSpec((0,), "all"))
     assert not parts.capture_gap(rec, other).passed
+
+
+def test_sum_check_names_the_worst_candidate_relative_to_its_bound():
+    """Hand-made table: candidate 7's gap is the largest, candidate 8's the worst against its bound."""
+    import pandas as pd
+
+    rows = [(7, 1.0, 1.4, 1.0), (7, 0.0, 1.4, 1.0), (8, 2.0, 2.1, 0.05)]
+    table = pd.DataFrame(rows, columns=["token_id", "contribution", "logit_fp64", "bound"]).assign(position=3)
+    check = lp.sum_check(table)
+    assert (check.where, check.measured, check.bound) == ("position 3, token_id 8", pytest.approx(0.1), 0.05)
+    assert check.largest == pytest.approx(0.4) and not check.passed
+    assert lp.sum_check(table[table.token_id == 7]).passed
