@@ -43,7 +43,7 @@ def applicability(model: nn.Module) -> str | None:
     """None where the split applies, else one line "not applicable: ..." naming what stands in the way."""
     names, cfg = family(model), text_config(model)
     why = [what for what, stands in (
-        ("its layer internals are not in the family table (residual stream only)", names.generic),
+        ("no layer internals in the family table (residual stream only)", names.generic),
         ("fused q/k/v projection", names.fused),
         ("learned position embeddings", names.pos_embed is not None),
         ("attention and MLP in parallel", names.is_parallel(cfg)),

@@ -10,8 +10,9 @@ stream, so the logit of token t splits exactly:
 and a final softcap cap * tanh(z / cap) adds one more part, softcap(z) - z. The sum check
 compares the parts' sum with the logit recomputed in FP64 from the recorded final norm output,
 a second derivation that never uses s: a part folded without the gain, or normalised by its own
-rms instead of the frozen s, fails it. The bounds are first-order rounding bounds of the
-model's dtype (`unit_roundoff`), derived where they are computed.
+rms instead of the frozen s, fails it. The stream's bound is a first-order rounding bound in the
+model's dtype (`unit_roundoff`, `residual_bound`); the sum check's bound is the measured stream gap
+and the final norm's own rounding, through the head (`logit_bound`).
 """
 
 from __future__ import annotations
