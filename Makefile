@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml requirements.lock
 	# torch first and alone: 2.13.0 is the CPU build on these machines (the same pin gives the CUDA build on a GPU machine)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[test]'
+	# Captum (input attribution, docs/attribution.md) without its dependencies: captum 0.8.0 declares numpy<2,
+	# which the pinned numpy 2 contradicts, so no resolver installs it; it runs on numpy 2 (its tests), and its
+	# other dependencies (matplotlib, packaging, torch, tqdm) are pinned already
+	$(BIN)/python -m pip install --quiet --no-deps -c requirements.lock captum
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,0 +1,101 @@
+"""pipeline.model.input_attribution on tiny_qwen2 (the conf's architecture and seed, float32): Captum's
+integrated gradients and input x gradient per prompt token, and the completeness of the gradients."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pipeline.model import input_attribution as ia
+from pipeline.model import tiny
+
+REPO = Path(__file__).resolve().parents[2]
+T = 10
+
+
+@functools.cache
+def _tiny_qwen2():
+    src = yaml.safe_load((REPO / "conf" / "model" / "tiny_qwen2.yaml").read_text())["source"]
+    return tiny.build(dict(src["architecture"]), src["seed"], 151643).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 150000, (1, T), generator=torch.Generator().manual_seed(3))
+
+
+def _targets(model, ids, positions=(4, T - 1), k=2):
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    return [(p, int(t)) for p in positions for t in torch.topk(logits[p], k).indices]
+
+
+def test_completeness_improves_with_steps_and_holds_at_32(ids):
+    model = _tiny_qwen2()
+    targets = _targets(model, ids)
+    gaps = {n: ia.completeness(ia.attribute(model, ids, targets, n_steps=n)) for n in (2, ia.IG_STEPS)}
+    rel = {n: (g["gap"] / g["difference"].abs()).max() for n, g in gaps.items()}
+    assert rel[ia.IG_STEPS] < rel[2]
+    assert gaps[ia.IG_STEPS]["within"].all(), gaps[ia.IG_STEPS]
+    assert not gaps[2]["within"].all()          # the check can fail: 2 steps leave a gap beyond the bound
+
+
+def test_table_shape_and_what_each_figure_is(ids):
+    model = _tiny_qwen2()
+    targets = _targets(model, ids, positions=(T - 1,), k=1)
+    table = ia.attribute(model, ids, targets, n_steps=4)
+    assert list(table.columns) == list(ia.COLUMNS)
+    assert set(table["method"]) == set(ia.METHODS) and len(table) == 2 * T
+    (position, token), = targets
+    with torch.no_grad():
+        logit = float(model(input_ids=ids).logits[0, position, token])
+        base = float(model(inputs_embeds=torch.zeros(1, T, model.config.hidden_size)).logits[0, position, token])
+    assert np.allclose(table["logit_input"], logit, rtol=0, atol=1e-4 * abs(logit))
+    assert np.allclose(table["logit_baseline"], base, rtol=0, atol=1e-4 * abs(base))
+    # input x gradient by hand: embeddings times the gradient of the logit, summed over the hidden size
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    model(inputs_embeds=embeds).logits[0, position, token].backward()
+    want = (embeds * embeds.grad).sum(-1)[0].detach().double().numpy()
+    got = table[table["method"] == "input_x_gradient"].sort_values("source_position")["attribution"].to_numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert all(p.requires_grad for p in model.parameters())      # the weights' flags are put back
+
+
+def test_uniform_nodes_are_captums_own_riemann_middle(ids):
+    """alpha_power=1 through Captum's `_attribute` equals its public attribute(method="riemann_middle"):
+    the private entry point still means what the module relies on."""
+    from captum.attr import IntegratedGradients
+
+    model = _tiny_qwen2()
+    (position, token), = _targets(model, ids, positions=(T - 1,), k=1)
+    table = ia.attribute(model, ids, [(position, token)], n_steps=8, alpha_power=1)
+    embeds = model.get_input_embeddings()(ids).detach()
+    f = ia._logit_fn(model, position, token)
+    public = IntegratedGradients(f).attribute(embeds, baselines=torch.zeros_like(embeds), n_steps=8,
+                                              method="riemann_middle")
+    got = table[table["method"] == "integrated_gradients"]["attribution"].to_numpy()
+    want = public[0].sum(-1).detach().double().numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_nodes_integrate_polynomials_exactly_in_the_limit():
+    weights, alphas = ia.nodes(400, 4)
+    assert abs(sum(weights) - 1.0) < 1e-5                      # integral of 1 da over [0, 1]
+    assert abs(sum(w * a for w, a in zip(weights, alphas)) - 0.5) < 1e-5
+    with pytest.raises(ValueError, match="n_steps=0"):
+        ia.nodes(0, 4)
+
+
+def test_bad_inputs_are_named(ids):
+    model = _tiny_qwen2()
+    with pytest.raises(ValueError, match=f"target position {T}: must be in"):
+        ia.attribute(model, ids, [(T, 0)])
+    bf16 = tiny.build(dict(yaml.safe_load((REPO / "conf/model/tiny_qwen2.yaml").read_text())["source"]
+                           ["architecture"]), 1, 151643).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="input attribution runs in float32; the model is torch.bfloat16"):
+        ia.attribute(bf16, ids, [(T - 1, 0)])
