@@ -44,6 +44,27 @@ def test_repro_runs_every_stage_and_is_then_up_to_date(clone):
     assert "didn't change, skipping" in again.stdout and "Running stage" not in again.stdout
 
 
+def test_editing_two_library_modules_reruns_exactly_the_stages_that_import_them(clone):
+    """dvc.yaml's code deps are found from the stages' imports (pipeline/tools/dvc_yaml.py): an edit of
+    numerics/repetition.py (the loop detector: trajectories, the equivalence stage's decoding, the
+    checks) and one of report/plots.py (the report's figures) leave exactly those stages out of date.
+    The expected stages are stated here by hand, from reading the imports, not from the generator."""
+    edited = {"pipeline/numerics/repetition.py": {"trajectories", "equivalence", "checks"},
+              "pipeline/report/plots.py": {"report"}}
+    try:
+        for module in edited:
+            with open(clone / module, "a", encoding="utf-8") as f:
+                f.write("\n# an edit\n")
+        status = json.loads(sh(clone, "dvc", "status", "--json").stdout)
+        assert set(status) == set().union(*edited.values()), status
+        for stage, changes in status.items():
+            changed = {p for c in changes for p in (c.get("changed deps") or {}) if isinstance(c, dict)}
+            assert changed == {m for m, stages in edited.items() if stage in stages}, (stage, changes)
+    finally:
+        sh(clone, "git", "checkout", "--", *edited)
+    assert "up to date" in sh(clone, "dvc", "status").stdout
+
+
 def test_verify_after_dvc_repro_is_identical_and_changes_nothing(clone):
     """`dvc repro`, then `nexttoken verify` (the workspace) and `--rev HEAD` (git + the DVC cache):
     every artifact identical, exit 0; DVC's own files beside the outputs (.gitignore) are not the run's."""
