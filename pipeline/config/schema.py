@@ -333,6 +333,17 @@ class LensConfig(Section):
     top_k: Count      # ids kept per (layer, position), best first
 
 
+class AttributionConfig(Section):
+    """`attribution`: why this token (stage attribution, docs/attribution.md); whether top_k fits the model's
+    output size and the prompts are the run's is checked by the stage against its inputs, before any work."""
+
+    top_k: Count      # candidates split at the last position, best first (T = 1)
+    ig_steps: Annotated[int, Field(ge=2, le=4096, description="an integer in [2, 4096] (Riemann steps)")]
+    prompts: Annotated[items(Annotated[str, Field(pattern=PROMPT_ID_PATTERN,
+                                                  description=f"a prompt id: {PROMPT_ID_ALLOWED}")],
+                             "null or a list of the run's prompt ids"), rule(_repeats)] | None = None
+
+
 class ReportConfig(Section):
     """`report`: which prompt of the run the report details (the overview lists every prompt). Whether the
     id is one of the run's: `prompt_set.for_run` (compose, validate) and the report stage (its artifacts)."""
@@ -344,7 +355,8 @@ class ReportConfig(Section):
 
 SECTIONS: dict[str, type[Section]] = {"model": ModelConfig, "prompt": PromptConfig, "capture": CaptureConfig,
                                       "probs": ProbsConfig, "sampling": SamplingConfig, "checks": ChecksConfig,
-                                      "lens": LensConfig, "report": ReportConfig}
+                                      "lens": LensConfig, "attribution": AttributionConfig,
+                                      "report": ReportConfig}
 
 
 # ---------------------------------------------------------------- equivalence (its own stage)

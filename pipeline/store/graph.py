@@ -93,6 +93,13 @@ STAGES: tuple[Stage, ...] = (
     Stage("lens", ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
                    "capture.attn_implementation", "capture.kernels", "lens"),
           reads=(_dir("prepare_model"), _p(paths.CAPTURE), _p(paths.FORWARD_FACTS))),
+    # the parts need a hooked forward pass of their own (the capture keeps no per-head context past layer 0)
+    Stage("attribution", ("model.name", "model.trust_remote_code", "capture.dtype", "capture.device",
+                          "capture.attn_implementation", "capture.kernels", "report.prompt_id", "attribution"),
+          reads=(_dir("prepare_model"), _p(paths.TOKENS), _p(paths.CAPTURE), _p(paths.FORWARD_FACTS)),
+          about="Why this token: each top-k candidate's logit split into the residual stream's parts, and the "
+                "top-1's input attribution, for the chosen prompts; its own checks table "
+                "(pipeline/checks/attribution.py)."),
     Stage("checks", ("model.name", "model.trust_remote_code", "model.tokenizer", "model.reference_figures", "prompt",
                      "capture.dtype", "capture.device", "capture.attn_implementation", "capture.kernels", "probs",
                      "sampling", "checks"),

@@ -24,7 +24,7 @@ STAGING = ".nexttoken/staging"   # stage outputs are built here, then moved into
 # validate comes first: it refuses a bad params.yaml before DVC touches any other stage's outputs.
 # equivalence: after forward and trajectories (its kv_cache rows read their step logits), before the report.
 STAGES = ("validate", "prepare_model", "tokenize", "forward", "logits", "probs", "trajectories", "equivalence", "lens",
-          "checks", "report")
+          "attribution", "checks", "report")
 
 # (stage, file name) of every data file a later stage or a user reads.
 SOURCE = ("prepare_model", "source.json")
@@ -47,6 +47,10 @@ TRAJECTORIES_METRICS = ("trajectories", "metrics.json")
 TRAJECTORY_PROMPT_METRICS = ("trajectories", "prompt_metrics.parquet")
 LENS = ("lens", "lens.parquet")                  # per (layer, position): the top lens.top_k ids
 LENS_SUMMARY = ("lens", "lens_summary.parquet")  # per (layer, position): entropy, the final top-1's rank, KL
+# The attribution stage (why this token): per chosen prompt, at its last position (docs/attribution.md).
+LOGIT_PARTS = ("attribution", "logit_parts.parquet")   # each top-k candidate's logit split into the stream's parts
+INPUTS = ("attribution", "inputs.parquet")             # the top-1's attribution to each prompt token (IG, input x grad)
+ATTRIBUTION_CHECKS = ("attribution", "checks.parquet")  # its own checks (set-level, the checks stage's schema)
 CHECKS = ("checks", "checks.parquet")
 METRICS = ("checks", "metrics.json")
 REPORT = ("report", "report.md")
@@ -62,7 +66,7 @@ VARIANT_LOGITS = ("equivalence", "variant_logits.parquet")
 # One file per prompt: partitioned by prompt id (the rest are set-level, one per run).
 PER_PROMPT = frozenset({TOKENS, TOKENIZE_SUMMARY, CAPTURE, FORWARD_FACTS, LOGITS, TABLE, FILTERED,
                         PROBS_SUMMARY, STEPS, STEP_LOGITS, TRAJECTORIES, LENS, LENS_SUMMARY, EQUIVALENCE,
-                        VARIANT_LOGITS})
+                        VARIANT_LOGITS, LOGIT_PARTS, INPUTS})
 PARTITION_KEY = "prompt_id"
 
 

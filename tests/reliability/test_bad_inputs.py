@@ -248,6 +248,13 @@ def range_cases() -> list[Case]:
         _r("lens.top_k", 0),
         _r("lens.nope", 1, "key"),
         _missing("lens.top_k"),
+        # attribution (whether top_k fits the model and the prompts are the run's: the attribution stage, below)
+        _r("attribution.top_k", 0),
+        _r("attribution.ig_steps", 1),
+        _r("attribution.prompts", ["../x"], "name", shown="../x"),
+        _r("attribution.prompts", ["a", "a"]),
+        _r("attribution.nope", 1, "key"),
+        _missing("attribution.ig_steps"),
         # report (whether an id is one of the run's is known from the artifacts: the report stage, below)
         _r("report.prompt_id", "a b", "name"),
         _r("report.prompt_id", "../x", "name"),
@@ -511,7 +518,7 @@ def test_matrix_covers_every_key_of_every_section():
     covered = {k for c in MATRIX if c.change for k in c.change}
     assert keys - covered == set()
     assert set(schema.SECTIONS) == {"model", "prompt", "capture", "probs", "sampling", "checks", "report",
-                                    "equivalence", "lens", "executor"}
+                                    "equivalence", "lens", "attribution", "executor"}
 
 
 def test_base_is_the_composition_of_conf(tmp_path):
@@ -739,6 +746,12 @@ SUBPROCESS = [
     Run("stage equivalence: equivalence.prompts=[nope] (not a prompt of the run)", ("stage", "equivalence"),
         ("nexttoken equivalence: error: equivalence.prompts='nope' is not allowed: null or a list of the run's "
          "prompt ids: temperature_question",), params={"equivalence.prompts": ["nope"]}),
+    Run("stage attribution: attribution.prompts=[nope] (not a prompt of the run)", ("stage", "attribution"),
+        ("nexttoken attribution: error: attribution.prompts='nope' is not allowed: null or a list of the run's "
+         "prompt ids: temperature_question",), params={"attribution.prompts": ["nope"]}),
+    Run("stage attribution: attribution.top_k=152065 (output size 152064)", ("stage", "attribution"),
+        ("attribution.top_k=152065 is not allowed: an integer in [1, 152064] (this model's output size)",),
+        params={"attribution.top_k": 152065}),
     Run("stage prepare_model: model.source.architecture.vocab_size=1000", ("stage", "prepare_model"),
         ("model.source.architecture.vocab_size=1000 is not allowed: an integer >= 151669",),
         params={"model.source.architecture.vocab_size": 1000}),

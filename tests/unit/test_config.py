@@ -18,8 +18,8 @@ GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
 
 
 def test_groups_are_the_designed_ones():
-    assert GROUPS == ["capture", "checks", "equivalence", "executor", "lens", "model", "probs", "prompt", "report",
-                      "sampling"]
+    assert GROUPS == ["attribution", "capture", "checks", "equivalence", "executor", "lens", "model", "probs", "prompt",
+                      "report", "sampling"]
 
 
 # Options that leave a value to the user (`???`), with one supplied; their files also interpolate or extend

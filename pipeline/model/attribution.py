@@ -1,0 +1,120 @@
+"""The attribution stage's work: per chosen prompt, at its last position, the logit parts of the top
+`attribution.top_k` candidates (T = 1) and the top-1's input attribution, as two tables and the figures
+its checks compare (`pipeline.checks.attribution`).
+
+The parts come from the model loaded as forward loaded it (`pipeline.model.logit_parts`, the capture's
+dtype: its hooked pass must give the capture's bits); the input attribution from a second load in
+float32 (`pipeline.model.input_attribution`: gradients of bf16 logits are too coarse to integrate). A
+model the split is not written for (`logit_parts.NotApplicable`) gets empty parts tables with the same
+schema and its reason in the facts: a reason, not an error in the numbers (issue 50); its input
+attribution still runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import pyarrow as pa
+import torch
+
+from pipeline.config import prompt_set
+from pipeline.config.schema import AttributionConfig, CaptureConfig, ModelConfig
+from pipeline.errors import bad_value
+from pipeline.model import input_attribution, loader
+from pipeline.model import logit_parts as parts
+from pipeline.model.capture import act_name
+from pipeline.numerics import logit_parts as lp
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
+
+PARTS_SCHEMA = pa.schema([pa.field(name, kind, nullable=name in ("layer", "head")) for name, kind in (
+    ("position", pa.int32()), ("token_id", pa.int32()), ("component", pa.string()), ("layer", pa.int32()),
+    ("head", pa.int32()), ("contribution", pa.float64()), ("logit", pa.float64()), ("logit_fp64", pa.float64()),
+    ("bound", pa.float64()))])
+INPUTS_SCHEMA = pa.schema([pa.field(name, kind, nullable=False) for name, kind in (
+    ("target_position", pa.int32()), ("target_token_id", pa.int32()), ("source_position", pa.int32()),
+    ("method", pa.string()), ("attribution", pa.float64()), ("logit_input", pa.float64()),
+    ("logit_baseline", pa.float64()))])
+assert tuple(PARTS_SCHEMA.names) == lp.PARTS_COLUMNS and tuple(INPUTS_SCHEMA.names) == input_attribution.COLUMNS
+
+
+def chosen(cfg: AttributionConfig, report_prompt: str | None, ids: list[str]) -> list[str]:
+    """attribution.prompts, or (null) the prompt the report details: one line for an id the run lacks."""
+    if cfg.prompts is None:
+        return [prompt_set.detailed(report_prompt, ids)]
+    for pid in cfg.prompts:
+        if pid not in ids:
+            raise bad_value("attribution.prompts", pid, "null or a list of the run's prompt ids: " + ", ".join(ids))
+    return list(cfg.prompts)
+
+
+def check_top_k(top_k: int, output_size: int) -> None:
+    if top_k > output_size:
+        raise bad_value("attribution.top_k", top_k, f"an integer in [1, {output_size}] (this model's output size)")
+
+
+def table(frame: pd.DataFrame | None, schema: pa.Schema) -> pa.Table:
+    """A frame as `schema` (None: the empty table with that schema)."""
+    if frame is None:
+        return schema.empty_table()
+    return pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+
+
+@dataclass
+class Prompt:
+    """One prompt's results: the two tables and the figures the checks read."""
+
+    parts: pd.DataFrame | None          # None: the split does not apply (`not_applicable` says why)
+    inputs: pd.DataFrame
+    residual: lp.Gap | None = None
+    capture: lp.Gap | None = None
+    not_applicable: str | None = None
+    facts: dict = field(default_factory=dict)
+
+
+def one_prompt(model, model32, input_ids: torch.Tensor, tensors: dict, cfg: AttributionConfig) -> Prompt:
+    """The last position's parts (top_k candidates) and the top-1's input attribution (ig_steps steps)."""
+    last = input_ids.shape[1] - 1
+    try:
+        rec = parts.record_parts(model, input_ids, [last])
+    except parts.NotApplicable as e:
+        logits = tensors[act_name("logits")][0, -1].double()    # the capture's last row: the last position's
+        top1 = int(torch.argmax(logits))                 # torch.argmax: the first of equal maxima, the lowest id
+        return Prompt(None, input_attribution.attribute(model32, input_ids, [(last, top1)], cfg.ig_steps),
+                      not_applicable=str(e), facts={"target_token_id": top1})
+    candidates = parts.top_candidates(rec, last, cfg.top_k)
+    frame = parts.logit_parts(rec, {last: candidates})
+    inputs = input_attribution.attribute(model32, input_ids, [(last, candidates[0])], cfg.ig_steps)
+    return Prompt(frame, inputs, parts.residual_check(rec), parts.capture_gap(rec, tensors),
+                  facts={"target_token_id": candidates[0], "candidates": candidates,
+                         "dtype": str(rec.dtype).removeprefix("torch.")})
+
+
+def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: AttributionConfig,
+           report_prompt: str | None) -> dict[str, Prompt]:
+    """Every chosen prompt's two tables into `stage` -> the results per prompt (for the checks)."""
+    pids = chosen(cfg, report_prompt, stage.prompt_ids(paths.CAPTURE))     # an id the run lacks: before any load
+    for pid in pids:
+        check_top_k(cfg.top_k, read_json(stage.use(paths.FORWARD_FACTS, pid))["output_size"])
+    source = read_json(stage.use(paths.SOURCE))
+    snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
+    model = loader.load_captured(snapshot, cap, model_cfg.trust_remote_code)
+    model32 = model if model.dtype == torch.float32 else loader.load_model(
+        snapshot, torch.float32, loader.resolve_device(cap.device), cap.attn_implementation,
+        model_cfg.trust_remote_code)
+    stage.model = {**provenance.model_record(source), "trust_remote_code": model_cfg.trust_remote_code}
+    done = {}
+    for pid in pids:
+        with stage.timed(pid):
+            tokens = read_parquet(stage.use(paths.TOKENS, pid), columns=["position", "token_id"]).to_pandas()
+            ids = torch.tensor([tokens.sort_values("position")["token_id"].tolist()])
+            tensors = read_safetensors(stage.use(paths.CAPTURE, pid))
+            one = done[pid] = one_prompt(model, model32, ids, tensors, cfg)
+            stage.facts = {"top_k": cfg.top_k, "ig_steps": cfg.ig_steps, "position": ids.shape[1] - 1,
+                           "ig_alpha_power": input_attribution.ALPHA_POWER,
+                           "logit_parts": one.not_applicable or "recorded", **one.facts}
+            stage.write_parquet(paths.LOGIT_PARTS[1], table(one.parts, PARTS_SCHEMA), prompt_id=pid)
+            stage.write_parquet(paths.INPUTS[1], table(one.inputs, INPUTS_SCHEMA), prompt_id=pid)
+    return done
+
