@@ -116,8 +116,10 @@ STAGES: tuple[Stage, ...] = (
                  _dir("forward"), _dir("logits"), _p(paths.PROBS_SUMMARY), _p(paths.FILTERED),
                  _p(paths.PROBS_PROMPT_METRICS), _manifest("probs"), _p(paths.STEPS), _p(paths.TRAJECTORIES),
                  _p(paths.TRAJECTORY_PROMPT_METRICS), _manifest("trajectories"), _dir("lens"), _p(paths.CHECKS),
-                 _manifest("checks"), _p(paths.EQUIVALENCE), _p(paths.VARIANT_LOGITS), _manifest("equivalence")),
+                 _manifest("checks"), _p(paths.EQUIVALENCE), _p(paths.VARIANT_LOGITS), _manifest("equivalence"),
+                 _manifest("attribution")),
           notes=((_manifest("validate"), "every stage's record: the report's Stages table"),
+                 (_manifest("attribution"), "its row of the Stages table (the report does not show its tables yet)"),
                  (_p(paths.EQUIVALENCE), "the matrix section (pipeline/report/equivalence.py)"),
                  (_p(paths.VARIANT_LOGITS), "the explorer's Equivalence panel"))),
 )
