@@ -142,3 +142,23 @@ def test_an_unknown_prompt_is_named_before_any_work(attributed, tmp_path):
     assert len(lines) == 1 and "attribution.prompts='nope' is not allowed: null or a list of the run's prompt ids: " \
         in lines[0], proc.stderr
     assert read_json(paths.manifest_path("attribution", ws)) == before
+
+
+def test_a_set_attributes_the_chosen_prompts_only(tmp_path):
+    """Default: the report's detailed prompt (the first id); `attribution.prompts` another choice, each prompt's
+    tables the same as when it was chosen alone."""
+    ws = make_workspace(tmp_path / "ws", ["model=tiny_qwen2"])
+    (ws / "prompts").mkdir()
+    lines = [{"id": "b_second", "text": "The capital of France is"}, {"id": "a_first", "text": "Once upon a time"}]
+    (ws / "prompts/two.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    compose = ("pipeline.tools.cli", ws, "compose", "model=tiny_qwen2", "capture.device=cpu", "--prompt-set",
+               "prompts/two.jsonl")
+    run_module(*compose, check=True)
+    run_chain(ws, ("prepare_model", "tokenize", "forward", "attribution"))
+    assert paths.prompt_ids(paths.LOGIT_PARTS, ws) == ["a_first"] == paths.prompt_ids(paths.INPUTS, ws)
+    alone = pd.read_parquet(paths.partition(paths.LOGIT_PARTS, "a_first", ws))
+    run_module(*compose, "attribution.prompts=[b_second,a_first]", check=True)
+    run_chain(ws, ("attribution",))
+    assert paths.prompt_ids(paths.LOGIT_PARTS, ws) == ["a_first", "b_second"]
+    pd.testing.assert_frame_equal(pd.read_parquet(paths.partition(paths.LOGIT_PARTS, "a_first", ws)), alone)
+    assert set(_checks(ws).prompt_id) == {"a_first", "b_second"}
