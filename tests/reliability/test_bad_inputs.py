@@ -35,6 +35,7 @@ from pipeline.model import capture, lens, loader, trajectories
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
 from tests.conftest import REPO, copy_ws, run_module, snapshot
+from tests.helpers import validated
 from tests.reliability.conftest import one_line_error, python_env
 
 DOC = REPO / "docs" / "bad_inputs.md"
@@ -785,8 +786,13 @@ def _run(run: Run, ws: Path) -> subprocess.CompletedProcess:
         (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
     restore = run.setup(ws) if run.setup else None
     try:
+        # What dvc repro runs first: validate, recording the edited params (its own files change, as under DVC;
+        # a bad value it refuses changes nothing). The promise is about the stage that refuses the input.
+        ran_validate = validated.ensure(ws, run.env) if run.argv[0] == "stage" and run.argv[1] != "validate" else None
         before = snapshot(ws)
-        if run.argv[0] == "stage":
+        if ran_validate is not None and ran_validate.returncode != 0:
+            proc = ran_validate
+        elif run.argv[0] == "stage":
             proc = run_module(f"stages.{run.argv[1]}", ws, env=run.env)
         else:
             proc = subprocess.run(list(run.argv), cwd=ws, capture_output=True, text=True, timeout=300,
