@@ -141,3 +141,20 @@ def test_a_stage_started_by_hand_after_params_yaml_changed_is_refused(tmp_path, 
         graph.config("probs", tmp_path)
     monkeypatch.setenv("DVC_STAGE", "probs")
     assert graph.config("probs", tmp_path).validated == validated
+
+
+def test_a_partial_section_crosses_to_another_process(tmp_path):
+    """Ray sends a stage's config sections to its workers by pickle; a partial section's class is made at
+    run time, so a fresh process (which never made it) must rebuild it from its section and values."""
+    import pickle
+    import subprocess
+
+    from pipeline.config import schema
+    part = schema.load_part({"capture": {"dtype": "bfloat16", "device": "cpu", "attn_implementation": "eager",
+                                         "kernels": "native"}}, "capture")
+    (tmp_path / "part.pkl").write_bytes(pickle.dumps(part))
+    code = ("import pickle, sys; p = pickle.loads(open(sys.argv[1], 'rb').read()); "
+            "print(type(p).__name__, p.dtype, p.kernels, hasattr(p, 'positions'))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "part.pkl")], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout.split()
+    assert out == ["CaptureConfigPart", "bfloat16", "native", "False"]
