@@ -7,8 +7,11 @@ Each revision is cloned from this checkout into a temporary folder, composed wit
 (`--set N`: a set of N generated prompts, `capture.positions=last`) and run with `dvc repro`, this
 interpreter's environment first on PATH. Data files are compared byte for byte; manifests (which record
 when, where and by which code a stage ran) are compared field by field, and the fields that differ are
-listed. Exit status 1 when any data file differs or exists at one revision only (a file the later
-revision adds is listed, and counts only with --strict).
+listed. The report and the explorer pages show each stage's run facts (created, duration, commit), so
+they differ between any two runs: BEFORE is run twice (the control), and a file that differs between
+those two runs is listed apart, with the lines of text that differ between BEFORE and AFTER. Exit
+status 1 when any other file differs or exists at one revision only (a file the later revision adds is
+listed, and counts only with --strict).
 """
 
 from __future__ import annotations
@@ -63,13 +66,28 @@ def manifest_fields(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if k not in RUN_FACTS and a.get(k) != b.get(k))
 
 
-def compare(before: Path, after: Path) -> dict:
+def _changed_lines(a: Path, b: Path, limit: int = 6) -> list[str]:
+    try:
+        la, lb = a.read_text(encoding="utf-8").splitlines(), b.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        return ["(binary)"]
+    import difflib
+    out = [line[:160] for line in difflib.unified_diff(la, lb, lineterm="", n=0)
+           if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def compare(before: Path, after: Path, control: Path | None = None) -> dict:
     fa, fb = files(before), files(after)
+    fc = files(control) if control else fa
     data = [k for k in sorted(set(fa) | set(fb)) if not k.endswith("/manifest.json")]
-    res = {"same": [], "differ": [], "only_before": [], "only_after": [], "manifest_fields": {}}
+    res = {"same": [], "differ": [], "only_before": [], "only_after": [], "run_facts": {}, "manifest_fields": {}}
     for k in data:
         key = "same" if fa.get(k) == fb.get(k) else "only_before" if k not in fb else \
             "only_after" if k not in fa else "differ"
+        if key == "differ" and fc.get(k) != fa.get(k):          # differs from run to run at the same code
+            res["run_facts"][k] = _changed_lines(before / k, after / k)
+            continue
         res[key].append(k)
     for k in sorted(set(fa) & set(fb)):
         if k.endswith("/manifest.json"):
@@ -93,8 +111,9 @@ def main() -> int:
     try:
         overrides = [f"model={args.model}", "capture.device=cpu"]
         before = run(args.before, tmp / "before", overrides, args.set)
+        control = run(args.before, tmp / "control", overrides, args.set)
         after = run(args.after, tmp / "after", overrides, args.set)
-        res = compare(before, after)
+        res = compare(before, after, control)
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -105,6 +124,9 @@ def main() -> int:
     for key in ("differ", "only_before", "only_after"):
         for k in res[key]:
             print(f"  {key}: {k}")
+    print(f"  files that differ between two runs of {args.before} too (they show run facts): {len(res['run_facts'])}")
+    for k, lines in res["run_facts"].items():
+        print(f"    {k}: " + " | ".join(lines))
     fields = sorted({f for v in res["manifest_fields"].values() for f in v})
     print(f"  manifest fields that differ (besides {', '.join(sorted(RUN_FACTS))}): {', '.join(fields) or 'none'}")
     for k, v in res["manifest_fields"].items():

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pipeline.config import prompt_set
 from pipeline.store import graph, paths
 from pipeline.store.artifacts import entry, stage_main, stage_run
@@ -23,11 +21,12 @@ def work(cfg: graph.StageConfig) -> None:
         inputs = render.load(run.use, chosen, prompts=prompts)
         run.model = inputs.manifests.get("forward", {}).get("model")
         font = plots.fonts()
+        run.use(paths.manifest_path("validate"))     # the record of the params.yaml this report shows
         run.facts = {"fonts": list(font.families), "checks_present": inputs.checks is not None,
                      "prompts": len(ids), "detail": chosen,
                      # the config this report shows (validate's record of params.yaml), named by a report a
                      # later run marks stale
-                     "params_sha256": _params_sha256(run.use(paths.manifest_path("validate")))}
+                     "params_sha256": graph.validated_params_sha256(run.root)}
         figures = render.draw(inputs, run.out, font)
         across = set_plots.draw(prompts, run.out, font)
         files = pages.write(run.use, run.out, inputs, ids, lambda pid: render.load(run.use, pid, prompts=prompts),
@@ -36,12 +35,6 @@ def work(cfg: graph.StageConfig) -> None:
         text = render.render(inputs, figures, font, prompts, across) \
             + equivalence.markdown(equivalence.load(run.use, chosen), chosen)
         run.out(paths.REPORT[1]).write_text(text, encoding="utf-8")
-
-
-def _params_sha256(validate_manifest: Path) -> str | None:
-    """The sha256 of the params.yaml validate checked (its manifest records it)."""
-    from pipeline.store.artifacts import read_json
-    return (read_json(validate_manifest).get("facts") or {}).get("params_sha256")
 
 
 main = entry(STAGE, work)

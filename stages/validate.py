@@ -39,8 +39,9 @@ def work(cfg: None) -> None:
     files[paths.validated(graph.EXECUTOR).name] = sections[graph.EXECUTOR].model_dump(mode="json")
     folder = paths.stage_dir(STAGE)
     params_sha256 = provenance.sha256_file(Path(paths.PARAMS))
-    if provenance.unchanged_outputs(folder, Path.cwd(), STAGE, config,
-                                    {name: provenance.json_bytes(obj) for name, obj in files.items()}, inputs):
+    if graph.validated_params_sha256() == params_sha256 and provenance.unchanged_outputs(
+            folder, Path.cwd(), STAGE, config, {name: provenance.json_bytes(obj) for name, obj in files.items()},
+            inputs):
         print(f"nexttoken validate: params.yaml and the prompt files give the files {folder} holds: kept as they are")
         return                                               # a rewrite would change only its manifest's run facts
     with stage_run(STAGE, config) as run:

@@ -552,10 +552,23 @@ def load_section(params: dict, name: str, root: Path | str = "."):
     return section.model_copy(update={"name": prompt_name(section)})
 
 
+class _Part(Section):
+    """A section's declared keys only (`_part`). Pickled (to Ray workers) as its section's name and values:
+    the class is made at run time, so the receiving process makes it again."""
+
+    def __reduce__(self):
+        return _rebuild_part, (type(self).__name__.removesuffix("Part"), self.model_dump())
+
+
+def _rebuild_part(whole: str, data: dict):
+    cls = next(c for c in SECTIONS.values() if c.__name__ == whole)
+    return _part(cls, frozenset(data)).model_validate(data)
+
+
 @functools.cache
 def _part(cls: type[Section], keys: frozenset[str]) -> type[Section]:
     """`cls` with only the fields `keys` (each with its own type and rules): reading any other is an error."""
-    return create_model(f"{cls.__name__}Part", __base__=Section,
+    return create_model(f"{cls.__name__}Part", __base__=_Part,
                         **{k: (cls.model_fields[k].annotation, cls.model_fields[k]) for k in sorted(keys)})
 
 

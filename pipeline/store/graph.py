@@ -18,13 +18,14 @@ included) and skips it otherwise.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import schema
 from pipeline.errors import UserError
-from pipeline.store import paths
+from pipeline.store import paths, provenance
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,31 @@ def _read(file: Path) -> Any:
                         f"(or `python -m stages.validate` first)") from None
 
 
+def validated_params_sha256(root: Path | str = ".") -> str | None:
+    """The sha256 of the params.yaml the validate stage last checked (its manifest's facts), None if none."""
+    try:
+        manifest = json.loads(paths.manifest_path("validate", root).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return (manifest.get("facts") or {}).get("params_sha256") if isinstance(manifest, dict) else None
+
+
 def config(stage: str, root: Path | str = ".") -> StageConfig:
-    """The stage's validated config (see StageConfig)."""
+    """The stage's validated config (see StageConfig). A stage started by hand (or called in a process) after
+    params.yaml changed would run the config validate checked before: refused in one line. Under DVC
+    (`DVC_STAGE` set) DVC has run validate whenever a value of params.yaml changed; a byte change that
+    changes no value (DVC's own rewrite of the file) must not stop the run there. Only the file's sha256 is
+    read here, never its keys."""
     if not PARAMS[stage] or stage == "validate":
         raise ValueError(f"stage {stage} reads no validated config")
+    if os.environ.get("DVC_STAGE"):
+        return StageConfig(stage, _read(paths.validated(stage, root)), root)
+    try:
+        now = provenance.sha256_file(Path(root) / paths.PARAMS)
+    except FileNotFoundError:
+        now = None                      # no params.yaml (a test's bare folder): nothing to compare
+    if now is not None and now != validated_params_sha256(root):
+        raise UserError(f"params.yaml has changed since the validate stage checked it: run `dvc repro` (or "
+                        f"`python -m stages.validate` first); a stage reads only the config validate wrote for it, "
+                        f"{paths.validated(stage).as_posix()}")
     return StageConfig(stage, _read(paths.validated(stage, root)), root)

@@ -16,17 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.store import paths, provenance
+from pipeline.store import graph, paths, provenance
 
 
 def current(ws: Path) -> bool:
-    params = Path(ws) / paths.PARAMS
-    try:
-        manifest = json.loads(paths.manifest_path("validate", ws).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if graph.validated_params_sha256(ws) != provenance.sha256_file(Path(ws) / paths.PARAMS):
         return False
-    if (manifest.get("facts") or {}).get("params_sha256") != provenance.sha256_file(params):
-        return False
+    manifest = json.loads(paths.manifest_path("validate", ws).read_text(encoding="utf-8"))
     for i in manifest.get("inputs") or []:
         file = Path(ws) / i["path"]
         if not file.is_file() or provenance.sha256_file(file) != i["sha256"]:

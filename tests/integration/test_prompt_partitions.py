@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
@@ -109,9 +108,13 @@ def _checks_by_prompt(ws: Path, pid: str) -> None:
 
 
 def _set_key(ws: Path, value: str | None) -> None:
-    params = yaml.safe_load((ws / paths.PARAMS).read_text(encoding="utf-8"))
-    params["report"]["prompt_id"] = value
-    (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    """report.prompt_id in the report stage's validated config: the stage reads that file alone. (Through
+    params.yaml, validate would check the id against the configured prompt, and the TWIN of this workspace
+    is a prompt of its artifacts only: here the report stage's own check against the run's artifacts.)"""
+    file = paths.validated("report", ws)
+    cfg = json.loads(file.read_text(encoding="utf-8"))
+    cfg["report"]["prompt_id"] = value
+    file.write_text(json.dumps(cfg), encoding="utf-8")
 
 
 def test_report_of_a_set_lists_every_prompt_and_details_the_chosen_one(two_prompts, tmp_path):

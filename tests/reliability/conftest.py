@@ -22,6 +22,7 @@ import pytest
 
 from pipeline.store import paths, provenance
 from tests.conftest import snapshot
+from tests.helpers import validated
 
 
 @pytest.fixture(scope="session")
@@ -119,7 +120,9 @@ def run_stage_here(stage: str, ws: Path, monkeypatch) -> Outcome:
     """A stage's real entry point (`stage_main(STAGE, main)`) in this process, in ws.
 
     The same code path as `python -m stages.<stage>` without the 5-10 s of imports per
-    run: for the many corrupt-artifact cases. A few run as real subprocesses as well.
+    run: for the many corrupt-artifact cases. A few run as real subprocesses as well. After validate
+    (its refusal is the outcome then) when params.yaml or a prompt file changed since it ran, as
+    `dvc repro` runs it first.
     """
     import importlib
 
@@ -130,6 +133,9 @@ def run_stage_here(stage: str, ws: Path, monkeypatch) -> Outcome:
     code = 0
     with redirect_stdout(out), redirect_stderr(err):
         try:
+            if stage != "validate" and not validated.current(ws):    # as dvc repro runs validate first
+                validate = importlib.import_module("stages.validate")
+                stage_main(validate.STAGE, validate.main)
             stage_main(module.STAGE, module.main)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1

@@ -24,6 +24,7 @@ import yaml
 
 from pipeline.store import paths
 from tests.conftest import copy_ws, snapshot
+from tests.helpers import validated
 from tests.helpers.partitions import part
 from tests.reliability.conftest import one_line_error, python_env, run_stage_here, staging_left, truncate
 
@@ -163,6 +164,8 @@ CASES = [
 def test_corrupt_or_foreign_input_is_named(case, chain_ws, tmp_path, monkeypatch):
     ws = copy_ws(chain_ws, tmp_path / "ws")
     case.damage(ws, monkeypatch, tmp_path)
+    if not validated.current(ws):        # a damage that edits params.yaml: validate first, as dvc repro runs it
+        assert run_stage_here("validate", ws, monkeypatch).code == 0
     before = snapshot(ws)
     out = run_stage_here(case.stage, ws, monkeypatch)
     one_line_error(out, f"nexttoken {case.stage}: error: ", *case.needles)

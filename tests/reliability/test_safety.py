@@ -31,6 +31,7 @@ from pipeline.errors import UserError
 from pipeline.model import loader, snapshot
 from pipeline.store import paths
 from tests.conftest import REPO, make_workspace
+from tests.helpers import validated
 from tests.reliability.conftest import python_env
 
 CODE = sorted([*(REPO / "pipeline").rglob("*.py"), *(REPO / "stages").glob("*.py")])
@@ -179,6 +180,7 @@ runpy.run_module("stages.prepare_model", run_name="__main__")
 def test_tiny_prepare_never_calls_the_hub_and_records_trust_remote_code(tmp_path, chain_ws):
     ws = make_workspace(tmp_path / "ws", ["model=tiny_qwen2", "model.trust_remote_code=true"])
     env = {k: v for k, v in python_env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    assert validated.ensure(ws).returncode == 0        # as dvc repro runs validate first (it imports no hub code)
     proc = subprocess.run([sys.executable, "-c", NO_NETWORK], cwd=ws, capture_output=True, text=True,
                           timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

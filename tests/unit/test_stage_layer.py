@@ -66,17 +66,31 @@ def test_no_module_forks_or_calls_a_private_cpython_api(path):
 
 
 def _reads_params_yaml(path: Path, root: Path = REPO) -> list[str]:
-    """Where a file reads params.yaml: a call of schema.read_params, or the name paths.PARAMS."""
+    """Where a file reads params.yaml: a call of schema.read_params, or the name paths.PARAMS / 'params.yaml'
+    (what any other reader would have to name) anywhere but in a `sha256_file(...)` call (a stage may check
+    that params.yaml is the one validate checked, by its hash, without reading a key)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    hits = []
+    hashed = {id(n) for call in ast.walk(tree) if isinstance(call, ast.Call)
+              and getattr(call.func, "attr", getattr(call.func, "id", None)) == "sha256_file"
+              for arg in call.args for n in ast.walk(arg)}
     named = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)    # paths.PARAMS = "params.yaml"
              and [getattr(t, "id", None) for t in n.targets] == ["PARAMS"]}
+    reader = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "read_params"
+              for n in ast.walk(f)}                                       # its definition: the calls count
+    hits = []
     for node in ast.walk(tree):
+        if id(node) in reader:
+            continue
+        where = f"{path.relative_to(root).as_posix()}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Attribute) and (node.attr, getattr(node.value, "id", None)) in {
-                ("read_params", "schema"), ("PARAMS", "paths")}:
-            hits.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {node.value.id}.{node.attr}")
+                ("read_params", "schema")}:
+            hits.append(f"{where} {node.value.id}.{node.attr}")
+        elif id(node) in hashed:
+            continue
+        elif isinstance(node, ast.Attribute) and (node.attr, getattr(node.value, "id", None)) == ("PARAMS", "paths"):
+            hits.append(f"{where} paths.PARAMS")
         elif isinstance(node, ast.Constant) and node.value == "params.yaml" and id(node) not in named:
-            hits.append(f"{path.relative_to(root).as_posix()}:{node.lineno} 'params.yaml'")
+            hits.append(f"{where} 'params.yaml'")
     return sorted(hits)
 
 
@@ -94,7 +108,53 @@ def test_no_stage_reads_params_yaml_but_validate(stage):
 
 def test_the_params_check_finds_a_read(tmp_path):
     f = tmp_path / "stage.py"
-    f.write_text("from pipeline.config import schema\nfrom pipeline.store import paths\n"
-                 "params = schema.read_params(Path(paths.PARAMS))\nother = open('params.yaml')\n")
+    f.write_text("from pipeline.config import schema\nfrom pipeline.store import paths, provenance\n"
+                 "params = schema.read_params(Path(paths.PARAMS))\nother = open('params.yaml')\n"
+                 "same = provenance.sha256_file(Path(paths.PARAMS))\n")
     assert _reads_params_yaml(f, tmp_path) == ["stage.py:3 paths.PARAMS", "stage.py:3 schema.read_params",
                                                "stage.py:4 'params.yaml'"]
+
+
+def test_a_stage_started_by_hand_after_params_yaml_changed_is_refused(tmp_path, monkeypatch):
+    """graph.config: the validated config belongs to the params.yaml validate checked (its manifest's
+    params_sha256). Started by hand after an edit, a stage would run the old config: one line instead.
+    Under DVC (DVC_STAGE set) DVC decides, by values, whether validate re-runs."""
+    import json
+
+    from pipeline.errors import UserError
+    from pipeline.store import paths, provenance
+    (tmp_path / paths.PARAMS).write_text("probs: {}\n")
+    validated = {"probs": {"top_n": 3}, "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 0.9},
+                 "capture": {"kernels": "native"}}
+    paths.validated("probs", tmp_path).parent.mkdir(parents=True)
+    paths.validated("probs", tmp_path).write_text(json.dumps(validated))
+    manifest = {"facts": {"params_sha256": provenance.sha256_file(tmp_path / paths.PARAMS)}}
+    paths.manifest_path("validate", tmp_path).write_text(json.dumps(manifest))
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    cfg = graph.config("probs", tmp_path)
+    assert cfg.section("sampling").top_p == 0.9 and cfg.section("capture").kernels == "native"
+    with pytest.raises(AttributeError):
+        _ = cfg.section("capture").dtype             # not declared by probs: not there to read
+    (tmp_path / paths.PARAMS).write_text("probs: {}\n# edited\n")
+    with pytest.raises(UserError, match=r"^params.yaml has changed since the validate stage checked it: run "
+                                        r"`dvc repro`.*artifacts/validate/probs.json$"):
+        graph.config("probs", tmp_path)
+    monkeypatch.setenv("DVC_STAGE", "probs")
+    assert graph.config("probs", tmp_path).validated == validated
+
+
+def test_a_partial_section_crosses_to_another_process(tmp_path):
+    """Ray sends a stage's config sections to its workers by pickle; a partial section's class is made at
+    run time, so a fresh process (which never made it) must rebuild it from its section and values."""
+    import pickle
+    import subprocess
+
+    from pipeline.config import schema
+    part = schema.load_part({"capture": {"dtype": "bfloat16", "device": "cpu", "attn_implementation": "eager",
+                                         "kernels": "native"}}, "capture")
+    (tmp_path / "part.pkl").write_bytes(pickle.dumps(part))
+    code = ("import pickle, sys; p = pickle.loads(open(sys.argv[1], 'rb').read()); "
+            "print(type(p).__name__, p.dtype, p.kernels, hasattr(p, 'positions'))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "part.pkl")], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout.split()
+    assert out == ["CaptureConfigPart", "bfloat16", "native", "False"]
