@@ -25,6 +25,7 @@ from pipeline.model import input_attribution, loader
 from pipeline.model import logit_parts as parts
 from pipeline.model.capture import act_name
 from pipeline.numerics import logit_parts as lp
+from pipeline.numerics import parts_table
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
 
@@ -36,7 +37,8 @@ INPUTS_SCHEMA = pa.schema([pa.field(name, kind, nullable=False) for name, kind i
     ("target_position", pa.int32()), ("target_token_id", pa.int32()), ("source_position", pa.int32()),
     ("method", pa.string()), ("attribution", pa.float64()), ("logit_input", pa.float64()),
     ("logit_baseline", pa.float64()))])
-assert tuple(PARTS_SCHEMA.names) == lp.PARTS_COLUMNS and tuple(INPUTS_SCHEMA.names) == input_attribution.COLUMNS
+assert tuple(PARTS_SCHEMA.names) == parts_table.PARTS_COLUMNS
+assert tuple(INPUTS_SCHEMA.names) == input_attribution.COLUMNS
 
 
 def chosen(cfg: AttributionConfig, report_prompt: str | None, ids: list[str]) -> list[str]:

@@ -31,6 +31,7 @@ from torch import nn
 
 from pipeline.model.capture import act_name, decoder_layers, family, text_config
 from pipeline.numerics import logit_parts as lp
+from pipeline.numerics import parts_table
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 
@@ -233,7 +234,7 @@ def top_candidates(rec: Recorded, position: int, k: int) -> list[int]:
 def logit_parts(rec: Recorded, candidates: Mapping[int, Sequence[int]]) -> pd.DataFrame:
     """The parts table: per position and candidate token id, every part's contribution to its logit.
 
-    Columns `numerics.logit_parts.PARTS_COLUMNS`: `logit` is the model's own (its dtype, as float64),
+    Columns `numerics.parts_table.PARTS_COLUMNS`: `logit` is the model's own (its dtype, as float64),
     `logit_fp64` the FP64 recompute from the recorded final-norm output and the head (what the parts
     must add up to: `numerics.logit_parts.sum_check`), `bound` that check's bound for the candidate.
     """
@@ -263,4 +264,4 @@ def logit_parts(rec: Recorded, candidates: Mapping[int, Sequence[int]]) -> pd.Da
                 "head": pd.array([h for _, _, h in labels], dtype="Int64"),
                 "contribution": values[:, k].numpy(), "logit": float(rec.logits[p, t]),
                 "logit_fp64": float(fp64[k]), "bound": float(bound[k])}))
-    return pd.concat(frames, ignore_index=True)[list(lp.PARTS_COLUMNS)]
+    return pd.concat(frames, ignore_index=True)[list(parts_table.PARTS_COLUMNS)]

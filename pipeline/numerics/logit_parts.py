@@ -23,8 +23,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-PARTS_COLUMNS = ("position", "token_id", "component", "layer", "head", "contribution", "logit", "logit_fp64",
-                 "bound")
 # Matmuls in a lower dtype are assumed to accumulate in float32 (the CPU kernels do; on CUDA, torch's
 # allow_bf16_reduced_precision_reduction may reduce in bf16, beyond this bound).
 ACCUMULATE = torch.float32
@@ -131,24 +129,3 @@ def sum_check(parts: pd.DataFrame) -> Gap:
     (i,), measured, bound = worst(gap, torch.tensor(per["bound"].to_numpy()))
     position, token_id = per.index[i]
     return Gap(measured, bound, f"position {position}, token_id {token_id}", float(gap.max()))
-
-
-def top1_differences(parts: pd.DataFrame) -> pd.DataFrame:
-    """Per position, per other candidate: each component's contribution to the top-1 minus its
-    contribution to that candidate (top-1: the highest `logit`, ties by lower id). Columns
-    position, token_id (the other candidate), top1_id, component, layer, head, difference; per
-    (position, token_id) the differences sum to logit(top1) - logit(token), what decides the pick."""
-    out = []
-    for position, rows in parts.groupby("position", sort=True):
-        logits = rows.groupby("token_id")["logit"].first()
-        top1 = int(min(logits.index[logits == logits.max()]))
-        mine = rows[rows["token_id"] == top1].set_index("component")["contribution"]
-        for token_id, other in rows[rows["token_id"] != top1].groupby("token_id", sort=True):
-            diff = other[["component", "layer", "head"]].copy()
-            diff["difference"] = mine.loc[other["component"]].to_numpy() - other["contribution"].to_numpy()
-            diff.insert(0, "top1_id", top1)
-            diff.insert(0, "token_id", int(token_id))
-            diff.insert(0, "position", int(position))
-            out.append(diff)
-    columns = ["position", "token_id", "top1_id", "component", "layer", "head", "difference"]
-    return pd.concat(out, ignore_index=True)[columns] if out else pd.DataFrame(columns=columns)

@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline.errors import UserError
 from pipeline.model.names import act_name
+from pipeline.report import attribution as attribution_report
 from pipeline.report import conditions as run_conditions
 from pipeline.report import lens as lens_report
 from pipeline.report import overview, plots
@@ -57,6 +58,7 @@ class Inputs:
     vocab: dict[int, dict]             # token_id -> vocab.parquet row, for every id shown
     prompt_id: str = ""                # whose partitions these are
     lens: lens_report.LensInputs | None = None   # lens/ tables, None where the lens stage did not run
+    attribution: attribution_report.AttributionInputs | str = ""   # attribution/ tables, or why there are none
 
     @property
     def top_n(self) -> int:
@@ -130,9 +132,10 @@ def load(use: Use, prompt_id: str, root: Path | str = ".", prompts: overview.Set
         steps=read_parquet(use(paths.STEPS, prompt_id)).to_pylist(),
         trajectories=read_json(use(paths.TRAJECTORIES, prompt_id)),
         prompt_metrics=own(prompts.runs), checks=checks, probs_prompt_metrics=metrics, vocab={},
-        prompt_id=prompt_id, lens=lens_report.load(use, prompt_id, root))
+        prompt_id=prompt_id, lens=lens_report.load(use, prompt_id, root),
+        attribution=attribution_report.load(use, prompt_id, root))
     ids = set(inp.top_logit_ids()) | {r["token_id"] for r in inp.kept_top} | {r["token_id"] for r in inp.steps}
-    ids |= lens_report.token_ids(inp.lens)
+    ids |= lens_report.token_ids(inp.lens) | attribution_report.token_ids(inp.attribution)
     ids |= {c["token_id"] for t in summary["temperatures"] for c in t["top"]}
     rows = read_parquet(use(paths.VOCAB), filters=[("token_id", "in", sorted(ids))]).to_pylist()
     inp.vocab.update({r["token_id"]: r for r in rows})
@@ -145,6 +148,11 @@ def shown_positions(n: int) -> list[int | None]:
         return list(range(n))
     half = MAX_ROWS // 2
     return [*range(half), None, *range(n - half, n)]
+
+
+def pieces(inp: Inputs) -> list[str]:
+    """Each prompt position's text as it decodes alone (tokens.parquet's `text`)."""
+    return [r["text"] if r["text"] is not None else "" for r in inp.tokens]
 
 
 def token_text(inp: Inputs, token_id: int) -> str:
@@ -317,7 +325,7 @@ def repetition(rows: list[dict]) -> list[str]:
 
 
 def checks(inp: Inputs) -> list[str]:
-    out = ["## 10. Checks", ""]
+    out = ["## 11. Checks", ""]
     if inp.checks is None:
         return out + [f"`{src(paths.CHECKS)}` is missing: the checks stage has not run (`dvc repro checks`).", ""]
     if not inp.checks:
@@ -354,6 +362,7 @@ def draw(inp: Inputs, out: Callable[[str], Path], font: Fonts) -> dict[str, Figu
             plots.entropy_plot(out, inp.position, inp.logits, temps, font)]
     if inp.lens is not None:
         figs.append(lens_report.heatmap(out, inp.lens, font))
+    figs += attribution_report.draw(out, inp.attribution, pieces(inp), lambda i: token_text(inp, i), font)
     return {f.name: f for f in figs}
 
 
@@ -379,6 +388,8 @@ def render(inp: Inputs, figures: dict[str, Figure], font: Fonts, prompts: overvi
         lines += overview.section(prompts, inp.prompt_id, [figure(f) for f in set_figures])
     for part in (run_conditions.conditions(inp), tokens(inp), shapes(inp), coordinates(inp), top_logits(inp),
                  temperatures(inp, figures), filters(inp, figures), trajectories(inp),
-                 lens_report.section(inp.lens, lambda i: token_text(inp, i), figures), checks(inp)):
+                 lens_report.section(inp.lens, lambda i: token_text(inp, i), figures),
+                 attribution_report.section(inp.attribution, lambda i: token_text(inp, i), pieces(inp), figures),
+                 checks(inp)):
         lines += part
     return "\n".join(lines).rstrip("\n") + "\n"

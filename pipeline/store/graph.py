@@ -118,9 +118,10 @@ STAGES: tuple[Stage, ...] = (
                  _p(paths.PROBS_PROMPT_METRICS), _manifest("probs"), _p(paths.STEPS), _p(paths.TRAJECTORIES),
                  _p(paths.TRAJECTORY_PROMPT_METRICS), _manifest("trajectories"), _dir("lens"), _p(paths.CHECKS),
                  _manifest("checks"), _p(paths.EQUIVALENCE), _p(paths.VARIANT_LOGITS), _manifest("equivalence"),
-                 _manifest("attribution")),
+                 _manifest("attribution"), _p(paths.LOGIT_PARTS), _p(paths.INPUTS)),
           notes=((_manifest("validate"), "every stage's record: the report's Stages table"),
-                 (_manifest("attribution"), "its row of the Stages table (the report does not show its tables yet)"),
+                 (_manifest("attribution"), "its row of the Stages table, and the reason where the split does not apply"),
+                 (_p(paths.LOGIT_PARTS), "section 10, why this token (pipeline/report/attribution.py)"),
                  (_p(paths.EQUIVALENCE), "the matrix section (pipeline/report/equivalence.py)"),
                  (_p(paths.VARIANT_LOGITS), "the explorer's Equivalence panel"))),
 )

@@ -146,7 +146,7 @@ def test_report_of_a_set_lists_every_prompt_and_details_the_chosen_one(two_promp
     # the detail is the chosen prompt's: its partitions cited, its checks and the run-wide one, not the other's
     detail = md[md.index("## 1. "):]
     assert f"prompt_id={TWIN}/" in detail and f"prompt_id={pid}/" not in detail
-    checks = detail[detail.index("## 10. "):]
+    checks = detail[detail.index("## 11. "):]
     assert "3 checks: 2 pass, 1 fail" in checks and "run-wide" in checks and f"| {pid} |" not in checks
     # the figures across prompts, with both prompts' numbers
     for name in ("set_nucleus", "set_next_token", "set_loops"):

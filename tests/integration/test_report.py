@@ -53,6 +53,7 @@ def ws(tiny_chain, tmp_path_factory) -> Path:
     run_module("pipeline.tools.cli", ws, "compose", "capture.device=cpu", "model=tiny_qwen2",
                "sampling.max_new_tokens=6", check=True)
     run_module("stages.trajectories", ws, check=True)
+    run_module("stages.attribution", ws, check=True)
     _write_checks(ws)
     run_module("stages.report", ws, check=True)
     return ws
@@ -210,12 +211,12 @@ def test_coordinates_are_the_captured_bf16_values(ws, md):
 
 
 def test_checks_table_shows_every_verdict(md):
-    rows = {r["check"].strip("`"): r for r in tables(section(md, 10))[0]}     # names plainly, no JSON quotes
+    rows = {r["check"].strip("`"): r for r in tables(section(md, 11))[0]}     # names plainly, no JSON quotes
     assert set(rows) == {c["name"] for c in CHECKS}
     assert rows["fp32_sum_T1"]["verdict"] == "**FAIL**" and rows["fp32_sum_T1"]["severity"] == "report"
     assert rows["lm_head_recompute"]["verdict"] == "pass"
     assert rows["kv_cache_parity"]["measured"] == "-"          # NaN is shown as missing, not "nan"
-    assert "3 checks: 2 pass, 1 fail (0 of severity `error`)" in section(md, 10)
+    assert "3 checks: 2 pass, 1 fail (0 of severity `error`)" in section(md, 11)
 
 
 def test_title_names_the_runs_prompt_and_names_are_plain(ws, md):
@@ -259,7 +260,7 @@ def test_without_the_lens_stage_the_report_says_so(ws, tmp_path):
     run_module("stages.report", tmp_path, check=True)
     md = paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8")
     assert "`artifacts/lens/lens` is missing: the lens stage has not run" in section(md, 9)
-    assert "plots/lens.png" not in md and "3 checks: 2 pass" in section(md, 10)
+    assert "plots/lens.png" not in md and "3 checks: 2 pass" in section(md, 11)
 
 
 def test_lens_table_at_the_last_position_and_its_heatmap_data(ws, md):
@@ -280,6 +281,49 @@ def test_lens_table_at_the_last_position_and_its_heatmap_data(ws, md):
     assert data[0].startswith("layer,position,final_top1_id") and len(data) == 1 + len(summary)
 
 
+def test_why_this_token_shows_the_stored_parts_and_input_attribution(ws, md):
+    """Section 10, from logit_parts.parquet and inputs.parquet: the top-1's largest parts, its lead over the
+    runner-up part by part (summing to the two logits' difference), the per-layer figure's data and the IG
+    shares, each figure's CSV adding up to what the tables hold."""
+    import pandas as pd
+    text = section(md, 10)
+    parts = pd.read_parquet(part(paths.LOGIT_PARTS, ws))
+    inputs = pd.read_parquet(part(paths.INPUTS, ws))
+    logits = parts.groupby("token_id")["logit"].first()
+    top1, second = sorted(logits.index, key=lambda i: (-logits[i], i))[:2]
+    mine, other = (parts[parts.token_id == t].set_index("component")["contribution"] for t in (top1, second))
+    largest, lead, shares = tables(text)
+    assert text.startswith(f"## 10. Why this token (attribution)\n\nThe logit of the top-1, {top1} ")
+
+    def order(values) -> list:
+        return values.abs().sort_values(ascending=False, kind="stable").index[:10].tolist()
+    assert len(largest) == 10 and [r["component"].strip("`") for r in largest] == order(mine)
+    for r in largest:
+        assert float(r["contribution"]) == pytest.approx(mine[r["component"].strip("`")], rel=1e-5)
+    diff = mine - other
+    assert [r["component"].strip("`") for r in lead] == order(diff)
+    assert f"runner-up {second} " in text and f"{diff.sum():.6g} logits" in text
+    assert diff.sum() == pytest.approx(logits[top1] - logits[second], abs=2 * parts.bound.max())
+    ig = inputs[inputs.method == "integrated_gradients"].set_index("source_position")["attribution"]
+    assert [int(r["position"]) for r in shares] == order(ig)
+    layers = pd.read_csv(paths.stage_dir("report", ws) / "plots/attribution_layers.csv")
+    assert layers.contribution.sum() == pytest.approx(mine.sum(), rel=1e-12)
+    assert set(layers.kind) == {"embed", "attn", "mlp"} and (layers.token_id == top1).all()
+    shaded = pd.read_csv(paths.stage_dir("report", ws) / "plots/attribution_inputs.csv")
+    assert shaded.source_position.tolist() == sorted(ig.index) and shaded.integrated_gradients.tolist() == \
+        ig.sort_index().tolist()
+
+
+def test_without_the_attribution_stage_the_report_says_so(ws):
+    from pipeline.report import attribution
+    absent = attribution.load(lambda *a: None, "temperature_question", ws / "nowhere")
+    assert absent.startswith("`artifacts/attribution/logit_parts` is missing: the attribution stage has not run")
+    assert attribution.section(absent, str, [], {}) == ["## 10. Why this token (attribution)", "", absent, ""]
+    other = attribution.load(lambda *a: None, "another_prompt", ws)
+    assert other.startswith("The attribution stage did not attribute prompt `another_prompt` (it attributed "
+                            "`temperature_question`")
+
+
 # ---------------------------------------------------------------- form
 def test_every_table_cites_an_existing_artifact(ws, md):
     cited = re.findall(r"^source: (.+)$", md, flags=re.M)
@@ -294,13 +338,14 @@ def test_every_table_cites_an_existing_artifact(ws, md):
 
 def test_every_png_named_exists_and_is_a_real_image(ws, md):
     names = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
-    assert sorted(names) == ["plots/cumulative.png", "plots/entropy.png", "plots/lens.png", "plots/temperature_top.png"]
+    assert sorted(names) == ["plots/attribution_inputs.png", "plots/attribution_layers.png", "plots/cumulative.png",
+                             "plots/entropy.png", "plots/lens.png", "plots/temperature_top.png"]
     folder = paths.stage_dir("report", ws)
     for name in names:
         data = (folder / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE, name
         width, height = struct.unpack(">II", data[16:24])                 # IHDR
-        assert width >= 600 and height >= 300 and len(data) > 10_000, (name, width, height, len(data))
+        assert width >= 600 and height >= 200 and len(data) > 10_000, (name, width, height, len(data))
         assert b"Software" not in data and b"tIME" not in data           # nothing run-specific
     for data_file in re.findall(r"Data: `([^`]+)`", md):
         assert (folder / data_file).stat().st_size > 0
@@ -339,7 +384,7 @@ def test_without_checks_the_report_says_so(ws, tmp_path):
         (tmp_path / paths.ARTIFACTS / stage).symlink_to(paths.stage_dir(stage, ws).resolve())
     (tmp_path / paths.PARAMS).write_bytes((ws / paths.PARAMS).read_bytes())     # report.prompt_id
     run_module("stages.report", tmp_path, check=True)
-    text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 10)
+    text = section(paths.artifact(paths.REPORT, tmp_path).read_text(encoding="utf-8"), 11)
     assert "`artifacts/checks/checks.parquet` is missing" in text and not tables(text)
 
 

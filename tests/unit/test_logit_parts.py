@@ -20,6 +20,7 @@ from pipeline.model import logit_parts as parts
 from pipeline.model import tiny
 from pipeline.model.families import TINY_FAMILIES
 from pipeline.numerics import logit_parts as lp
+from pipeline.numerics import parts_table
 
 REPO = Path(__file__).resolve().parents[2]
 EOS = 151643
@@ -213,7 +214,7 @@ def test_mutants_fail_the_sum_check(mutant, family, dtype, ids, monkeypatch):
 def test_top1_minus_other_differences_add_up_to_the_logit_gap(ids):
     model = _model("qwen2", torch.float32)
     rec, table = _table(model, ids, positions=(4, T - 1))
-    diffs = lp.top1_differences(table)
+    diffs = parts_table.top1_differences(table)
     assert len(diffs) == 2 * (K - 1) * table["component"].nunique()
     for (position, token_id), d in diffs.groupby(["position", "token_id"]):
         logits = rec.logits[rec.positions.index(position)].double()
