@@ -192,6 +192,7 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
         "lens": lens,
         "equivalence": equivalence,
         "walk": explorer_walk.walk(inp, lens),
+        "why": explorer_walk.why_chart(inp),
     }
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.model.names import act_name
+from pipeline.numerics import parts_table
 from pipeline.store import paths
 
-STEPS = ("tokens", "embedding", "layers", "lm-head", "softmax", "temperature", "filter", "pick", "kv-cache",
+STEPS = ("tokens", "embedding", "layers", "lm-head", "why", "softmax", "temperature", "filter", "pick", "kv-cache",
          "repetition")
 SHOW_IDS = 12           # ids listed in a row
 
@@ -24,6 +25,73 @@ def _num(en: str, zh: str, value, source: str) -> dict:
 
 def _coords(v: np.ndarray) -> str:
     return "[" + ", ".join(f"{float(x):.4g}" for x in v) + ", …]"
+
+
+def _why(inp) -> list[dict]:
+    """The "why this token" step's numbers (the report's section 10 in brief); none where the attribution stage
+    did not attribute this prompt."""
+    attr = inp.attribution
+    if isinstance(attr, str) or not attr:
+        return []
+    pid = inp.prompt_id
+    parts_src, inputs_src = (paths.partition(i, pid).as_posix() for i in (paths.LOGIT_PARTS, paths.INPUTS))
+    out = []
+
+    def tok(i: int) -> str:
+        return f"{i} {(inp.vocab.get(i) or {}).get('text')!r}"
+    if not attr.parts.empty:
+        cands = attr.candidates()
+        mine = attr.parts[attr.parts["token_id"] == cands[0]]
+        big = mine.iloc[int(np.argmax(mine["contribution"].abs().to_numpy()))]
+        out += [_num(f"id {tok(cands[0])}: its logit as the sum of {len(mine)} parts",
+                     f"id {tok(cands[0])}：logit = {len(mine)} 个部分之和",
+                     f"{float(mine['contribution'].sum()):.4f} (model: {float(mine['logit'].iloc[0]):g})", parts_src),
+                _num("the largest part", "最大的部分", f"{big['component']}: {float(big['contribution']):+.4f}",
+                     parts_src)]
+        if len(cands) > 1:
+            lead = parts_table.top1_differences(attr.parts)
+            lead = lead[lead["token_id"] == cands[1]]
+            top = lead.iloc[int(np.argmax(lead["difference"].abs().to_numpy()))]
+            out += [_num(f"its lead over id {tok(cands[1])}, and the part that decides most",
+                         f"它领先 id {tok(cands[1])} 多少，以及贡献最大的部分",
+                         f"{float(lead['difference'].sum()):+.4f}; {top['component']}: {float(top['difference']):+.4f}",
+                         parts_src)]
+    elif attr.reason:
+        out.append(_num("logit parts", "logit 分解", attr.reason, parts_src))
+    ig = attr.inputs[attr.inputs["method"] == "integrated_gradients"]
+    if not ig.empty:
+        i = int(np.argmax(ig["attribution"].abs().to_numpy()))
+        pos = int(ig["source_position"].iloc[i])
+        text = inp.tokens[pos]["text"] if pos < len(inp.tokens) else ""
+        out.append(_num("the prompt token it depends on most (integrated gradients)",
+                        "它最依赖的提示词 token（积分梯度）",
+                        f"position {pos} {text!r}: {float(ig['attribution'].iloc[i]):+.4f}", inputs_src))
+    return out
+
+
+def why_chart(inp) -> dict | None:
+    """The why step's chart data: per layer the top-1's attention (and each head's) and MLP parts, the parts
+    outside a layer, and each prompt position's IG share; None without the attribution tables."""
+    attr = inp.attribution
+    if isinstance(attr, str) or not attr:
+        return None
+    chart = {"layers": [], "outside": [], "inputs": [], "top1": None}
+    if not attr.parts.empty:
+        top1 = attr.candidates()[0]
+        mine = attr.parts[attr.parts["token_id"] == top1]
+        chart["top1"] = top1
+        for layer, rows in mine[mine["layer"].notna()].groupby("layer", sort=True):
+            heads = rows[rows["head"].notna()].sort_values("head")
+            mlp = rows[rows["component"].str.endswith(".mlp")]
+            chart["layers"].append({"layer": int(layer), "attn": float(rows[~rows["component"].str.endswith(".mlp")]
+                                                                          ["contribution"].sum()),
+                                    "mlp": float(mlp["contribution"].sum()),
+                                    "heads": [float(v) for v in heads["contribution"]]})
+        outside = mine[mine["layer"].isna()]
+        chart["outside"] = [[c, float(v)] for c, v in zip(outside["component"], outside["contribution"])]
+    ig = attr.inputs[attr.inputs["method"] == "integrated_gradients"].sort_values("source_position")
+    chart["inputs"] = [float(v) for v in ig["attribution"]]
+    return chart
 
 
 def walk(inp, lens: dict | None) -> list[dict]:
@@ -68,6 +136,7 @@ def walk(inp, lens: dict | None) -> list[dict]:
                                      src["capture"] + " (final_norm_out)"))
     steps["lm-head"].append(_num("the highest logit (id)", "最高的 logit（id）",
                                  f"{float(inp.logits[top]):g} ({top})", src["logits"]))
+    steps["why"] = _why(inp)
     by_t = {t["temperature"]: t for t in inp.summary["temperatures"] if t["position"] == last}
     one = by_t.get(1.0) or next(iter(by_t.values()), None)
     if one:
@@ -104,7 +173,9 @@ def walk(inp, lens: dict | None) -> list[dict]:
             name = f"{m.get('branch')}{' (KV cache)' if m.get('kv_cache') else ''}"
             found = f"yes / 是: period {m.get('loop_period')}" if m["loop"] else "no / 否"
             steps["repetition"].append(_num(f"{name}: a loop?", f"{name}：是否出现循环？", found, src["metrics"]))
-    missing = {"layers": ("", ""), "softmax": ("no probability table at this position", "此位置没有概率表"),
+    missing = {"layers": ("", ""),
+               "why": ("the attribution stage has not run for this prompt", "本提示词没有运行 attribution 阶段"),
+               "softmax": ("no probability table at this position", "此位置没有概率表"),
                "pick": ("the trajectories stage has not run", "trajectories 阶段尚未运行"),
                "kv-cache": ("no KV-cache branch was run", "没有运行 KV 缓存分支"),
                "repetition": ("no loop figures recorded", "没有记录循环指标")}

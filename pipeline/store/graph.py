@@ -120,8 +120,8 @@ STAGES: tuple[Stage, ...] = (
                  _manifest("checks"), _p(paths.EQUIVALENCE), _p(paths.VARIANT_LOGITS), _manifest("equivalence"),
                  _manifest("attribution"), _p(paths.LOGIT_PARTS), _p(paths.INPUTS)),
           notes=((_manifest("validate"), "every stage's record: the report's Stages table"),
-                 (_manifest("attribution"), "its row of the Stages table, and the reason where the split does not apply"),
-                 (_p(paths.LOGIT_PARTS), "section 10, why this token (pipeline/report/attribution.py)"),
+                 (_manifest("attribution"), "its row of the Stages table; why the split does not apply"),
+                 (_p(paths.LOGIT_PARTS), "section 10 and the explorer's why step (report/attribution.py)"),
                  (_p(paths.EQUIVALENCE), "the matrix section (pipeline/report/equivalence.py)"),
                  (_p(paths.VARIANT_LOGITS), "the explorer's Equivalence panel"))),
 )

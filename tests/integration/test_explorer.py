@@ -48,7 +48,7 @@ def run(tiny_chain, tmp_path_factory):
     params["equivalence"].update(variations=EQ_VARIATIONS, exact=[], rederive=None)
     (ws / paths.PARAMS).write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
     run_module("stages.equivalence", ws, check=True)       # its own process: it pins the kernels before torch
-    run_chain(ws, ("checks", "report"))
+    run_chain(ws, ("attribution", "checks", "report"))
     return ws
 
 
@@ -288,6 +288,41 @@ def test_the_walk_shows_each_step_with_the_run_s_numbers_and_their_files_in_both
     kept = [n[0].split(",")[0] for n in en["filter"]["numbers"]]
     assert kept == [str(f["kept_count"]) for f in summary["filters"] if f["position"] == table.position.max()]
     assert driver.execute_script("return document.documentElement.lang") == "zh-Hans"
+
+
+def test_the_why_step_shows_the_stored_parts_by_layer_opening_per_head_and_the_prompt_shaded(run, driver):
+    """Step "why": a bar per layer for attention and MLP whose values are the top-1's parts in
+    logit_parts.parquet summed; a click opens the layer's heads (each head's own row); every prompt token
+    shaded, red where its integrated-gradients share is positive, blue where negative."""
+    _open(driver, run / "artifacts/report/explorer.html")
+    parts = pd.read_parquet(part(paths.LOGIT_PARTS, run))
+    logits = parts.groupby("token_id")["logit"].first()
+    top1 = sorted(logits.index, key=lambda i: (-logits[i], i))[0]
+    mine = parts[parts.token_id == top1]
+    rows = driver.find_elements("css selector", "#why-layers tr.why-layer")
+    assert [int(r.get_attribute("data-layer")) for r in rows] == sorted(mine.layer.dropna().astype(int).unique())
+    for r in rows:
+        layer = int(r.get_attribute("data-layer"))
+        bars = r.find_elements("css selector", ".why-bar")
+        attn, mlp = (float(b.get_attribute("title").split(": ")[1]) for b in bars)
+        here = mine[mine.layer == layer]
+        assert attn == pytest.approx(here[~here.component.str.endswith(".mlp")].contribution.sum(), rel=1e-12)
+        assert mlp == pytest.approx(here[here.component.str.endswith(".mlp")].contribution.sum(), rel=1e-12)
+    last = rows[-1]
+    layer = int(last.get_attribute("data-layer"))
+    heads = driver.find_elements("css selector", f"#why-layers tr.why-head[data-layer='{layer}']")
+    assert heads and not any(h.is_displayed() for h in heads)
+    last.click()
+    assert all(h.is_displayed() for h in heads)
+    shown = [float(h.find_element("css selector", ".why-bar").get_attribute("title").split(": ")[1]) for h in heads]
+    assert shown == mine[(mine.layer == layer) & mine["head"].notna()].sort_values("head").contribution.tolist()
+    ig = pd.read_parquet(part(paths.INPUTS, run))
+    ig = ig[ig.method == "integrated_gradients"].sort_values("source_position")
+    toks = driver.find_elements("css selector", "#why-inputs .why-tok")
+    assert len(toks) == len(pd.read_parquet(part(paths.TOKENS, run))) == len(ig)
+    for t, v in zip(toks, ig.attribution):
+        red = t.value_of_css_property("background-color").startswith("rgba(214, 96, 77")
+        assert red == (v >= 0), (t.get_attribute("title"), v)
 
 
 def test_at_projector_size_the_first_screen_shows_the_tokens_and_the_bars(run, driver, tmp_path):

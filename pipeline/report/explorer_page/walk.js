@@ -3,9 +3,9 @@
 const TEXT = {
   en: {
     title: {tokens: "1. Text → tokens", embedding: "2. Tokens → vectors (embedding)", layers: "3. The layers",
-      "lm-head": "4. Final norm and LM head → logits", softmax: "5. Logits → probabilities (softmax)",
-      temperature: "6. Temperature", filter: "7. top-k and top-p", pick: "8. The pick, and the loop",
-      "kv-cache": "9. The KV cache", repetition: "10. Repetition"},
+      "lm-head": "4. Final norm and LM head → logits", why: "5. Why this token?",
+      softmax: "6. Logits → probabilities (softmax)", temperature: "7. Temperature", filter: "8. top-k and top-p",
+      pick: "9. The pick, and the loop", "kv-cache": "10. The KV cache", repetition: "11. Repetition"},
     explain: {
       tokens: "The model never sees letters. A tokenizer cuts the text into pieces from a fixed vocabulary and " +
         "replaces each piece by its id. A Chinese character can be one piece, or be split into byte pieces.",
@@ -16,6 +16,10 @@ const TEXT = {
         "each position; RMSNorm keeps the scale in check. The logit lens shows what each layer would already predict.",
       "lm-head": "After the last layer and the final norm, the vector at the last position meets the LM head: one " +
         "row per vocabulary entry; the dot product with a row is that token's logit.",
+      why: "The last vector is a sum: the embedding plus what every attention head and every MLP added. With the " +
+        "final norm's scale frozen at its recorded value, the top token's logit splits exactly into one part per " +
+        "piece. The bars show each layer's parts (click a layer for its heads; red pushes the logit up, blue down); " +
+        "the prompt below is shaded by how much each token matters (integrated gradients). A share is not a cause.",
       softmax: "Softmax turns logits into probabilities: p = exp(logit − max) / (the sum over the whole " +
         "vocabulary). Computed in FP64, as recorded.",
       temperature: "Temperature divides the logits before the softmax: below 1 the top token gains, above 1 the " +
@@ -29,7 +33,8 @@ const TEXT = {
       repetition: "Greedy decoding can fall into a loop, repeating the same phrase. The run checks each branch.",
     },
     ui: {walk: "Step by step, on this run's numbers", source: "hover a number: the file it comes from",
-      tokens: "The prompt as tokens", run: "Run details", checks: "Checks", lens: "Logit lens",
+      tokens: "The prompt as tokens", run: "Run details", "why-layers": "Parts of the top token's logit, by layer",
+      "why-inputs": "The prompt, shaded by each token's share", attn: "attention", mlp: "MLP", head: "head", checks: "Checks", lens: "Logit lens",
       attention: "Attention", trajectories: "Trajectories", sample: "sample once", language: "language",
       next: "Next token:", temperature: "temperature", seed: "seed", drawn: "drawn:", kept: "kept:",
       "ids-mass": "ids, mass", rank: "rank", prob: "probability (FP64, before filtering; hover: full precision)",
@@ -40,8 +45,9 @@ const TEXT = {
   },
   zh: {
     title: {tokens: "1. 文本 → token", embedding: "2. token → 向量（嵌入）", layers: "3. 各层",
-      "lm-head": "4. 最终归一化与 LM head → logit", softmax: "5. logit → 概率（softmax）", temperature: "6. 温度",
-      filter: "7. top-k 与 top-p", pick: "8. 选词与循环", "kv-cache": "9. KV 缓存", repetition: "10. 重复"},
+      "lm-head": "4. 最终归一化与 LM head → logit", why: "5. 为什么是这个 token？",
+      softmax: "6. logit → 概率（softmax）", temperature: "7. 温度", filter: "8. top-k 与 top-p", pick: "9. 选词与循环",
+      "kv-cache": "10. KV 缓存", repetition: "11. 重复"},
     explain: {
       tokens: "模型看不到文字本身。分词器把文本切成固定词表里的片段（token），并把每个片段换成它的 id。" +
         "一个汉字可能是一个 token，也可能被拆成几个字节 token。",
@@ -50,6 +56,9 @@ const TEXT = {
         "然后前馈网络逐个位置变换；RMSNorm 控制数值尺度。logit lens 显示每一层已经会预测什么。",
       "lm-head": "经过最后一层和最终归一化之后，最后一个位置的向量进入 LM head：词表中每个 token 一行，" +
         "与某一行的点积就是该 token 的 logit。",
+      why: "最后的向量是一个和：嵌入，加上每个注意力头和每个 MLP 加进去的部分。把最终归一化的尺度固定在记录值上，" +
+        "最高 token 的 logit 就能精确地拆成每个部分的贡献。条形图显示每一层的贡献（点击一层查看各个注意力头；" +
+        "红色推高 logit，蓝色拉低）；下面的提示词按每个 token 的重要程度着色（积分梯度）。贡献大不等于因果。",
       softmax: "softmax 把 logit 变成概率：p = exp(logit − max) /（全词表之和）。这里用 FP64 计算，与记录一致。",
       temperature: "在 softmax 之前，logit 先除以温度：温度小于 1 时最高的 token 更突出，大于 1 时分布更平。" +
         "T = 0 表示贪心：总是选 logit 最高的。",
@@ -59,7 +68,8 @@ const TEXT = {
       repetition: "贪心解码可能陷入循环，不断重复同一句话。本次运行检查了每个分支。",
     },
     ui: {walk: "逐步讲解：本次运行的真实数字", source: "鼠标悬停在数字上：查看它来自哪个文件",
-      tokens: "提示词的 token", run: "运行详情", checks: "检查", lens: "Logit lens",
+      tokens: "提示词的 token", run: "运行详情", "why-layers": "最高 token 的 logit 按层分解",
+      "why-inputs": "提示词，按每个 token 的贡献着色", attn: "注意力", mlp: "MLP", head: "头", checks: "检查", lens: "Logit lens",
       attention: "注意力", trajectories: "生成轨迹", sample: "采样一次", language: "语言",
       next: "下一个 token：", temperature: "温度", seed: "随机种子", drawn: "抽到：", kept: "保留：",
       "ids-mass": "个 id，总概率", rank: "排名", prob: "概率（FP64，过滤之前；悬停显示完整精度）",
@@ -78,10 +88,59 @@ function walk() {
     }
     const sec = el("section", {"data-step": s.step, id: `step-${s.step}`, class: "step-section"},
       el("h2", {"data-step-title": s.step}), el("p", {class: "explain", "data-step-explain": s.step}), table);
+    if (s.step === "why" && D.why) sec.append(whyChart(D.why));
     if (s.missing) sec.append(el("p", {class: "note", "data-missing-en": s.missing.en,
                                        "data-missing-zh": s.missing.zh}, s.missing.en));
     box.append(sec);
   }
+}
+function signColor(v, span) {   // red up, blue down, white at 0 (the report's coolwarm, simplified)
+  const a = Math.min(1, Math.abs(v) / (span || 1));
+  const [r, g, b] = v >= 0 ? [214, 96, 77] : [67, 147, 195];
+  return `rgba(${r},${g},${b},${(0.15 + 0.85 * a).toFixed(3)})`;
+}
+function whyBar(v, span, label) {
+  const w = (50 * Math.abs(v) / (span || 1)).toFixed(2);
+  return el("div", {class: "why-bar", title: `${label}: ${v}`},
+    el("span", {class: v >= 0 ? "up" : "down", style: v >= 0 ? `left:50%;width:${w}%` : `right:50%;width:${w}%`}),
+    el("b", {}, (v >= 0 ? "+" : "") + v.toFixed(3)));
+}
+function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a layer opens per head) and the prompt
+  const box = el("div", {class: "why"});
+  if (w.layers.length) {
+    const span = Math.max(...w.layers.flatMap((l) => [Math.abs(l.attn), Math.abs(l.mlp), ...l.heads.map(Math.abs)]));
+    const table = el("table", {class: "why-layers", id: "why-layers"});
+    table.append(el("caption", {"data-ui": "why-layers"}));
+    for (const l of w.layers) {
+      const row = el("tr", {class: "why-layer", "data-layer": l.layer, tabindex: 0},
+        el("th", {}, `▸ ${l.layer}`), el("td", {"data-ui": "attn"}), el("td", {class: "barcell"}, whyBar(l.attn, span, "attn")),
+        el("td", {"data-ui": "mlp"}), el("td", {class: "barcell"}, whyBar(l.mlp, span, "mlp")));
+      const heads = l.heads.map((v, h) => el("tr", {class: "why-head", "data-layer": l.layer, hidden: ""},
+        el("th", {}, ""), el("td", {}, el("span", {"data-ui": "head"}), ` ${h}`),
+        el("td", {class: "barcell"}, whyBar(v, span, `head ${h}`)), el("td", {}), el("td", {})));
+      const toggle = () => {
+        const open = heads.length && heads[0].hidden;
+        heads.forEach((r) => { r.hidden = !open; });
+        row.firstChild.textContent = `${open ? "▾" : "▸"} ${l.layer}`;
+      };
+      row.addEventListener("click", toggle);
+      row.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); toggle(); } });
+      table.append(row, ...heads);
+    }
+    box.append(table);
+    if (w.outside.length) box.append(el("p", {class: "note"}, w.outside.map(([c, v]) => `${c}: ${v >= 0 ? "+" : ""}${v.toFixed(3)}`).join(" · ")));
+  }
+  if (w.inputs.length) {
+    const span = Math.max(...w.inputs.map(Math.abs));
+    const strip = el("div", {class: "why-inputs", id: "why-inputs"});
+    w.inputs.forEach((v, i) => {
+      const t = D.tokens[i] || {text: "", id: ""};
+      strip.append(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`,
+        title: `position ${i}, id ${t.id}: ${v}`}, t.text.replace(/\n/g, "⏎") || "␣"));
+    });
+    box.append(el("p", {class: "caption", "data-ui": "why-inputs"}), strip);
+  }
+  return box;
 }
 function setLanguage(lang) {
   const T = TEXT[lang] || TEXT.en;
