@@ -2,6 +2,7 @@
 sha256 compared (issue 45: the stage layer redesigned, the numbers untouched).
 
     python -m bench.same_bytes BEFORE AFTER [--model tiny_qwen2] [--set N] [--out FILE.json]
+                               [--work DIR [--only-before]]
 
 Each revision is cloned from this checkout into a temporary folder, composed with the same overrides
 (`--set N`: a set of N generated prompts, `capture.positions=last`) and run with `dvc repro`, this
@@ -41,6 +42,10 @@ def _sh(cwd: Path, *cmd: str) -> str:
 
 
 def run(rev: str, dest: Path, overrides: list[str], n_set: int) -> Path:
+    done = dest / ".same-bytes-done"
+    if done.exists() and done.read_text() == json.dumps([rev, overrides, n_set]):
+        return dest                 # made by an earlier call with --work (the same revision and config)
+    shutil.rmtree(dest, ignore_errors=True)
     _sh(ROOT, "git", "clone", "-q", "--no-checkout", str(ROOT), str(dest))
     _sh(dest, "git", "checkout", "-q", rev)
     if n_set:
@@ -51,6 +56,7 @@ def run(rev: str, dest: Path, overrides: list[str], n_set: int) -> Path:
         overrides = [*overrides, "prompt=concepts", "prompt.set=prompts/same_bytes.jsonl", "capture.positions=last"]
     _sh(dest, sys.executable, "-m", "pipeline.tools.cli", "compose", *overrides)
     _sh(dest, "dvc", "repro")
+    done.write_text(json.dumps([rev, overrides, n_set]))
     return dest
 
 
@@ -106,16 +112,25 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--strict", action="store_true", help="a file only the later revision writes fails too")
     ap.add_argument("--keep", action="store_true", help="keep the two clones")
+    ap.add_argument("--work", type=Path, help="keep the runs in this folder and reuse those it holds (the same "
+                                               "revision and config): BEFORE can be run ahead, with --only-before")
+    ap.add_argument("--only-before", action="store_true", help="run BEFORE and its control only (with --work)")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="nexttoken-same-bytes-"))
+    if args.only_before and not args.work:
+        ap.error("--only-before needs --work DIR (where the runs are kept for the comparison)")
+    tmp = args.work or Path(tempfile.mkdtemp(prefix="nexttoken-same-bytes-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         overrides = [f"model={args.model}", "capture.device=cpu"]
         before = run(args.before, tmp / "before", overrides, args.set)
         control = run(args.before, tmp / "control", overrides, args.set)
+        if args.only_before:
+            print(f"{args.before}: run twice in {tmp}")
+            return 0
         after = run(args.after, tmp / "after", overrides, args.set)
         res = compare(before, after, control)
     finally:
-        if not args.keep:
+        if not args.keep and not args.work:
             shutil.rmtree(tmp, ignore_errors=True)
     res.update(before=args.before, after=args.after, model=args.model, set=args.set)
     print(f"{args.model}{f', a set of {args.set}' if args.set else ''}: {args.before} -> {args.after}")
