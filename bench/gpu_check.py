@@ -6,8 +6,8 @@
 Needs only torch, transformers, tokenizers, safetensors, numpy, pyarrow and pandas (and what
 transformers itself imports): no Hydra, omegaconf, DVC, pydantic, psutil, accelerate or PyYAML,
 no network, no tokenizer and no prepared artifacts, from a plain checkout. It builds
-tiny_qwen2 from its seed (conf/model/tiny_qwen2.yaml, read by `read_conf`, a reader of the
-small YAML subset conf/ uses), saves it as the pipeline's prepare_model does and loads it with
+tiny_qwen2 from its seed (conf/model/tiny.yaml, tiny_qwen2's base, read by `read_conf`, a reader of
+the small YAML subset conf/ uses), saves it as the pipeline's prepare_model does and loads it with
 the pipeline's loader, feeds the article's 25 token ids (conf/prompt), and runs the library
 code the stages run: the capture, the layer-0 and LM-head recomputes, the residual adds, the
 plain forwards (transparent, repeatable), the FP64 table, both branches with and without the
@@ -42,7 +42,7 @@ from pipeline.model import capture, decode, loader, memory, tiny
 from pipeline.numerics import sampling
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = {"model": REPO / "conf/model/tiny_qwen2.yaml", "prompt": REPO / "conf/prompt/temperature_question.yaml",
+CONF = {"model": REPO / "conf/model/tiny.yaml", "prompt": REPO / "conf/prompt/temperature_question.yaml",
         "capture": REPO / "conf/capture/default.yaml", "sampling": REPO / "conf/sampling/reference.yaml",
         "checks": REPO / "conf/checks/default.yaml", "probs": REPO / "conf/probs/default.yaml"}
 # Qwen2.5 base's <|endoftext|>, which prepare_model makes tiny_qwen2's eos from the tokenizer

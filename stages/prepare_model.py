@@ -10,14 +10,14 @@ STAGE = "prepare_model"
 
 def work(cfg: graph.StageConfig) -> None:
     model = cfg.section("model")
-    from pipeline.model import snapshot
+    from pipeline.model import sources
     with stage_run(STAGE, cfg.recorded) as run:
-        record = snapshot.prepare(model.source, run.staging, trust_remote_code=model.trust_remote_code,
-                                  progress=True)
+        record = sources.prepare(model.source, run.staging, trust_remote_code=model.trust_remote_code,
+                                 progress=True)
         record = {"name": model.name, "trust_remote_code": model.trust_remote_code, **record}
         run.model = record
-        if model.source.seed is not None:
-            run.seeds["init"] = model.source.seed
+        if record["seed"] is not None:        # a seeded toy's init
+            run.seeds["init"] = record["seed"]
         run.write_json(paths.SOURCE[1], record)
 
 

@@ -52,7 +52,7 @@ def local_folder_exists(source: schema.SourceConfig, root: Path) -> None:
     """kind=local: `model.source.path` must name an existing folder (absolute, or relative to the repository
     root), refused here in one line as the validate stage words it; what is in the folder (config.json,
     safetensors, tokenizer, a family that can be captured) the validate stage decides."""
-    if source.kind != "local":
+    if not isinstance(source, schema.LocalSource):
         return
     folder = (Path(root) / Path(source.path).expanduser()).resolve()
     if not folder.is_dir():

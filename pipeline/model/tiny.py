@@ -1,7 +1,8 @@
-"""The seeded toy Qwen2 (`model=tiny_qwen2`): its weights from the architecture and the seed alone.
+"""Seeded toys (`model.source.kind=tiny`): a model's weights from its family, sizes and seed alone.
 
-Imports only torch and transformers, so `bench/gpu_check.py` builds the very model the
-pipeline prepares (`snapshot` saves it with the tokenizer) on a machine that has nothing else.
+Family qwen2 (`model=tiny_qwen2`, the tests' model) is `build`. Imports only torch and transformers,
+so `bench/gpu_check.py` builds the very model the pipeline prepares (`sources.Tiny` saves it with the
+tokenizer) on a machine that has nothing else.
 """
 
 from __future__ import annotations

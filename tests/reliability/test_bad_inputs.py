@@ -35,7 +35,7 @@ from pipeline.model import capture, lens, loader, trajectories
 from pipeline.numerics import probs
 from pipeline.store import paths, provenance
 from tests.conftest import REPO, copy_ws, run_module, snapshot
-from tests.helpers import validated
+from tests.helpers import conf, validated
 from tests.reliability.conftest import one_line_error, python_env
 
 DOC = REPO / "docs" / "bad_inputs.md"
@@ -47,8 +47,7 @@ def base_params() -> dict:
     """conf/ with model=tiny_qwen2, read from the YAML files (test_base_is_the_composition checks it)."""
     defaults = yaml.safe_load((REPO / "conf/config.yaml").read_text())["defaults"]
     groups = {k: v for d in defaults if isinstance(d, dict) for k, v in d.items()} | {"model": "tiny_qwen2"}
-    return {g: yaml.safe_load((REPO / "conf" / g / f"{o}.yaml").read_text(encoding="utf-8"))
-            for g, o in groups.items()}
+    return {g: conf.option(g, o) for g, o in groups.items()}
 
 
 def set_key(params: dict, key: str, value: Any) -> dict:
@@ -134,7 +133,7 @@ def _missing(key: str) -> Case:
 
 
 HUB = {"model.source.kind": "hub", "model.source.package": None, "model.source.pip": None,
-       "model.source.seed": None, "model.source.architecture": None}
+       "model.source.seed": None, "model.source.architecture": None, "model.source.family": None}
 
 
 def range_cases() -> list[Case]:
@@ -153,6 +152,7 @@ def range_cases() -> list[Case]:
         _r(f"{arch}.head_dim", 16, "key"),
         _missing(f"{arch}.vocab_size"),
         _r("model.source.package", None),
+        _r("model.source.hub_id", "o/n", "key", label=" (kind=tiny: a key of kind=hub)"),
         _r("model.source.kind", "hub", shown=None, shown_key="model.source.hub_id", label=" (no hub_id)",
            **{k.replace(".", "__"): v for k, v in HUB.items() if k != "model.source.kind"}),
         *[_r("model.source.hub_id", p, "path", label=" (kind=hub)", **{k.replace(".", "__"): v for k, v in HUB.items()})
@@ -560,7 +560,8 @@ class Run:
 
 
 LOCAL = {"model.source.kind": "local", "model.source.path": "no/such/dir", "model.source.package": None,
-         "model.source.pip": None, "model.source.seed": None, "model.source.architecture": None}
+         "model.source.pip": None, "model.source.seed": None, "model.source.architecture": None,
+         "model.source.family": None}
 
 
 def _folder(files: dict[str, str]):

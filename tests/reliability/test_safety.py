@@ -24,14 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from pipeline.config import schema
 from pipeline.errors import UserError
-from pipeline.model import loader, snapshot
+from pipeline.model import loader, sources
 from pipeline.store import paths
 from tests.conftest import REPO, make_workspace
-from tests.helpers import validated
+from tests.helpers import conf, validated
 from tests.reliability.conftest import python_env
 
 CODE = sorted([*(REPO / "pipeline").rglob("*.py"), *(REPO / "stages").glob("*.py")])
@@ -58,7 +57,7 @@ def _is_true(node) -> bool:
 # ---------------------------------------------------------------- trust_remote_code
 def test_trust_remote_code_is_off_in_every_model_config():
     for path in sorted((REPO / "conf/model").glob("*.yaml")):
-        assert yaml.safe_load(path.read_text())["trust_remote_code"] is False, path.name
+        assert conf.option("model", path.stem)["trust_remote_code"] is False, path.name
     assert schema.ModelConfig.model_fields["trust_remote_code"].default is False
 
 
@@ -127,7 +126,7 @@ def test_a_local_hub_model_without_safetensors_is_refused(tmp_path, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(UserError, match=r"no \*\.safetensors weights .*never pickle"):
-        snapshot.prepare(_hub("models/pickled"), out, False, False)
+        sources.prepare(_hub("models/pickled"), out, False, False)
 
 
 def test_prepared_snapshots_hold_no_pickle(chain_ws):
@@ -147,11 +146,11 @@ def test_local_model_directory_outside_the_repository_is_refused(chain_ws, tmp_p
         out = tmp_path / f"out-{abs(hash(hub_id))}"
         out.mkdir()
         with pytest.raises(UserError, match=r"model\.source\.hub_id=.* is not allowed: .*inside the repository"):
-            snapshot.prepare(_hub(hub_id), out, False, False)
+            sources.prepare(_hub(hub_id), out, False, False)
     shutil.copytree(outside, repo / "models/inside")                  # the control: inside, it works
     out = tmp_path / "out-inside"
     out.mkdir()
-    record = snapshot.prepare(_hub("models/inside"), out, False, False)
+    record = sources.prepare(_hub("models/inside"), out, False, False)
     assert record["snapshot_dir"] == str((repo / "models/inside").resolve())
 
 
@@ -207,10 +206,10 @@ def test_hub_model_is_looked_up_in_the_cache_only_unless_allowed(tmp_path, monke
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.chdir(tmp_path)
     source = _hub("Qwen/Qwen2.5-7B", revision="main")
-    monkeypatch.delenv(snapshot.ALLOW_DOWNLOAD_ENV, raising=False)
+    monkeypatch.delenv(sources.ALLOW_DOWNLOAD_ENV, raising=False)
     with pytest.raises(UserError, match="downloads are off"):
-        snapshot.prepare(source, tmp_path, False, False)
-    monkeypatch.setenv(snapshot.ALLOW_DOWNLOAD_ENV, "1")
+        sources.prepare(source, tmp_path, False, False)
+    monkeypatch.setenv(sources.ALLOW_DOWNLOAD_ENV, "1")
     with pytest.raises(UserError, match="could not be reached"):
-        snapshot.prepare(source, tmp_path, False, False)
+        sources.prepare(source, tmp_path, False, False)
     assert seen == [True, False]

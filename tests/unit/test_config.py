@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from pipeline.config import compose, schema
 from pipeline.errors import UserError
 from pipeline.tools import cli
+from tests.helpers import conf
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
@@ -37,7 +38,7 @@ def test_every_group_option_composes_and_validates(tmp_path, group, option):
     for section in schema.SECTIONS:
         assert schema.load_section(params, section) is not None
     if not supplied:
-        assert params[group] == yaml.safe_load((REPO / "conf" / group / f"{option}.yaml").read_text())
+        assert params[group] == conf.option(group, option)     # the file, over the option it extends
         return
     for key, value in supplied.items():
         node = params
@@ -115,7 +116,7 @@ def test_a_key_conf_does_not_set_is_added_with_plus(tmp_path, monkeypatch):
     """What Hydra (and so `dvc exp run -S`) says about a key conf/ lacks, in one line naming `+`."""
     conf = tmp_path / "conf"
     shutil.copytree(REPO / "conf", conf)
-    model = conf / "model/tiny_qwen2.yaml"
+    model = conf / "model/tiny.yaml"          # tiny_qwen2 extends it
     model.write_text(model.read_text().replace("reference_figures: null", ""))
     with pytest.raises(UserError, match=r"^model.reference_figures='seed_article' is not allowed: a key conf/ "
                                         r"sets; add one it does not set as \+model.reference_figures=seed_article$"):
@@ -171,19 +172,45 @@ def test_subset_takes_exactly_the_named_keys():
 
 
 def _tiny_source(**changes) -> dict:
-    return {**yaml.safe_load((REPO / "conf/model/tiny_qwen2.yaml").read_text())["source"], **changes}
+    return {**conf.option("model", "tiny_qwen2")["source"], **changes}
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"kind": "onnx"}, r"model\.source\.kind='onnx'.*gguf_package, tiny_qwen2, tiny, local, hub"),
-    ({"seed": None}, r"model\.source\.seed=None is not allowed: a value \(kind=tiny_qwen2 needs"),
+    ({"kind": "onnx"}, r"^model\.source\.kind='onnx' is not allowed: one of gguf_package, tiny, local, hub$"),
+    ({"kind": None}, r"^model\.source\.kind=None is not allowed: one of gguf_package, tiny, local, hub$"),
+    ({"seed": None}, r"^model\.source\.seed=None is not allowed: an integer >= 0$"),
     ({"seed": True}, "model.source.seed=True"),
     ({"architecture": {"hidden_size": 64}}, "model.source.architecture.intermediate_size is missing"),
     ({"pip": None}, "model.source.pip=None"),
+    ({"family": None}, r"^model\.source\.family=None is not allowed: a non-empty string$"),
+    # a key of another kind: null is dropped, a value would be ignored, so it is refused, naming both kinds
+    ({"path": "models/mine"}, r"^model\.source\.path='models/mine' is not allowed: null with kind=tiny, which "
+                              r"does not read it \(a key of kind=local; kind=tiny reads architecture, family, "),
+    ({"revision": "v1"}, r"^model\.source\.revision='v1' is not allowed: null with kind=tiny, .* kind=hub;"),
+    ({"nope": 1}, r"^model\.source\.nope=1 is not allowed: a known key: architecture, family, files, kind, package"),
 ])
 def test_bad_sources_are_named(changes, match):
     with pytest.raises(UserError, match=match):
         schema.parse(schema.SourceConfig, _tiny_source(**changes), "model.source")
+    raw = {**conf.option("model", "tiny_qwen2"), "source": _tiny_source(**changes)}
+    with pytest.raises(UserError, match=match):          # the same line through the section, as validate reads it
+        schema.parse(schema.ModelConfig, raw, "model")
+
+
+def test_each_kind_takes_its_own_keys_and_null_for_the_others():
+    """model.source is one class per kind; tiny_qwen2 is `tiny` with family qwen2. Another kind's key given
+    as null (conf/model/*.yaml write them all) is dropped, so switching kind by overrides keeps working."""
+    tiny = schema.parse(schema.SourceConfig, _tiny_source(), "model.source")
+    assert type(tiny) is schema.TinySource and (tiny.kind, tiny.family) == ("tiny", "qwen2")
+    assert not hasattr(tiny, "hub_id") and not hasattr(tiny, "path")
+    nulls = dict.fromkeys(("package", "pip", "seed", "architecture", "family"))
+    hub = schema.parse(schema.SourceConfig, _tiny_source(kind="hub", hub_id="o/n", **nulls), "model.source")
+    assert type(hub) is schema.HubSource and (hub.hub_id, hub.revision, hub.files) == \
+        ("o/n", None, "conf/model/tiny_qwen2.yaml")
+    local = schema.parse(schema.SourceConfig, {"kind": "local", "path": "models/mine", "hub_id": None},
+                         "model.source")
+    assert type(local) is schema.LocalSource and local.path == "models/mine" and not hasattr(local, "hub_id")
+    assert schema.known_keys("model.source") == sorted(schema.SOURCE_KEYS)
 
 
 def test_sections_are_frozen_copies():

@@ -4,23 +4,21 @@ integrated gradients and input x gradient per prompt token, and the completeness
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from pipeline.model import input_attribution as ia
 from pipeline.model import tiny
+from tests.helpers import conf
 
-REPO = Path(__file__).resolve().parents[2]
 T = 10
 
 
 @functools.cache
 def _tiny_qwen2():
-    src = yaml.safe_load((REPO / "conf" / "model" / "tiny_qwen2.yaml").read_text())["source"]
+    src = conf.option("model", "tiny_qwen2")["source"]
     return tiny.build(dict(src["architecture"]), src["seed"], 151643).eval()
 
 
@@ -95,7 +93,7 @@ def test_bad_inputs_are_named(ids):
     model = _tiny_qwen2()
     with pytest.raises(ValueError, match=f"target position {T}: must be in"):
         ia.attribute(model, ids, [(T, 0)])
-    bf16 = tiny.build(dict(yaml.safe_load((REPO / "conf/model/tiny_qwen2.yaml").read_text())["source"]
-                           ["architecture"]), 1, 151643).to(torch.bfloat16)
+    bf16 = tiny.build(dict(conf.option("model", "tiny_qwen2")["source"]["architecture"]), 1,
+                      151643).to(torch.bfloat16)
     with pytest.raises(ValueError, match="input attribution runs in float32; the model is torch.bfloat16"):
         ia.attribute(bf16, ids, [(T - 1, 0)])

