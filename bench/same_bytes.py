@@ -10,7 +10,9 @@ interpreter's environment first on PATH. Data files are compared byte for byte; 
 when, where and by which code a stage ran) are compared field by field, and the fields that differ are
 listed. The report and the explorer pages show each stage's run facts (created, duration, commit), so
 they differ between any two runs: BEFORE is run twice (the control), and a file that differs between
-those two runs is listed apart, with the lines of text that differ between BEFORE and AFTER. Exit
+those two runs is listed apart, with the lines of text that differ between BEFORE and AFTER. A Parquet
+file whose table (schema and every value) is equal and whose metadata differs is listed apart too, with the
+metadata keys that differ (a change that renames what the run records, e.g. the source kind). Exit
 status 1 when any other file differs or exists at one revision only (a file the later revision adds is
 listed, and counts only with --strict).
 """
@@ -83,16 +85,40 @@ def _changed_lines(a: Path, b: Path, limit: int = 6) -> list[str]:
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
+def _flat(d, prefix: str = "") -> dict:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    return {k: v for key, value in d.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def parquet_metadata_only(a: Path, b: Path) -> list[str] | None:
+    """The metadata keys two Parquet files differ in when their tables (schema and every value) are equal;
+    None when the tables differ or either is no Parquet file."""
+    if a.suffix != ".parquet":
+        return None
+    import pyarrow.parquet as pq
+    ta, tb = pq.read_table(a), pq.read_table(b)
+    if not ta.equals(tb, check_metadata=False):
+        return None
+    ma, mb = ({k.decode(): json.loads(v) for k, v in (t.schema.metadata or {}).items()} for t in (ta, tb))
+    fa, fb = _flat(ma), _flat(mb)
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+
+
 def compare(before: Path, after: Path, control: Path | None = None) -> dict:
     fa, fb = files(before), files(after)
     fc = files(control) if control else fa
     data = [k for k in sorted(set(fa) | set(fb)) if not k.endswith("/manifest.json")]
-    res = {"same": [], "differ": [], "only_before": [], "only_after": [], "run_facts": {}, "manifest_fields": {}}
+    res = {"same": [], "differ": [], "only_before": [], "only_after": [], "run_facts": {}, "manifest_fields": {},
+           "metadata_only": {}}
     for k in data:
         key = "same" if fa.get(k) == fb.get(k) else "only_before" if k not in fb else \
             "only_after" if k not in fa else "differ"
         if key == "differ" and fc.get(k) != fa.get(k):          # differs from run to run at the same code
             res["run_facts"][k] = _changed_lines(before / k, after / k)
+            continue
+        if key == "differ" and (keys := parquet_metadata_only(before / k, after / k)) is not None:
+            res["metadata_only"][k] = keys         # every value equal: only what the file says of its run differs
             continue
         res[key].append(k)
     for k in sorted(set(fa) & set(fb)):
@@ -139,6 +165,9 @@ def main() -> int:
     for key in ("differ", "only_before", "only_after"):
         for k in res[key]:
             print(f"  {key}: {k}")
+    meta = sorted({f for v in res["metadata_only"].values() for f in v})
+    print(f"  Parquet files with every value equal and metadata that differs: {len(res['metadata_only'])} "
+          f"(keys: {', '.join(meta) or 'none'})")
     print(f"  files that differ between two runs of {args.before} too (they show run facts): {len(res['run_facts'])}")
     for k, lines in res["run_facts"].items():
         print(f"    {k}: " + " | ".join(lines))
