@@ -20,12 +20,13 @@ def work(cfg: graph.StageConfig) -> None:
     cap = cfg.section("capture")
     from pipeline.checks import attribution as checks
     from pipeline.checks import verdicts
-    from pipeline.model import attribution, loader
+    from pipeline.model import loader
+    from pipeline.record import attribution as recording
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
     with stage_run(STAGE, cfg.recorded) as run:
-        done = attribution.record(run, cfg.section("model"), cap, cfg.section("attribution"),
-                                  cfg.section("report").prompt_id)
-        results = checks.record(run, done)
+        done = recording.record(run, cfg.section("model"), cap, cfg.section("attribution"),
+                                cfg.section("report").prompt_id)
+        results = recording.record_checks(run, done)
         run.facts = {**run.facts, **verdicts.summary(results)}
     print(checks.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails

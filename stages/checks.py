@@ -21,9 +21,10 @@ STAGE = "checks"
 
 def work(cfg: graph.StageConfig) -> None:
     from pipeline.checks import stage, verdicts
+    from pipeline.record import checks
     stage.sections(cfg.recorded)                       # a bad name fails before any work
     with stage_run(STAGE, cfg.recorded) as run:
-        results = stage.record(run, cfg.recorded, cfg.executor())
+        results = checks.record(run, cfg.recorded, cfg.executor())
     print(stage.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails
         print(f"nexttoken {STAGE}: error checks failed: {failed} "

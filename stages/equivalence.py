@@ -18,10 +18,10 @@ def work(cfg: graph.StageConfig) -> None:
     cap, eq = cfg.section("capture"), cfg.section("equivalence")
     from pipeline.checks import equivalence as checks
     from pipeline.checks import verdicts
-    from pipeline.equivalence import matrix
+    from pipeline.record import equivalence as recording
     with stage_run(STAGE, cfg.recorded) as run:
-        m = matrix.record(run, cap, eq, cfg.section("report").prompt_id, cfg.section("model").trust_remote_code)
-        results = checks.record(run, m, eq)
+        m = recording.record(run, cap, eq, cfg.section("report").prompt_id, cfg.section("model").trust_remote_code)
+        results = recording.record_checks(run, m, eq)
         run.facts = {**m.facts(), **verdicts.summary(results)}      # after the tables (see Matrix.facts)
     print(checks.summary_text(results))
     if failed := verdicts.failed_line(results):   # after the commit: the results stay, the run fails

@@ -10,9 +10,10 @@ STAGE = "forward"
 
 def work(cfg: graph.StageConfig) -> None:
     from pipeline.model import forward
+    from pipeline.record import forward as recording
     plan = forward.plan(cfg.section("capture"), paths.stage_dir("prepare_model"))   # every check before any load
     with stage_run(STAGE, cfg.recorded) as run:
-        forward.record(run, plan, cfg.section("model").trust_remote_code, cfg.executor())
+        recording.record(run, plan, cfg.section("model").trust_remote_code, cfg.executor())
 
 
 main = entry(STAGE, work)

@@ -10,7 +10,8 @@ STAGE = "lens"
 
 def work(cfg: graph.StageConfig) -> None:
     cap = cfg.section("capture")
-    from pipeline.model import lens, loader
+    from pipeline.model import loader
+    from pipeline.record import lens
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
     with stage_run(STAGE, cfg.recorded) as run:
         lens.record(run, cfg.section("model"), cap, cfg.section("lens"), cfg.executor())

@@ -12,10 +12,10 @@ STAGE = "logits"
 
 
 def work(cfg: None) -> None:
-    from pipeline.model import logits_table
+    from pipeline.record import logits
     with stage_run(STAGE, {}) as run:
         run.with_torch = False        # no torch here: the manifest records no kernel path
-        logits_table.record(run)
+        logits.record(run)
 
 
 main = entry(STAGE, work)

@@ -11,9 +11,10 @@ STAGE = "probs"
 def work(cfg: graph.StageConfig) -> None:
     probs_cfg, sampling = cfg.section("probs"), cfg.section("sampling")
     from pipeline.numerics import probs
+    from pipeline.record import probs as recording
     probs.filters(probs_cfg, sampling)                  # a bad value fails before any work
     with stage_run(STAGE, cfg.recorded) as run:
-        probs.record(run, probs_cfg, sampling, cfg.executor())
+        recording.record(run, probs_cfg, sampling, cfg.executor())
 
 
 main = entry(STAGE, work)

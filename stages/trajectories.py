@@ -10,7 +10,8 @@ STAGE = "trajectories"
 
 def work(cfg: graph.StageConfig) -> None:
     cap = cfg.section("capture")
-    from pipeline.model import loader, trajectories
+    from pipeline.model import loader
+    from pipeline.record import trajectories
     loader.resolve_device(cap.device)                   # a missing GPU fails before any work
     with stage_run(STAGE, cfg.recorded) as run:
         trajectories.record(run, cfg.section("model"), cap, cfg.section("sampling"), cfg.executor())

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import math
 
-from pipeline.checks.verdicts import Check, summary, to_table
+from pipeline.checks.verdicts import Check, summary
 from pipeline.model import input_attribution
 from pipeline.numerics import logit_parts as lp
-from pipeline.store import paths
-from pipeline.store.artifacts import StageRun, read_parquet
+from pipeline.store.artifacts import read_parquet
 
 SUM_WHAT = ("per candidate, the FP64 sum of its logit parts vs its logit recomputed in FP64 from the recorded "
             "final-norm output and the LM head: worst |difference|, tolerance the dtype-derived bound there")
@@ -73,17 +72,6 @@ def completeness_check(inputs_path) -> Check:
                  "report", f"target position {int(r.target_position)}, token_id {int(r.target_token_id)}: IG sum "
                  f"{r.ig_sum:.6g} vs logit difference {r.difference:.6g} (gap {r.gap:.3g}); "
                  f"{int(per['within'].sum())} of {len(per)} targets within")
-
-
-def record(stage: StageRun, done: dict) -> list[Check]:
-    """Every chosen prompt's checks (`done`: pipeline.model.attribution.record's results) -> checks.parquet."""
-    results = []
-    for pid, one in done.items():
-        mine = [*parts_checks(stage.out(paths.LOGIT_PARTS[1], pid), one.residual, one.capture, one.not_applicable),
-                completeness_check(stage.out(paths.INPUTS[1], pid))]
-        results += [Check(c.name, c.what, c.measured, c.tolerance, c.severity, c.detail, prompt_id=pid) for c in mine]
-    stage.write_parquet(paths.ATTRIBUTION_CHECKS[1], to_table(results))
-    return results
 
 
 def summary_text(results: list[Check]) -> str:

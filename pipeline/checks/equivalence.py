@@ -25,10 +25,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from pipeline.checks.verdicts import Check, summary, to_table
+from pipeline.checks.verdicts import Check, summary
 from pipeline.config.schema import EquivalenceConfig
-from pipeline.store import paths
-from pipeline.store.artifacts import StageRun
 
 TOLERANCE = 1e-9      # figures by two FP64 code paths: summation order only
 
@@ -168,11 +166,12 @@ def rederived(matrix, cfg: EquivalenceConfig) -> list[Check]:
     return out
 
 
-def record(stage: StageRun, matrix, cfg: EquivalenceConfig) -> list[Check]:
+def all_checks(matrix, cfg: EquivalenceConfig) -> list[Check]:
+    """Every check on the matrix (`pipeline.equivalence.matrix.Matrix`): the re-derived rows, then each prompt's
+    row checks."""
     results = rederived(matrix, cfg)
     for pid, (_, rows) in matrix.prompts.items():
         results += [replace(c, prompt_id=pid) for c in row_checks(rows, cfg.exact)]
-    stage.write_parquet(paths.EQUIVALENCE_CHECKS[1], to_table(results))
     return results
 
 

@@ -1,24 +1,24 @@
 """The checks stage's whole computation, shared by `python -m stages.checks`, `nexttoken audit` and `verify`.
 
 `compute` loads the stored artifacts (through `use`, which records each input), the stored
-model and tokenizer, and runs every check; it writes nothing. `record` writes the results
-into a `StageRun` (the stage, and `nexttoken verify` re-running a past run); the audit
-compares them with the stored verdicts.
+model and tokenizer (`Checker`), and runs every check; it writes nothing. The stage's recording
+(`pipeline.record.checks`: the same `Checker` per prompt, here or on Ray workers, and the results
+written into the run) is the stage's and `nexttoken verify`'s; the audit compares `compute`'s
+results with the stored verdicts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.checks import lens, reference, suite, verdicts
 from pipeline.config import prompt_set, schema
-from pipeline.executor.work import LoadsInSetup
 from pipeline.model import loader
-from pipeline.store import paths, provenance
-from pipeline.store.artifacts import StageRun, read_json
+from pipeline.store import paths
+from pipeline.store.artifacts import read_json
 
 SECTIONS = ("model", "prompt", "capture", "probs", "sampling", "checks")
 
@@ -62,19 +62,18 @@ def compute(params: dict, use: Callable[..., Path], root: Path | str = ".",
     run (its tokenize partitions) that `checked_prompts` picks is checked in turn, inside
     `timed(prompt_id)` (StageRun.timed); one model load.
     """
-    work, source, prompt_ids = prepare(params, use, root)
-    work.setup()
-    reader = _Reader(use)
+    source, prompt_ids = prepare(params, use, root)
+    checker = Checker(params, str(Path(root).resolve()), source)
     done = []
     for pid in prompt_ids:
         with timed(pid):
-            done.append(work.run(reader, pid))
+            done.append(checker.run(use, pid))
     return finish(done, source, root)
 
 
-def prepare(params: dict, use: Callable[..., Path], root: Path | str) -> tuple[ChecksWork, dict, list[str]]:
+def prepare(params: dict, use: Callable[..., Path], root: Path | str) -> tuple[dict, list[str]]:
     """The set-level inputs recorded and the sections validated (a bad value fails here, before any load)
-    -> the per-prompt work, source.json, the run's prompt ids."""
+    -> source.json, the prompt ids the checks run on."""
     cfg, _, figures = sections(params, root)
     for given in (cfg["prompt"].file, cfg["prompt"].set):
         if given is not None:
@@ -85,7 +84,7 @@ def prepare(params: dict, use: Callable[..., Path], root: Path | str) -> tuple[C
     if not prompt_ids:
         use(paths.dataset(paths.TOKENS))               # missing: one line naming it
     checked = checked_prompts(cfg["checks"].prompts, prompt_ids, figures)
-    return ChecksWork(params, str(Path(root).resolve()), source), source, checked
+    return source, checked
 
 
 def finish(done: list[tuple[list[verdicts.Check], list[str], dict]], source: dict, root: Path | str = ".") \
@@ -99,34 +98,23 @@ def finish(done: list[tuple[list[verdicts.Check], list[str], dict]], source: dic
                              "prompts_checked": len(done), "prompts": len(paths.run_prompt_ids(root))}
 
 
-class _Reader:
-    """`use` as the work's `out.use` (compute: the audit and verify call the work here, writing nothing)."""
+class Checker:
+    """One run's checks, prompt by prompt (`run` -> (its checks, the stages it found missing, the device
+    record)): the sections, the model and the tokenizer load once, here; nothing is written."""
 
-    def __init__(self, use: Callable[..., Path]):
-        self.use = use
-
-
-@dataclass
-class ChecksWork(LoadsInSetup):
-    """One prompt's checks (`pipeline.executor.PromptWork`) -> (its checks, the stages it found missing, the
-    device record). The model and tokenizer load in `setup`; nothing is written per prompt."""
-    params: dict
-    root: str
-    source: dict
-    stage: str = "checks"
-
-    def setup(self) -> None:
-        cfg, prompts, figures = sections(self.params, self.root)
+    def __init__(self, params: dict, root: str, source: dict):
+        cfg, prompts, figures = sections(params, root)
         cap, model_cfg = cfg["capture"], cfg["model"]
-        self._cfg, self._prompts, self._figures = cfg, prompts, figures
+        self.root, self._cfg, self._prompts, self._figures = root, cfg, prompts, figures
         self._device = loader.resolve_device(cap.device)
-        self._snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", self.root), self.source)
+        self._snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", root), source)
         self._model = loader.load_captured(self._snapshot, cap, model_cfg.trust_remote_code)
         self._tokenizer = loader.load_tokenizer(self._snapshot, model_cfg.trust_remote_code)
 
-    def run(self, out, pid: str) -> tuple[list[verdicts.Check], list[str], dict]:
+    def run(self, use: Callable[..., Path], pid: str) -> tuple[list[verdicts.Check], list[str], dict]:
+        """One prompt's checks; `use(item, prompt_id)` gives (and records) each input it reads."""
         cfg, model, tokenizer = self._cfg, self._model, self._tokenizer
-        stored, here = suite.load(out.use, self.root, pid), {**cfg, "prompt": _record(self._prompts, pid)}
+        stored, here = suite.load(use, self.root, pid), {**cfg, "prompt": _record(self._prompts, pid)}
         mine = suite.run_all(stored, model, tokenizer, here, self._device, loader.eos_ids(model),
                              self._snapshot / "tokenizer.json")
         mine += lens.run(stored, model, self._snapshot, cfg["capture"].dtype)
@@ -140,20 +128,6 @@ def _record(prompts: prompt_set.PromptSet, prompt_id: str) -> prompt_set.PromptR
     """The configured prompt a partition holds: a run of one prompt holds that one; in a set, the
     record with that id."""
     return prompts.prompts[0] if len(prompts.prompts) == 1 else prompts.get(prompt_id)
-
-
-def record(stage: StageRun, params: dict, executor=None) -> list[verdicts.Check]:
-    """Run every check on the run in stage.root and write checks.parquet + metrics.json into `stage`; the
-    per-prompt checks run here or on Ray workers (`executor`, `pipeline.executor`)."""
-    from pipeline.executor import run as ex
-    work, source, prompt_ids = prepare(params, stage.use, stage.root)
-    stage.model = provenance.model_record(source)
-    done = ex.run_prompts(stage, work, prompt_ids, executor or ex.SERIAL) if prompt_ids else []
-    results, source, facts = finish(done, source, stage.root)
-    stage.facts = {**facts, **verdicts.summary(results)}
-    stage.write_parquet(paths.CHECKS[1], verdicts.to_table(results))
-    stage.write_json(paths.METRICS[1], verdicts.metrics(results))
-    return results
 
 
 def summary_text(results: list[verdicts.Check]) -> str:

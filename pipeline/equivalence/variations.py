@@ -42,8 +42,7 @@ from pipeline import kernels
 from pipeline.config.schema import VARIATIONS  # noqa: F401 (re-exported)
 from pipeline.equivalence import worker
 from pipeline.model import capture, loader
-from pipeline.numerics import compare
-from pipeline.tools import divergence
+from pipeline.numerics import compare, divergence
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The attribution stage's work: per chosen prompt, at its last position, the logit parts of the top
+"""The attribution stage's computation: per chosen prompt, at its last position, the logit parts of the top
 `attribution.top_k` candidates (T = 1) and the top-1's input attribution, as two tables and the figures
 its checks compare (`pipeline.checks.attribution`).
 
@@ -19,15 +19,13 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import prompt_set
-from pipeline.config.schema import AttributionConfig, CaptureConfig, ModelConfig
+from pipeline.config.schema import AttributionConfig
 from pipeline.errors import bad_value
-from pipeline.model import input_attribution, loader
+from pipeline.model import input_attribution
 from pipeline.model import logit_parts as parts
 from pipeline.model.capture import act_name
 from pipeline.numerics import logit_parts as lp
 from pipeline.numerics import parts_table
-from pipeline.store import paths, provenance
-from pipeline.store.artifacts import StageRun, read_json, read_parquet, read_safetensors
 
 PARTS_SCHEMA = pa.schema([pa.field(name, kind, nullable=name in ("layer", "head")) for name, kind in (
     ("position", pa.int32()), ("token_id", pa.int32()), ("component", pa.string()), ("layer", pa.int32()),
@@ -91,32 +89,3 @@ def one_prompt(model, model32, input_ids: torch.Tensor, tensors: dict, cfg: Attr
     return Prompt(frame, inputs, parts.residual_check(rec), parts.capture_gap(rec, tensors),
                   facts={"target_token_id": candidates[0], "candidates": candidates,
                          "dtype": str(rec.dtype).removeprefix("torch.")})
-
-
-def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: AttributionConfig,
-           report_prompt: str | None) -> dict[str, Prompt]:
-    """Every chosen prompt's two tables into `stage` -> the results per prompt (for the checks)."""
-    pids = chosen(cfg, report_prompt, stage.prompt_ids(paths.CAPTURE))     # an id the run lacks: before any load
-    for pid in pids:
-        check_top_k(cfg.top_k, read_json(stage.use(paths.FORWARD_FACTS, pid))["output_size"])
-    source = read_json(stage.use(paths.SOURCE))
-    snapshot = loader.snapshot_dir(stage.use(paths.stage_dir("prepare_model")), source)
-    model = loader.load_captured(snapshot, cap, model_cfg.trust_remote_code)
-    model32 = model if model.dtype == torch.float32 else loader.load_model(
-        snapshot, torch.float32, loader.resolve_device(cap.device), cap.attn_implementation,
-        model_cfg.trust_remote_code)
-    stage.model = {**provenance.model_record(source), "trust_remote_code": model_cfg.trust_remote_code}
-    done = {}
-    for pid in pids:
-        with stage.timed(pid):
-            tokens = read_parquet(stage.use(paths.TOKENS, pid), columns=["position", "token_id"]).to_pandas()
-            ids = torch.tensor([tokens.sort_values("position")["token_id"].tolist()])
-            tensors = read_safetensors(stage.use(paths.CAPTURE, pid))
-            one = done[pid] = one_prompt(model, model32, ids, tensors, cfg)
-            stage.facts = {"top_k": cfg.top_k, "ig_steps": cfg.ig_steps, "position": ids.shape[1] - 1,
-                           "ig_alpha_power": input_attribution.ALPHA_POWER,
-                           "logit_parts": one.not_applicable or "recorded", **one.facts}
-            stage.write_parquet(paths.LOGIT_PARTS[1], table(one.parts, PARTS_SCHEMA), prompt_id=pid)
-            stage.write_parquet(paths.INPUTS[1], table(one.inputs, INPUTS_SCHEMA), prompt_id=pid)
-    return done
-

@@ -3,8 +3,8 @@
 Branches: `sample` (the configured temperature / top-k / top-p, a CPU generator seeded from
 `sampling.seed`) and `greedy` (argmax of the raw logits). The full-prefix run (no cache) is
 the reference path, as in the article; the cached run is recorded so the checks stage can
-compare its logits. `record` is the stage's whole body, given its `StageRun` (run by
-`python -m stages.trajectories` and, in one process, by `nexttoken verify`).
+compare its logits. The stage's recording (inputs through the run's ledger, the files written) is
+`pipeline.record.trajectories`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.config.schema import CaptureConfig, ModelConfig, SamplingConfig
+from pipeline.config.schema import SamplingConfig
 from pipeline.errors import UserError, bad_value
-from pipeline.executor.work import LoadsInSetup
 from pipeline.model import loader
 from pipeline.model.decode import Step, prefill, run_branch
-from pipeline.numerics import probs
 from pipeline.numerics.aggregates import trajectory_set_metrics
 from pipeline.numerics.repetition import distinct_ratio, find_loop
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, rank_of, top_order
 from pipeline.store import logits_io, paths, provenance
-from pipeline.store.artifacts import StageRun, parquet_facts, read_json, read_parquet
+from pipeline.store.artifacts import parquet_facts, read_json, read_parquet
 
 STEPS_SCHEMA = pa.schema([
     ("branch", pa.string()), ("kv_cache", pa.bool_()), ("step", pa.int32()), ("prefix_len", pa.int32()),
@@ -274,63 +272,6 @@ def _recorded_config(find, root: Path | str) -> dict:
     from pipeline.store.artifacts import read_manifest_once
     find(paths.manifest_path(paths.STEPS[0]))
     return read_manifest_once(paths.STEPS[0], root)["config"]
-
-
-def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, sampling: SamplingConfig,
-           executor=None) -> None:
-    """The trajectories stage: per prompt, every run on its stored ids -> steps, step logits, summary
-    in its partition; the model loads once for the set (once per worker on Ray: `pipeline.executor`)."""
-    from pipeline.executor import run as ex
-    source = read_json(stage.use(paths.SOURCE))
-    stage.use(paths.stage_dir("prepare_model"))
-    snapshot = loader.snapshot_dir(paths.stage_dir("prepare_model", stage.root), source)
-    pids = stage.prompt_ids(paths.TOKENS)
-    lengths = {pid: read_parquet(stage.use(paths.TOKENS, pid), columns=["token_id"]).num_rows for pid in pids}
-    longest = max(lengths, key=lambda pid: lengths[pid])     # every prompt fits before the model loads
-    check_room(lengths[longest], sampling.max_new_tokens, loader.max_positions(snapshot),
-               longest if len(lengths) > 1 else None)
-    stage.model = provenance.model_record(source)
-    stage.seeds["sample"] = sampling.seed
-    work = TrajectoriesWork(snapshot, cap, sampling, model_cfg.trust_remote_code,
-                            stored=frozenset(stored_step_logits(sampling, pids)))
-    summaries = ex.run_prompts(stage, work, pids, executor or ex.SERIAL)
-    files = set_files(summaries)
-    stage.write_json(paths.TRAJECTORIES_METRICS[1], files[paths.TRAJECTORIES_METRICS])
-    stage.write_parquet(paths.TRAJECTORY_PROMPT_METRICS[1], files[paths.TRAJECTORY_PROMPT_METRICS])
-
-
-@dataclass
-class TrajectoriesWork(LoadsInSetup):
-    """One prompt's runs (`pipeline.executor.PromptWork`) -> (its id, trajectories.json's content)."""
-    snapshot: Path
-    cap: CaptureConfig
-    sampling: SamplingConfig
-    trust_remote_code: bool
-    stored: frozenset[str] = frozenset()     # the prompts whose step logits are written (`stored_step_logits`)
-    stage: str = "trajectories"
-
-    def setup(self) -> None:
-        self._model = loader.load_captured(self.snapshot, self.cap, self.trust_remote_code)
-        self._tokenizer = loader.load_tokenizer(self.snapshot)
-
-    def run(self, out, pid: str) -> tuple[str, dict]:
-        model, tokenizer, sampling = self._model, self._tokenizer, self.sampling
-        ids = read_parquet(out.use(paths.TOKENS, pid), columns=["token_id"])["token_id"].to_pylist()
-        prompt_id = probs.prompt_id(out.use(paths.TOKENIZE_SUMMARY, pid))
-        runs = run_all(model, ids, sampling, loader.eos_ids(model))
-        stored = pid in self.stored
-        out.facts = {**loader.device_record(model, loader.resolve_device(self.cap.device)),
-                     "compute_dtype": self.cap.dtype, "prompt_len": len(ids),
-                     "step_logits": "stored" if stored else "derived"}
-        out.write_parquet(paths.STEPS[1], steps_table(runs, tokenizer, sampling.top_n), prompt_id=pid,
-                          compression="zstd")
-        if stored:          # else re-derived when read (`rederive_step_logits`), proven by the recorded sha256
-            rows, keys = step_logit_rows(runs)
-            logits_io.write_step_logits(out.out(paths.STEP_LOGITS[1], pid), rows, keys, out.parquet_metadata())
-        summary_by_run = summary(runs, tokenizer)
-        out.write_json(paths.TRAJECTORIES[1], summary_by_run, prompt_id=pid)
-        return prompt_id, summary_by_run
-
 
 
 def set_files(summaries: list[tuple[str, dict]]) -> dict[tuple[str, str], Any]:

@@ -28,10 +28,10 @@ from pipeline.config import schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError
 from pipeline.model import sources
+from pipeline.numerics.divergence import kernel_difference_line, recorded_kernels
 from pipeline.store import graph, paths, provenance
 from pipeline.store.artifacts import parquet_facts, read_parquet
 from pipeline.tools import rederived, revisions
-from pipeline.tools.divergence import kernel_difference_line, recorded_kernels
 
 
 @dataclass

@@ -12,7 +12,7 @@ compared whatever their ids; on different prompts at their last prompt positions
 the end (the next-token distributions), and the diff says the prompts differ.
 A and B are each a git revision, an experiment name or `workspace`, read as
 `pipeline.tools.revisions` reads them. The comparisons are functions over tensors, tables and
-summaries (`pipeline.tools.divergence`, `kept_lines_from`, `trajectory_lines_from`), shared
+summaries (`pipeline.numerics.divergence`, `kept_lines_from`, `trajectory_lines_from`), shared
 with `nexttoken verify`; nothing here imports torch at import time (verify pins the kernels
 before torch loads).
 """
@@ -31,16 +31,16 @@ import pyarrow.parquet as pq
 
 from pipeline.config import schema
 from pipeline.config.compose import diff_keys
-from pipeline.store import paths, provenance
-from pipeline.store.artifacts import read_json, read_manifest, read_safetensors, tables_stored
-from pipeline.tools import prompt_tables, revisions
-from pipeline.tools.divergence import (
+from pipeline.numerics.divergence import (
     capture_order,
     divergence_line,
     first_diverging_tensor,
     kernel_difference_line,
     recorded_kernels,
 )
+from pipeline.store import paths, provenance
+from pipeline.store.artifacts import read_json, read_manifest, read_safetensors, tables_stored
+from pipeline.tools import prompt_tables, revisions
 
 
 def cli(args) -> int:

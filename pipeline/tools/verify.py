@@ -2,10 +2,10 @@
 
 The run (the workspace, a commit or an experiment) is read as `nexttoken audit --rev` reads
 it (`pipeline.tools.revisions`: git + the local DVC cache, nothing checked out). Its
-forward, logits, probs, trajectories and checks stages run again, from its recorded config
-and its model snapshot, in a temporary folder: each stage's own library function
-(`forward.record`, `logits_table.record`, `probs.record`, `trajectories.record`,
-`checks.stage.record`), in this process, with one model load, under the run's
+forward, logits, probs, trajectories, lens and checks stages run again, from its recorded config
+and its model snapshot, in a temporary folder: each stage's own recording (`record` of
+`pipeline.record.forward`, `.logits`, `.probs`, `.trajectories`, `.lens`, `.checks`), in this
+process, with one model load, under the run's
 `capture.kernels` (pinned before torch loads). Nothing in the workspace or the DVC cache
 changes.
 
@@ -32,6 +32,15 @@ from pipeline import kernels, progress
 from pipeline.checks import verdicts
 from pipeline.config import schema
 from pipeline.errors import UserError, bad_value
+from pipeline.numerics.divergence import (
+    capture_order,
+    divergence_line,
+    first_diverging_tensor,
+    kernel_difference_line,
+    prompt_kernel_lines,
+    recorded_kernels,
+    top1_line,
+)
 from pipeline.store import paths, provenance
 from pipeline.store.artifacts import (
     read_json,
@@ -42,15 +51,6 @@ from pipeline.store.artifacts import (
     tables_stored,
 )
 from pipeline.tools import revisions
-from pipeline.tools.divergence import (
-    capture_order,
-    divergence_line,
-    first_diverging_tensor,
-    kernel_difference_line,
-    prompt_kernel_lines,
-    recorded_kernels,
-    top1_line,
-)
 from pipeline.tools.rundiff import kept_lines_from, runs_from_table, table_difference, trajectory_lines_from
 
 RERUN = ("forward", "logits", "probs", "trajectories", "lens", "checks")      # in dvc.yaml's order
@@ -159,16 +159,16 @@ def _mirror(root: Path, here: Path, rerun: list[str]) -> None:
 
 def _rerun(here: Path, params: dict, configs: dict[str, dict]) -> None:
     """Each stage's own function, in order, writing its folder under `here` (one model load)."""
-    from pipeline.checks import stage as checks
-    from pipeline.model import forward, lens, loader, logits_table, trajectories
-    from pipeline.numerics import probs
+    from pipeline.model import loader
+    from pipeline.model.forward import plan
+    from pipeline.record import checks, forward, lens, logits, probs, trajectories
 
     def section(name: str):
         return schema.load_section(params, name, here)
     body = {
-        "forward": lambda run: forward.record(run, forward.plan(section("capture"), paths.stage_dir(
+        "forward": lambda run: forward.record(run, plan(section("capture"), paths.stage_dir(
             "prepare_model", here)), section("model").trust_remote_code),
-        "logits": logits_table.record,
+        "logits": logits.record,
         "probs": lambda run: probs.record(run, section("probs"), section("sampling")),
         "trajectories": lambda run: trajectories.record(run, section("model"), section("capture"),
                                                         section("sampling")),

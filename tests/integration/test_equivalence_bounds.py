@@ -48,7 +48,7 @@ def last_ws(tiny_workspace, tmp_path_factory) -> Path:
 
 
 def _plan(ws: Path) -> budget.Plan:
-    """The stage's plan for the workspace's prompt, as `matrix.plans` makes it."""
+    """The stage's plan for the workspace's prompt, as `matrix.plan` makes it."""
     from pipeline.config import schema
     from pipeline.equivalence import matrix
     params = schema.read_params(ws / paths.PARAMS)

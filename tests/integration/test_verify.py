@@ -20,8 +20,9 @@ import yaml
 
 from pipeline import kernels
 from pipeline.errors import UserError
+from pipeline.numerics import divergence
 from pipeline.store import paths, provenance
-from pipeline.tools import audit, divergence, rundiff, verify
+from pipeline.tools import audit, rundiff, verify
 from tests.conftest import copy_ws, run_module, snapshot
 from tests.helpers.partitions import part
 from tests.reliability.conftest import python_env

@@ -42,9 +42,9 @@ def test_a_new_import_changes_exactly_its_stages_code_deps(tmp_path, monkeypatch
     names the difference, and writing the file makes it pass again."""
     root = _copy(tmp_path)
     target = "pipeline/numerics/exactsum.py"
-    importers = {s.name for s in graph.STAGES if "pipeline/model/logits_table.py" in dvc_yaml.code_deps(s.name, REPO)}
+    importers = {s.name for s in graph.STAGES if "pipeline/record/logits.py" in dvc_yaml.code_deps(s.name, REPO)}
     assert importers and all(target not in dvc_yaml.code_deps(s, REPO) for s in importers)
-    lib = root / "pipeline/model/logits_table.py"
+    lib = root / "pipeline/record/logits.py"
     lib.write_text(lib.read_text() + "\n\ndef _later():\n    from pipeline.numerics import exactsum  # noqa: F401\n")
     dvc_yaml.code_deps.cache_clear()
     try:

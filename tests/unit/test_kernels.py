@@ -171,7 +171,7 @@ def test_two_records_compare_field_by_field():
 def test_verify_names_the_prompts_a_cluster_computed_on_other_cpu_kernels():
     """issue 29: a Ray run records each prompt's kernels; verify says which prompts were computed with kernels that
     are not this machine's, by node, and says nothing where they match or are not recorded."""
-    from pipeline.tools.divergence import prompt_kernel_lines
+    from pipeline.numerics.divergence import prompt_kernel_lines
     here = {"mode": "native", "aten_cpu_capability": "AVX2", "cpu_flags": ["avx2", "fma"]}
     node = {"kernel_mode": "native", "aten_cpu_capability": "AVX2", "cpu_flags": ["avx2", "fma"], "node": "a"}
     other = {**node, "aten_cpu_capability": "AVX512", "cpu_flags": ["avx2", "fma", "avx512f"], "node": "b"}

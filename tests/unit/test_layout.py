@@ -14,9 +14,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "pipeline"
-# Lowest first: a module may import its own package and the layers below it, never above.
-LAYERS = ("base", "config", "store", "executor", "numerics", "model", "checks", "report", "tools", "equivalence",
-          "api")   # api: pipeline/api.py; equivalence re-runs the model and reads tools.divergence
+# Lowest first: a module may import its own package and the layers below it, never above. Packages on one level
+# (a tuple) import neither each other: checks judges the recorded numbers, equivalence re-runs the model.
+# record: the stage layer's recording (StageRun, the executor), above the library it calls.
+LAYERS = ("base", "config", "store", "numerics", "model", ("checks", "equivalence"), "report", "executor", "record",
+          "tools", "api")   # api: pipeline/api.py
+LEVEL = {name: i for i, entry in enumerate(LAYERS) for name in ((entry,) if isinstance(entry, str) else entry)}
 # shared by every layer
 BASE = ("pipeline", "pipeline.errors", "pipeline.progress", "pipeline.atomic", "pipeline.kernels")
 
@@ -51,7 +54,7 @@ def layer(module: str) -> str:
 
 
 def test_every_module_is_in_a_layer():
-    assert {layer(m) for m in MODULES} <= set(LAYERS), sorted({layer(m) for m in MODULES} - set(LAYERS))
+    assert {layer(m) for m in MODULES} <= set(LEVEL), sorted({layer(m) for m in MODULES} - set(LEVEL))
 
 
 def test_each_package_says_its_role():
@@ -68,9 +71,20 @@ def test_library_never_imports_entry_points_or_dev_code(module):
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down_the_layers(module):
-    mine = LAYERS.index(layer(module))
-    upward = sorted(i for i in GRAPH[module] if LAYERS.index(layer(i)) > mine)
+    mine = LEVEL[layer(module)]
+    upward = sorted(i for i in GRAPH[module] if LEVEL[layer(i)] > mine)
+    beside = sorted(i for i in GRAPH[module] if LEVEL[layer(i)] == mine and layer(i) != layer(module))
     assert not upward, f"{module} ({layer(module)}) imports higher layers: {upward}"
+    assert not beside, f"{module} ({layer(module)}) imports a package on its own level: {beside}"
+
+
+def test_the_layer_test_finds_an_import_beside_or_above(monkeypatch):
+    """checks and equivalence sit on one level: either importing the other fails, as an import upward does."""
+    for module, bad in (("pipeline.checks.equivalence", "pipeline.equivalence.matrix"),
+                        ("pipeline.model.lens", "pipeline.executor.work")):
+        monkeypatch.setitem(GRAPH, module, GRAPH[module] | {bad})
+        with pytest.raises(AssertionError, match=bad):
+            test_imports_point_down_the_layers(module)
 
 
 def test_no_import_cycle():

@@ -94,6 +94,59 @@ def _reads_params_yaml(path: Path, root: Path = REPO) -> list[str]:
     return sorted(hits)
 
 
+LIBRARY = ("model", "numerics", "checks", "equivalence")     # compute on values: the stage layer records
+RECORDING = {"StageRun", "Writer", "stage_run", "entry"}      # pipeline.store.artifacts' recording names
+
+
+def recording_uses(source: str) -> list[str]:
+    """Where a file reaches for the stage layer's recording: any import of pipeline.executor (or of a name from
+    it), or StageRun / Writer / stage_run / entry from pipeline.store.artifacts, imported or named as an
+    attribute of the imported module (inside functions too)."""
+    tree = ast.parse(source)
+    artifacts = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and n.module == "pipeline.store" for a in n.names if a.name == "artifacts"}
+    artifacts |= {a.asname for n in ast.walk(tree) if isinstance(n, ast.Import)
+                  for a in n.names if a.name == "pipeline.store.artifacts" and a.asname}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "pipeline.executor" or node.module.startswith("pipeline.executor."):
+                hits.append(f"{node.lineno}: from {node.module} import ...")
+            elif node.module == "pipeline" and any(a.name == "executor" for a in node.names):
+                hits.append(f"{node.lineno}: from pipeline import executor")
+            elif node.module == "pipeline.store.artifacts":
+                hits += [f"{node.lineno}: {a.name} from pipeline.store.artifacts" for a in node.names
+                         if a.name in RECORDING]
+        elif isinstance(node, ast.Import):
+            hits += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.startswith("pipeline.executor")]
+        elif isinstance(node, ast.Attribute) and node.attr in RECORDING and (
+                getattr(node.value, "id", None) in artifacts or ast.unparse(node.value) == "pipeline.store.artifacts"):
+            hits.append(f"{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+@pytest.mark.parametrize("path", sorted(p for pkg in LIBRARY for p in (REPO / "pipeline" / pkg).rglob("*.py")),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_library_does_no_recording(path):
+    """model/, numerics/, checks/ and equivalence/ take and return values; reading inputs through the run's ledger,
+    writing through the run and the executor are pipeline/record's (issue 45 item 3)."""
+    assert recording_uses(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_recording_check_finds_each_spelling():
+    """Each way back in is found (a StageRun parameter put back in model/forward.py, the executor imported)."""
+    source = (REPO / "pipeline/model/forward.py").read_text(encoding="utf-8")
+    for added, found in (("from pipeline.store.artifacts import StageRun, read_json\n", "StageRun from"),
+                         ("from pipeline.executor.work import LoadsInSetup\n", "from pipeline.executor.work"),
+                         ("def f():\n    from pipeline.executor import run as ex\n", "from pipeline.executor import"),
+                         ("from pipeline import executor\n", "from pipeline import executor"),
+                         ("from pipeline.store import artifacts\nartifacts.Writer\n", "artifacts.Writer"),
+                         ("import pipeline.executor.run\n", "import pipeline.executor.run")):
+        hits = recording_uses(source + added)
+        assert len(hits) == 1 and found in hits[0], (added, hits)
+    assert recording_uses("from pipeline.store.artifacts import read_json, read_parquet\n") == []
+
+
 @pytest.mark.parametrize("stage", [s.name for s in graph.STAGES])
 def test_no_stage_reads_params_yaml_but_validate(stage):
     """The stage module and every library module it runs: validate alone reads params.yaml; every other

@@ -1,10 +1,9 @@
-"""The logits stage's work: the captured logits as logits.parquet (long format), one row at a time.
+"""The logits stage's recording: per prompt, the captured logits in long format (logits.parquet in its partition),
+one row at a time.
 
-`record` is the stage's whole body, given its `StageRun`: run by `python -m stages.logits` and,
-in one process, by `nexttoken verify`. It reads capture.safetensors without torch or the
-tokenizer (the vocabulary table is the tokenize stage's vocab.parquet), so the stage holds one
-row of [T, V] at any prompt length. It computes nothing (bf16 -> float32 is exact), so the
-stage pins no kernels.
+It reads capture.safetensors without torch or the tokenizer (`pipeline.model.capture_file`; the vocabulary table
+is the tokenize stage's vocab.parquet), so the stage holds one row of [T, V] at any prompt length. It computes
+nothing (bf16 -> float32 is exact), so the stage pins no kernels.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pipeline.store.artifacts import StageRun, read_json
 
 
 def record(stage: StageRun) -> None:
-    """The logits stage: per prompt, the captured logits in long format (logits.parquet in its partition)."""
+    """Per prompt, the captured logits in long format (logits.parquet in its partition)."""
     source = read_json(stage.use(paths.SOURCE))
     stage.model = provenance.model_record(source)
     for pid in stage.prompt_ids(paths.CAPTURE):
