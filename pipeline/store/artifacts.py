@@ -124,8 +124,8 @@ class StageRun(Writer):
         try:
             yield
         finally:
-            self.prompts.add(prompt_id or "", time.perf_counter() - start, self.facts if self.facts is not facts
-                             else None)
+            own = self.facts if self.facts is not facts else None      # facts set inside: this prompt's
+            self.prompts.add(prompt_id or "", time.perf_counter() - start, own)
 
     def prompt_done(self, prompt_id: str, seconds: float, facts: dict[str, Any] | None) -> None:
         """A prompt's work done elsewhere (a Ray worker): its seconds there and the facts it set, as
