@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.errors import UserError
-from pipeline.store import paths
+from pipeline.store import ledger
 from pipeline.store.artifacts import StageRun, Writer
+from pipeline.store.staging import Staging
 
 
 @functools.cache
@@ -78,21 +79,12 @@ class WorkerOutput(Writer):
 
     def __init__(self, stage: str, root: Path, config: dict[str, Any], model: dict[str, Any] | None,
                  folder: Path):
-        self.stage, self.root, self.config, self.model = stage, Path(root), config, model
-        self.facts: dict[str, Any] = {}
-        self.staging = Path(folder)
+        super().__init__(stage, Path(root), config, Staging(folder), model)
         self.used: list[tuple[Any, str | None]] = []
 
     def use(self, item, prompt_id: str | None = None) -> Path:
         self.used.append((item, prompt_id))
-        path = paths.locate(item, self.root, prompt_id)
-        if not path.exists():
-            raise UserError(f"input {path} is missing: run the stage that makes it (`dvc repro`)")
-        return path
-
-    def files(self) -> dict[str, bytes]:
-        return {p.relative_to(self.staging).as_posix(): p.read_bytes()
-                for p in sorted(self.staging.rglob("*")) if p.is_file()}
+        return ledger.locate(item, self.root, prompt_id)
 
 
 def run_one(work: PromptWork, root: Path, config: dict, model: dict | None, prompt_id: str) -> PromptResult:
@@ -105,7 +97,7 @@ def run_one(work: PromptWork, root: Path, config: dict, model: dict | None, prom
         result = PromptResult(prompt_id)
         try:
             result.value = work.run(out, prompt_id)
-            result.files, result.facts, result.model = out.files(), out.facts or None, out.model
+            result.files, result.facts, result.model = out.files.read(), out.facts or None, out.model
         except UserError as e:
             result.user_error = str(e)
         except Exception:       # a bug, not the user's input: the stage shows its traceback
@@ -124,10 +116,7 @@ def accept(stage: StageRun, result: PromptResult) -> Any:
     if result.crash is not None:
         raise RuntimeError(f"stage {stage.stage}, prompt {result.prompt_id}: the work failed on its worker "
                            f"({result.where.get('node', '?')}):\n{result.crash}")
-    for rel, data in result.files.items():
-        target = stage.staging / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+    stage.files.put(result.files)
     if result.model is not None:
         stage.model = result.model
     stage.prompt_done(result.prompt_id, result.seconds, result.facts)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pipeline.errors import UserError
-from pipeline.store import artifacts, paths, provenance
+from pipeline.store import artifacts, ledger, paths, provenance, readers
 
 MANIFEST_FIELDS = {"format_version", "stage", "config", "config_sha256", "seeds", "model", "facts", "inputs",
                    "outputs", "libraries", "hardware", "determinism", "git", "python_executable", "command",
@@ -191,7 +191,7 @@ def test_an_input_its_producer_recorded_is_not_read_again(tmp_path, monkeypatch)
     record = _consume(tmp_path)
     assert "t.parquet" not in read     # same size and mtime as recorded: the recorded hashes stand
     assert record == {k: recorded[k] for k in ("path", "bytes", "sha256", "logical_sha256")}
-    monkeypatch.setenv(artifacts.HASH_INPUTS_ENV, "1")   # audit-grade: every input hashed in full
+    monkeypatch.setenv(ledger.HASH_INPUTS_ENV, "1")   # audit-grade: every input hashed in full
     assert _consume(tmp_path)["sha256"] == recorded["sha256"] and read.count("t.parquet") == 1
     assert made.exists()
 
@@ -287,16 +287,16 @@ def test_a_sets_inputs_read_each_manifest_once_and_still_verify_every_file(tmp_p
         for pid in pids:
             run.write_parquet(paths.TOKENS[1], _table(), prompt_id=pid)
     reads, fresh = [], []
-    real_read, real_fresh = artifacts.read_manifest_once, artifacts.StageRun._fresh
-    monkeypatch.setattr(artifacts, "read_manifest_once", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k))
-    monkeypatch.setattr(artifacts.StageRun, "_fresh", lambda self, *a: fresh.append(a[1]) or real_fresh(self, *a))
+    real_read, real_fresh = readers.read_manifest_once, ledger.check_fresh
+    monkeypatch.setattr(readers, "read_manifest_once", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k))
+    monkeypatch.setattr(ledger, "check_fresh", lambda *a: fresh.append(a[1]) or real_fresh(*a))
     with artifacts.stage_run("forward", {}, tmp_path) as run:
         for pid in pids:
             run.use(paths.TOKENS, pid)
         assert reads == ["tokenize"] and fresh == ["tokenize"]
-        assert len(run._inputs) == len(pids)
+        assert len(run.ledger.inputs) == len(pids)
         # the stage run holds the process's one parsed copy, the one the checks and the report read too
-        assert run._manifest("tokenize") is real_read("tokenize", tmp_path)
+        assert run.ledger.producers.manifest("tokenize") is real_read("tokenize", tmp_path)
         run.write_json("s.json", {})
     victim = paths.partition(paths.TOKENS, pids[-1], tmp_path)
     pa_table = pa.table({"a": pa.array([9], pa.int32())})
@@ -323,3 +323,75 @@ def test_read_once_reads_a_file_again_only_when_it_changes(tmp_path):
     assert reader(f, "a") == "three" and calls == ["a", "a"]
     with pytest.raises(FileNotFoundError):                   # missing: the reader's own error, nothing cached
         reader(tmp_path / "gone.json", "b")
+
+
+class _PromptWork:
+    """A per-prompt work as the executors run it: reads its prompt's tokens, writes two files, sets facts."""
+    stage = "forward"
+
+    def setup(self) -> None:
+        pass
+
+    def run(self, out, prompt_id: str) -> str:
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+        tokens = pq.read_table(out.use(paths.TOKENS, prompt_id))
+        out.facts = {"rows": tokens.num_rows, "prompt": prompt_id}
+        out.write_parquet("x.parquet", tokens.append_column("p", pa.array([prompt_id] * tokens.num_rows)),
+                          prompt_id=prompt_id)
+        out.write_json("y.json", {"prompt": prompt_id, "sum": pc.sum(tokens["a"]).as_py()}, prompt_id=prompt_id)
+        return prompt_id
+
+
+def _forward_files(tmp_path) -> tuple[dict[str, str], dict]:
+    m = json.loads((tmp_path / "artifacts/forward/manifest.json").read_text())
+    files = {p.relative_to(tmp_path).as_posix(): provenance.sha256_file(p)
+             for p in (tmp_path / "artifacts/forward").rglob("*") if p.is_file() and p.name != paths.MANIFEST}
+    return files, {k: m.get(k) for k in ("facts", "prompt_facts", "inputs", "outputs")}
+
+
+def test_a_workers_prompts_accepted_give_the_bytes_and_manifest_of_the_work_done_in_the_stage(tmp_path):
+    """The Ray path without Ray: each prompt run on a worker's private Writer (`run_one`), then taken into the
+    stage (`accept`: inputs verified, bytes put into staging, facts and seconds logged) gives the files and the
+    manifest records the same work gives run in the stage itself (the serial executor)."""
+    from pipeline.executor.work import accept, run_one
+    pids = ["p0", "p1", "p2"]
+    with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        for i, pid in enumerate(pids):
+            run.write_parquet(paths.TOKENS[1], _table().slice(0, i + 1), prompt_id=pid)
+    work = _PromptWork()
+    with artifacts.stage_run("forward", {"c": 1}, tmp_path) as run:
+        assert run.prompt_ids(paths.TOKENS) == pids
+        for pid in pids:
+            with run.timed(pid):
+                work.run(run, pid)
+    serial = _forward_files(tmp_path)
+    with artifacts.stage_run("forward", {"c": 1}, tmp_path) as run:
+        values = [accept(run, run_one(work, tmp_path, run.config, run.model, pid)) for pid in pids]
+    assert values == pids and _forward_files(tmp_path)[0] == serial[0]
+    recorded = _forward_files(tmp_path)[1]
+    assert recorded["prompt_facts"] == {pid: {"rows": i + 1, "prompt": pid} for i, pid in enumerate(pids)}
+
+    def drop(outs):
+        return [{k: v for k, v in o.items() if k != "mtime_ns"} for o in outs]
+    assert {**recorded, "outputs": drop(recorded["outputs"])} == {**serial[1], "outputs": drop(serial[1]["outputs"])}
+    assert [i["path"] for i in recorded["inputs"]] == [paths.partition(paths.TOKENS, p).as_posix() for p in pids]
+
+
+def test_a_workers_input_is_verified_before_any_of_its_bytes_is_taken(tmp_path):
+    """A partition edited after tokenize wrote it: the worker reads it, the stage refuses it by name, and no
+    output of the stage is left; a missing one is named relative to the repository, as the stage names it."""
+    from pipeline.executor.work import accept, run_one
+    with artifacts.stage_run("tokenize", {}, tmp_path) as run:
+        run.write_parquet(paths.TOKENS[1], _table(), prompt_id="p0")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"a": pa.array([9], pa.int32())}), paths.partition(paths.TOKENS, "p0", tmp_path))
+    result = run_one(_PromptWork(), tmp_path, {}, None, "p0")
+    assert result.files and result.user_error is None and result.crash is None   # the worker cannot tell
+    with pytest.raises(UserError, match=r"prompt_id=p0/tokens.parquet was not produced by the recorded run"), \
+            artifacts.stage_run("forward", {}, tmp_path) as run:
+        accept(run, result)
+    assert not (tmp_path / "artifacts/forward").exists()
+    missing = run_one(_PromptWork(), tmp_path, {}, None, "q")
+    assert missing.user_error == (f"input {paths.partition(paths.TOKENS, 'q').as_posix()} is missing: run the stage "
+                                  f"that makes it (`dvc repro`)")
