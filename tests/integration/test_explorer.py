@@ -510,16 +510,21 @@ def test_the_equivalence_panel_agrees_with_the_row_and_with_numpy_at_every_tempe
 
 
 def test_each_encoding_gives_back_the_variant_exactly(run, driver):
-    """sdpa (bf16 values: their high halves), float16 (IEEE half), float32, batch_2 (here the record's own
-    bits: nothing embedded): the panel's variant probabilities are numpy's FP64 softmax of
-    variant_logits.parquet's values."""
+    """sdpa (bf16 values), float16 (half values), float32, batch_2 (here the record's own bits: nothing embedded),
+    each in the encoding the page chose (its plain bytes or its Rice-coded difference from the record or an earlier
+    variation): the panel's variant probabilities are numpy's FP64 softmax of variant_logits.parquet's values."""
     from pipeline.report.explorer import variant_encoding
     _, rec, variants = _eq_inputs(run)
     _open(driver, run / "artifacts/report/explorer.html")
+    earlier, encodings = {}, {}
+    for variation, row in variants.items():          # the page's order: a row refers only to an earlier one
+        encodings[variation] = variant_encoding(rec, row, earlier)[0]
+        earlier[variation] = row
+    assert encodings["batch_2"] == "same" and {encodings[v] for v in ("sdpa", "float16", "float32")} <= {
+        "rice", "bf16", "f16", "f4", "as"}
     for variation in ("sdpa", "float16", "float32", "batch_2"):
-        encoding, _ = variant_encoding(rec, variants[variation])
         got = _eq(driver, variation, 1.0)
-        assert f"embedded as {encoding})" in got["status"], got["status"]
+        assert f"embedded as {encodings[variation]})" in got["status"], got["status"]
         _check_panel(got, rec, variants[variation], 1.0, fp64_sets=False)
 
 

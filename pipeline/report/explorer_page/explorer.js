@@ -6,7 +6,7 @@ function el(tag, attrs, ...kids) {
   for (const k of kids) e.append(k);
   return e;
 }
-const LOGITS = floats(D.last.logits);             // float32 values of the bf16 logits, exact
+const LOGITS = decodeLogits(D.last.encoding, D.last.logits, D.last.size, null);   // the recorded values, exact
 const N = D.last.size;
 const ORDER = logitOrder(LOGITS);                 // the order of p at any temperature > 0
 const RANK = ranks(ORDER);
@@ -43,7 +43,7 @@ function update() {
     kept = [greedy(LOGITS)]; keptMask = new Uint8Array(N); keptMask[kept[0]] = 1;
     $("kept-source").textContent = "(T = 0: greedy, the highest logit; top-k and top-p do not apply)";
   } else if (f) {
-    keptMask = bits(f.kept, N); kept = ORDER.filter((i) => keptMask[i]);
+    kept = keptIds(f.kept, ORDER, N); keptMask = new Uint8Array(N); kept.forEach((i) => { keptMask[i] = 1; });
     $("kept-source").textContent = `(the set recorded by transformers' warpers for filter ${f.name}: filtered.parquet)`;
   } else {
     kept = keptFP64(p, k, topP, ORDER, LOGITS); keptMask = new Uint8Array(N); kept.forEach((i) => { keptMask[i] = 1; });
@@ -234,7 +234,9 @@ function checks() {
 // ---- Equivalence: the recorded next-token distribution against a variation's, at the page's temperature
 const EQ = D.equivalence, EQ_CACHE = {};
 function variantLogits(v) {            // exact: the encodings are lossless (explorer.variant_encoding)
-  return decodeLogits(v.encoding, v.logits, N, LOGITS);
+  const ref = v.params && v.params.ref != null ? variant(EQ.variations.findIndex((o) => o.name === v.params.ref)).L
+    : LOGITS;                          // "same" and a "rice" row against the record; "as" / "rice" against an earlier one
+  return decodeLogits(v.encoding, v.logits, N, ref, v.params);
 }
 function variant(i) {
   if (!EQ_CACHE[i]) {
@@ -301,9 +303,8 @@ function updateEquivalence() {
   // at the row's own setting the sets are the row's (transformers' float32 warper, which breaks ties at the
   // boundary its own way); elsewhere the FP64 nucleus
   const rows = T === 1 && topP === 0.9 && v.kept;
-  const setIds = (k) => { if (!k.bits) return k.ids; const m = bits(k.bits, N); return ORDER.filter((i) => m[i]); };
-  const kr = rows ? setIds(v.kept.recorded) : keptFP64(p, 0, topP, ORDER, LOGITS);
-  const kv = rows ? setIds(v.kept.variant) : keptFP64(q, 0, topP, V.order, V.L);
+  const kr = rows ? keptIds(v.kept.recorded, ORDER, N) : keptFP64(p, 0, topP, ORDER, LOGITS);
+  const kv = rows ? keptIds(v.kept.variant, V.order, N) : keptFP64(q, 0, topP, V.order, V.L);
   $("eq-kept-source").textContent = rows ? "(the row's sets: transformers' float32 warper at T = 1, top-p 0.9)"
     : "(computed here: the FP64 nucleus)";
   const inR = new Uint8Array(N), inV = new Uint8Array(N);
