@@ -221,12 +221,14 @@ def logit_order(logits: np.ndarray) -> np.ndarray:
 
 def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str, np.ndarray],
               positions: list[tuple[int, np.ndarray]], attention: dict[int, np.ndarray], vocab_text: dict[int, str],
-              lens: dict | None, equivalence: dict | None = None, language: str = "en") -> dict:
+              lens: dict | None, equivalence: dict | None = None, language: str = "en",
+              internals: dict | None = None) -> dict:
     """Everything one page shows, as JSON-ready values. inp: the report's `render.Inputs` for the prompt;
     pages: prompt id -> file name of every page of the run; filters: the probs summary's filters at the
     page's position, kept: filter name -> kept ids (filtered.parquet); positions: (position, logits row)
     of the positions shown; attention: layer -> [heads, T, T] float32; vocab_text: id -> readable text;
-    equivalence: `equivalence_data`'s panel (None: the stage did not run for the prompt)."""
+    equivalence: `equivalence_data`'s panel (None: the stage did not run for the prompt); internals: the walk's
+    residual norms and LM-head row (explorer_walk.walk)."""
     order = logit_order(inp.logits)
     top = order[:TOP_IDS]
     size = int(inp.logits.size)
@@ -239,7 +241,7 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
         "conditions": _conditions(inp, forward),
         "tokens": [{"position": r["position"], "id": r["token_id"], "piece": r["piece"], "text": r["text"],
                     "bytes": r["piece_bytes_hex"], "alone": bool(r["decodes_alone"]),
-                    "special": bool(r.get("is_special", False))} for r in inp.tokens],
+                    "special": bool(r.get("is_special", False)), **given(dict(positions), r)} for r in inp.tokens],
         "chat": inp.tokenize.get("messages") if inp.tokenize.get("chat") else None,
         "prompt_text": inp.tokenize.get("prompt"),
         "last": {"position": inp.position, "size": size, **dict(zip(("encoding", "logits"),
@@ -258,9 +260,21 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
         "checks": _checks(inp.checks),
         "lens": lens,
         "equivalence": equivalence,
-        "walk": explorer_walk.walk(inp, lens),
+        "walk": explorer_walk.walk(inp, lens, internals),
         "why": explorer_walk.why_chart(inp),
     }
+
+
+def given(rows: dict[int, np.ndarray], token: dict) -> dict:
+    """{"p", "rank"}: the FP64 probability (T = 1) and the rank (the project's rule) that the logits at the position
+    before gave this prompt token; {} where no logits were recorded there (capture.positions=last, or position 0)."""
+    row = rows.get(token["position"] - 1)
+    if row is None:
+        return {}
+    x, i = row.astype(np.float64), int(token["token_id"])
+    e = np.exp(x - x.max())
+    rank = int((x > x[i]).sum() + (x[:i] == x[i]).sum()) + 1
+    return {"p": float(e[i] / e.sum()), "rank": rank}
 
 
 def forward_seeds(inp) -> dict | None:

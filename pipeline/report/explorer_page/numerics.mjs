@@ -151,9 +151,16 @@ export function inverseCdf(p, kept, u) {
 export function parseSetting(rawT, rawK, rawP) {
   const num = (s) => (String(s).trim() === "" ? NaN : Number(s));
   const T = num(rawT), k = num(rawK), topP = num(rawP);
-  if (!(Number.isFinite(T) && T >= 0)) return {error: `temperature = ${rawT}: not allowed; a number >= 0 (0 = greedy)`};
-  if (!(Number.isInteger(k) && k >= 0)) return {error: `top-k = ${rawK}: not allowed; a whole number >= 0 (0 = off)`};
-  if (!(topP > 0 && topP <= 1)) return {error: `top-p = ${rawP}: not allowed; a number in (0, 1] (1 = off)`};
+  // {error, code, raw}: the English line, and the key of its text in walk.js's TEXT with the value as typed
+  if (!(Number.isFinite(T) && T >= 0)) {
+    return {error: `temperature = ${rawT}: not allowed; a number >= 0 (0 = greedy)`, code: "err-temperature", raw: rawT};
+  }
+  if (!(Number.isInteger(k) && k >= 0)) {
+    return {error: `top-k = ${rawK}: not allowed; a whole number >= 0 (0 = off)`, code: "err-top-k", raw: rawK};
+  }
+  if (!(topP > 0 && topP <= 1)) {
+    return {error: `top-p = ${rawP}: not allowed; a number in (0, 1] (1 = off)`, code: "err-top-p", raw: rawP};
+  }
   return {T, k, topP};
 }
 // A seed as typed: a BigInt in [0, 2^64), or null
