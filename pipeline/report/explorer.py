@@ -7,11 +7,12 @@ one templating pass into one HTML file with inline script and style and a Conten
 every remote load, so it opens from file:// with no server and no network.
 
 Numbers are exact where they are recorded exactly. The last position's logits travel as the
-float32 values logits.parquet holds (bf16 values, exact), base64; the page recomputes
+values logits.parquet holds, exactly (`logits_encoding`: a bf16 run's as their high 16 bits); the page recomputes
 softmax(logits / T) in float64 (JavaScript numbers) over the full output size at whatever
 temperature the reader picks. Kept sets: at a configured filter (probs.extra_filters and the
 sampling filter) the page shows the set the pipeline recorded with transformers' warpers
-(filtered.parquet, as a bitmap over the vocabulary), since float32 ties at the boundary are
+(filtered.parquet, as a count when it is a prefix of the logit order, else ids or a bitmap: `kept_set`), since
+float32 ties at the boundary are
 the warper's to break; at any other setting it computes the FP64 nucleus itself (temperature ->
 top-k (ties kept) -> top-p: the smallest prefix by probability, ties by lower id, whose mass
 reaches p), and says which it shows. T = 0 is greedy (the argmax); "sample once" draws from the shown
@@ -24,13 +25,14 @@ temperature, the recorded next-token distribution with each forward variation's 
 same position (variant_logits.parquet): the top candidates of both, Δ logit and ranks, the top-1,
 the FP64 top-p kept sets and their Jaccard, KL(record || variant) in FP64; beside them the stored
 row of equivalence.parquet. A variant's row travels in the fewest bytes that hold it exactly
-(`variant_encoding`): none when it is bit-identical to the record, the high half of each float32
-for bf16 values, IEEE half for float16 values, float32 otherwise.
+(`variant_encoding`): none when it is bit-identical to the record or to an earlier variation, else the
+smaller of its plain bytes (bf16 high halves, IEEE half, float32) and its Rice-coded difference from the
+record or an earlier row (`rice`: a bf16 run's variations differ by a step or two, about 2 bits an id).
 
-Size: the logits are 4 bytes per id (about 1.4 MB of base64 for a 262,144-id vocabulary), each
-configured kept set a bit per id; everything else is bounded whatever the prompt's length:
-MAX_POSITIONS positions of top candidates and MAX_ATTENTION positions of attention (the last
-ones), TOP_IDS candidate rows; each variation 0, 2 or 4 bytes per id (`variant_encoding`), EQ_TOP rows.
+Size (docs/explorer.md, measured): the logits are 2 bytes per id for a bf16 run (0.7 MB of base64 for a
+262,144-id vocabulary); everything else is bounded whatever the prompt's length: MAX_POSITIONS positions of top
+candidates and MAX_ATTENTION positions of attention (the last ones), TOP_IDS candidate rows; each variation 0 to
+4 bytes per id (`variant_encoding`), EQ_TOP rows.
 """
 
 from __future__ import annotations
@@ -66,34 +68,97 @@ def b64_bits(ids: np.ndarray, size: int) -> str:
     return base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode("ascii")
 
 
-def variant_encoding(recorded: np.ndarray, variant: np.ndarray) -> tuple[str, str | None]:
-    """(encoding, base64) of a variant's float32 logits row in the fewest bytes that give back every value:
-    "same" (the record's bits: nothing embedded), "nan" (every value NaN: nothing), "bf16" (every low half
-    zero: the high 16 bits), "f16" (IEEE half gives back every value; a NaN stays NaN), else "f4"."""
+RICE_QMAX, RICE_ESCAPE = 24, 34      # a quotient this long escapes to the next 34 bits, the zigzag value itself
+
+
+def ordinals(values: np.ndarray) -> np.ndarray:
+    """float32 bits as int64, one to one, near values near each other: the bits for x >= 0, minus the magnitude's
+    bits for x < 0 (-0.0: -2^31); every low bit zero in the bits stays zero here (bf16 and half values)."""
+    b = np.ascontiguousarray(values, dtype="<f4").view("<u4").astype(np.int64)
+    mag = b & 0x7FFFFFFF
+    return np.where(b >> 31 == 0, b, np.where(mag == 0, -(1 << 31), -mag))
+
+
+def rice(values: np.ndarray, reference: np.ndarray) -> tuple[dict, str]:
+    """({k, shift}, base64): a row as its difference from a reference row, exact. d = ordinals(values) -
+    ordinals(reference) >> shift (shift: the trailing zero bits every d shares: 16 between two bf16 rows), zigzag
+    z = 2d or -2d - 1, then Rice-coded with parameter k (the one giving the fewest bits): z >> k in unary (ones, then
+    a zero), then its low k bits, most significant bit first; a quotient of RICE_QMAX or more is RICE_QMAX ones and
+    z in RICE_ESCAPE bits. Values one bf16 step apart cost about 2 bits instead of 16."""
+    d = ordinals(values) - ordinals(reference)
+    nz = d[d != 0]
+    shift = int(np.bitwise_and(nz, -nz).min()).bit_length() - 1 if nz.size else 0
+    d >>= shift
+    z = np.where(d >= 0, 2 * d, -2 * d - 1)
+    cost = [int(np.where(z >> k < RICE_QMAX, (z >> k) + 1 + k, RICE_QMAX + RICE_ESCAPE).sum()) for k in range(34)]
+    k = int(np.argmin(cost))
+    q = z >> k
+    esc = q >= RICE_QMAX
+    ones = np.where(esc, RICE_QMAX, q)
+    width = np.where(esc, RICE_ESCAPE, k)           # the bits after the unary part
+    start = np.concatenate(([0], np.cumsum(ones + (~esc) + width)))
+    bits = np.zeros(int(start[-1]), dtype=np.uint8)
+    first = np.repeat(start[:-1], ones)
+    bits[first + np.arange(first.size) - np.repeat(np.cumsum(ones) - ones, ones)] = 1
+    tail = start[:-1] + ones + (~esc)               # where the k (or escape) bits begin
+    payload = np.where(esc, z, z & ((1 << k) - 1))
+    for j in range(RICE_ESCAPE):
+        has = width > j
+        bits[tail[has] + j] = (payload[has] >> (width[has] - 1 - j)) & 1
+    return {"k": k, "shift": shift}, base64.b64encode(np.packbits(bits).tobytes()).decode("ascii")
+
+
+def variant_encoding(recorded: np.ndarray, variant: np.ndarray,
+                     earlier: dict[str, np.ndarray] | None = None) -> tuple[str, str | None, dict]:
+    """(encoding, base64, params) of a variant's float32 logits row in the fewest bytes that give back every value:
+    "same" (the record's bits: nothing embedded), "as" (the bits of an earlier variation, params {"ref": its name}:
+    nothing), "nan" (every value NaN: nothing), else the smallest of "rice" (the difference from the record or an
+    earlier variation, `rice`; params k, shift and ref, None for the record), "bf16" (every low half zero: the high
+    16 bits), "f16" (IEEE half gives back every value; a NaN stays NaN) and "f4"."""
     v = np.ascontiguousarray(variant, dtype="<f4")
     bits = v.view("<u4")
-    if np.array_equal(bits, np.ascontiguousarray(recorded, dtype="<f4").view("<u4")):
-        return "same", None
     nan = np.isnan(v)
     if nan.all():
-        return "nan", None
+        return "nan", None, {}
+    refs = {None: np.ascontiguousarray(recorded, dtype="<f4"), **(earlier or {})}
+    for name, row in refs.items():
+        if np.array_equal(bits, np.ascontiguousarray(row, dtype="<f4").view("<u4")):
+            return ("same", None, {}) if name is None else ("as", None, {"ref": name})
+    options = []
     if not (bits & 0xFFFF).any():
-        return "bf16", base64.b64encode((bits >> 16).astype("<u2").tobytes()).decode("ascii")
-    with np.errstate(over="ignore", invalid="ignore"):
-        half = v.astype("<f2")
-    back = half.astype("<f4")
-    if np.array_equal(np.isnan(back), nan) and np.array_equal(back.view("<u4")[~nan], bits[~nan]):
-        return "f16", base64.b64encode(half.tobytes()).decode("ascii")
-    return "f4", b64_floats(v)
+        options.append(("bf16", base64.b64encode((bits >> 16).astype("<u2").tobytes()).decode("ascii"), {}))
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            half = v.astype("<f2")
+        back = half.astype("<f4")
+        if np.array_equal(np.isnan(back), nan) and np.array_equal(back.view("<u4")[~nan], bits[~nan]):
+            options.append(("f16", base64.b64encode(half.tobytes()).decode("ascii"), {}))
+        else:
+            options.append(("f4", b64_floats(v), {}))
+    for name, row in refs.items():
+        params, data = rice(v, row)
+        options.append(("rice", data, {**params, "ref": name}))
+    return min(options, key=lambda o: len(o[1]))
 
 
-def kept_set(ids, size: int) -> dict:
-    """A kept set in the fewer bytes: {"ids": [...]} when short, else {"bits": base64 bitmap over the vocabulary}
-    (a flat distribution's top-p set is most of the vocabulary: as an id list, megabytes)."""
+def kept_set(ids, size: int, order: np.ndarray) -> dict:
+    """A kept set in the fewest bytes: {"top": n} when it is the first n ids of `order` (the side's logit_order: a
+    top-k / top-p set is, unless a warper broke a tie at its boundary its own way), else {"ids": [...]} when short,
+    else {"bits": base64 bitmap over the vocabulary} (a flat distribution's top-p set as an id list: megabytes)."""
     ids = np.asarray(ids if ids is not None else [], dtype=np.int64)
+    if np.array_equal(np.sort(ids), np.sort(order[:ids.size])):
+        return {"top": int(ids.size)}
     if ids.size * 7 < size // 8 * 4 // 3:         # ~7 bytes a JSON id against the bitmap's base64
         return {"ids": [int(i) for i in ids]}
     return {"bits": b64_bits(ids, size)}
+
+
+def logits_encoding(logits: np.ndarray) -> tuple[str, str]:
+    """The record's own row: "bf16" (2 bytes an id) when every value is a bf16 value (a bf16 run), else "f4"."""
+    bits = np.ascontiguousarray(logits, dtype="<f4").view("<u4")
+    if not (bits & 0xFFFF).any():
+        return "bf16", base64.b64encode((bits >> 16).astype("<u2").tobytes()).decode("ascii")
+    return "f4", b64_floats(logits)
 
 
 def _json_number(x):
@@ -112,7 +177,7 @@ def equivalence_data(recorded: np.ndarray, position: int, rows: list[dict] | Non
     every equivalence.parquet). None: the stage did not run for the prompt (rows and variants None)."""
     if rows is None:
         return None
-    out = []
+    out, earlier = [], {}
     for r in rows:
         item = {"name": r["variation"], "compared": r["compared"],
                 "row": {k: _json_number(r.get(k)) for k in EQ_FIGURES}, "shown": False}
@@ -128,12 +193,13 @@ def equivalence_data(recorded: np.ndarray, position: int, rows: list[dict] | Non
             item["why"] = f"variant_logits.parquet holds no row at position {position}"
         else:
             row = stored[2][stored[1].index(position)]
-            encoding, data = variant_encoding(recorded, row)
+            encoding, data, params = variant_encoding(recorded, row, earlier)
+            earlier[r["variation"]] = row
             top = logit_order(row)[:EQ_TOP]
-            item.update(shown=True, dtype=stored[0], encoding=encoding, logits=data,
+            item.update(shown=True, dtype=stored[0], encoding=encoding, logits=data, params=params,
                         text={str(int(i)): vocab_text.get(int(i), "") for i in top},
-                        kept={"recorded": kept_set(r.get("kept_recorded_ids"), recorded.size),
-                              "variant": kept_set(r.get("kept_variant_ids"), recorded.size)}
+                        kept={"recorded": kept_set(r.get("kept_recorded_ids"), recorded.size, logit_order(recorded)),
+                              "variant": kept_set(r.get("kept_variant_ids"), recorded.size, logit_order(row))}
                         if r.get("kept_recorded_ids") is not None and r["compared"] != "step logits" else None)
         out.append(item)
     return {"position": position, "top": EQ_TOP, "variations": out}
@@ -155,12 +221,14 @@ def logit_order(logits: np.ndarray) -> np.ndarray:
 
 def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str, np.ndarray],
               positions: list[tuple[int, np.ndarray]], attention: dict[int, np.ndarray], vocab_text: dict[int, str],
-              lens: dict | None, equivalence: dict | None = None, language: str = "en") -> dict:
+              lens: dict | None, equivalence: dict | None = None, language: str = "en",
+              internals: dict | None = None) -> dict:
     """Everything one page shows, as JSON-ready values. inp: the report's `render.Inputs` for the prompt;
     pages: prompt id -> file name of every page of the run; filters: the probs summary's filters at the
     page's position, kept: filter name -> kept ids (filtered.parquet); positions: (position, logits row)
     of the positions shown; attention: layer -> [heads, T, T] float32; vocab_text: id -> readable text;
-    equivalence: `equivalence_data`'s panel (None: the stage did not run for the prompt)."""
+    equivalence: `equivalence_data`'s panel (None: the stage did not run for the prompt); internals: the walk's
+    residual norms and LM-head row (explorer_walk.walk)."""
     order = logit_order(inp.logits)
     top = order[:TOP_IDS]
     size = int(inp.logits.size)
@@ -173,13 +241,14 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
         "conditions": _conditions(inp, forward),
         "tokens": [{"position": r["position"], "id": r["token_id"], "piece": r["piece"], "text": r["text"],
                     "bytes": r["piece_bytes_hex"], "alone": bool(r["decodes_alone"]),
-                    "special": bool(r.get("is_special", False))} for r in inp.tokens],
+                    "special": bool(r.get("is_special", False)), **given(dict(positions), r)} for r in inp.tokens],
         "chat": inp.tokenize.get("messages") if inp.tokenize.get("chat") else None,
         "prompt_text": inp.tokenize.get("prompt"),
-        "last": {"position": inp.position, "size": size, "logits": b64_floats(inp.logits),
+        "last": {"position": inp.position, "size": size, **dict(zip(("encoding", "logits"),
+                                                                   logits_encoding(inp.logits))),
                  "top": [int(i) for i in top], "text": {str(int(i)): vocab_text.get(int(i), "") for i in top}},
         "filters": [{"name": f["filter"], "temperature": f["temperature"], "top_k": f["top_k"], "top_p": f["top_p"],
-                     "count": f["kept_count"], "kept": b64_bits(kept[f["filter"]], size)}
+                     "count": f["kept_count"], "kept": kept_set(kept[f["filter"]], size, order)}
                     for f in filters if f["filter"] in kept],
         "temperatures": [t["temperature"] for t in inp.summary["temperatures"]],
         "positions": [{"position": p, "top": [[int(i), vocab_text.get(int(i), ""), float(row[i])]
@@ -191,9 +260,21 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
         "checks": _checks(inp.checks),
         "lens": lens,
         "equivalence": equivalence,
-        "walk": explorer_walk.walk(inp, lens),
+        "walk": explorer_walk.walk(inp, lens, internals),
         "why": explorer_walk.why_chart(inp),
     }
+
+
+def given(rows: dict[int, np.ndarray], token: dict) -> dict:
+    """{"p", "rank"}: the FP64 probability (T = 1) and the rank (the project's rule) that the logits at the position
+    before gave this prompt token; {} where no logits were recorded there (capture.positions=last, or position 0)."""
+    row = rows.get(token["position"] - 1)
+    if row is None:
+        return {}
+    x, i = row.astype(np.float64), int(token["token_id"])
+    e = np.exp(x - x.max())
+    rank = int((x > x[i]).sum() + (x[:i] == x[i]).sum()) + 1
+    return {"p": float(e[i] / e.sum()), "rank": rank}
 
 
 def forward_seeds(inp) -> dict | None:

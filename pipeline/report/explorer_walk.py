@@ -8,15 +8,18 @@ artifact path it comes from (the page puts it in `data-source`). A step without 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from pipeline.model.names import act_name
 from pipeline.numerics import parts_table
-from pipeline.store import paths
+from pipeline.store import paths, safetensors_io
 
 STEPS = ("tokens", "embedding", "layers", "lm-head", "why", "softmax", "temperature", "filter", "pick", "kv-cache",
          "repetition")
 SHOW_IDS = 12           # ids listed in a row
+N_COORDS = 4            # coordinates shown of a vector
 
 
 def _num(en: str, zh: str, value, source: str) -> dict:
@@ -43,19 +46,20 @@ def _why(inp) -> list[dict]:
         cands = attr.candidates()
         mine = attr.parts[attr.parts["token_id"] == cands[0]]
         big = mine.iloc[int(np.argmax(mine["contribution"].abs().to_numpy()))]
-        out += [_num(f"id {tok(cands[0])}: its logit as the sum of {len(mine)} parts",
-                     f"id {tok(cands[0])}：logit = {len(mine)} 个部分之和",
-                     f"{float(mine['contribution'].sum()):.4f} (model: {float(mine['logit'].iloc[0]):g})", parts_src),
+        out += [_num(f"the top id's logit as the sum of its {len(mine)} parts (≈ the model's)",
+                     f"最高 id 的 logit = 它的 {len(mine)} 个部分之和（≈ 模型的 logit）",
+                     f"{tok(cands[0])}: {float(mine['contribution'].sum()):.4f} ≈ {float(mine['logit'].iloc[0]):g}",
+                     parts_src),
                 _num("the largest part", "最大的部分", f"{big['component']}: {float(big['contribution']):+.4f}",
                      parts_src)]
         if len(cands) > 1:
             lead = parts_table.top1_differences(attr.parts)
             lead = lead[lead["token_id"] == cands[1]]
             top = lead.iloc[int(np.argmax(lead["difference"].abs().to_numpy()))]
-            out += [_num(f"its lead over id {tok(cands[1])}, and the part that decides most",
-                         f"它领先 id {tok(cands[1])} 多少，以及贡献最大的部分",
-                         f"{float(lead['difference'].sum()):+.4f}; {top['component']}: {float(top['difference']):+.4f}",
-                         parts_src)]
+            out += [_num("its lead over the runner-up, and the part that decides most",
+                         "它领先第二名多少，以及贡献最大的部分",
+                         f"{tok(cands[1])}: {float(lead['difference'].sum()):+.4f}; {top['component']}: "
+                         f"{float(top['difference']):+.4f}", parts_src)]
     elif attr.reason:
         out.append(_num("logit parts", "logit 分解", attr.reason, parts_src))
     ig = attr.inputs[attr.inputs["method"] == "integrated_gradients"]
@@ -94,14 +98,74 @@ def why_chart(inp) -> dict | None:
     return chart
 
 
-def walk(inp, lens: dict | None) -> list[dict]:
-    """[{step, numbers, missing}]: `missing` (en, zh) says why a step shows no number."""
+HEAD_NAMES = ("lm_head.weight", "embed_out.weight")                 # an untied LM head's weight
+TIED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")   # tied: the input embedding
+
+
+def resid_norms(capture: Path, num_layers: int, position: int) -> list[tuple[int, float]]:
+    """(layer, FP64 L2 norm of blocks.{layer}.resid_post at `position`) for each captured layer: the residual
+    stream's size after each block, read from capture.safetensors without torch."""
+    have, _ = safetensors_io.header(capture)
+    out = []
+    for layer in range(num_layers):
+        name = act_name("resid_post", layer)
+        if name in have:
+            v = safetensors_io.read(capture, name)[0, position].astype(np.float64)
+            out.append((layer, float(np.sqrt(np.dot(v, v)))))
+    return out
+
+
+def head_row(snapshot: Path, capture: Path, facts: dict, position: int, token_id: int) -> dict | None:
+    """The LM head's row of `token_id` in the prepared snapshot's weights (lm_head.weight, or the input embedding
+    for a tied head) and its FP64 dot product with final_norm_out at `position` (the capture's): the logit before
+    any bias or soft-capping, which equals the recorded logit within its bf16 rounding. None where no weight file
+    of the snapshot holds a tensor of the LM head's shape under a known name."""
+    shape = list(facts.get("lm_head_weight_shape") or [])
+    names = TIED_SUFFIXES if facts.get("tied_embeddings") else HEAD_NAMES
+    for path in sorted(Path(snapshot).glob("*.safetensors")):
+        tensors, _ = safetensors_io.header(path)
+        for name, t in tensors.items():
+            if name.endswith(names) and list(t.shape) == shape:
+                with open(path, "rb") as f:          # the one row, as stored (bf16 bits widened exactly)
+                    f.seek(t.start + token_id * t.row_bytes)
+                    stored = np.frombuffer(f.read(t.row_bytes), safetensors_io.STORED[t.dtype])
+                row = safetensors_io.widen(stored, t.dtype).astype(np.float64)
+                x = safetensors_io.read(capture, act_name("final_norm_out"))[0, position].astype(np.float64)
+                return {"file": path.name, "tensor": name, "row": row[:N_COORDS], "input": x[:N_COORDS],
+                        "dot": float(np.dot(row, x)), "size": row.size}
+    return None
+
+
+def _internals(inp, internals: dict | None, src: dict, top: int) -> tuple[list[dict], list[dict]]:
+    """The layers step's residual-stream norms and the lm-head step's row and dot product."""
+    norms, head = [], []
+    internals = internals or {}
+    for layer, norm in internals.get("norms") or []:
+        norms.append(_num(f"‖residual stream‖ after layer {layer} (L2)", f"第 {layer} 层之后残差流的范数（L2）",
+                          f"{norm:.4g}", f"{src['capture']} ({act_name('resid_post', layer)})"))
+    h = internals.get("head")
+    if h:
+        where = f"{src['snapshot']}/{h['file']} ({h['tensor']}[{top}])"
+        head = [_num(f"row {top} of the LM head (id {top}): first coordinates",
+                     f"LM head 的第 {top} 行（id {top}）：前几个坐标", _coords(h["row"]), where),
+                _num(f"that row · the final-norm output, summed over all {h['size']} coordinates in FP64",
+                     f"这一行与最终归一化输出的点积（FP64，全部 {h['size']} 个坐标）", f"{h['dot']:.6g}",
+                     f"{where} · {src['capture']} ({act_name('final_norm_out')})"),
+                _num("the recorded logit of that id (bf16)", "该 id 记录的 logit（bf16）",
+                     f"{float(inp.logits[top]):g}", src["logits"])]
+    return norms, head
+
+
+def walk(inp, lens: dict | None, internals: dict | None = None) -> list[dict]:
+    """[{step, numbers, missing}]: `missing` (en, zh) says why a step shows no number. internals: {"norms":
+    resid_norms(...), "head": head_row(...)} (pages.py reads them from the capture and the snapshot)."""
     pid = inp.prompt_id
     src = {k: (paths.partition(item, pid) if item in paths.PER_PROMPT else paths.artifact(item)).as_posix()
            for k, item in
            (("tokens", paths.TOKENS), ("capture", paths.CAPTURE), ("logits", paths.LOGITS),
             ("summary", paths.PROBS_SUMMARY), ("steps", paths.STEPS), ("lens", paths.LENS),
             ("metrics", paths.TRAJECTORY_PROMPT_METRICS))}
+    src["snapshot"] = paths.artifact(paths.SOURCE).parent.as_posix()
     facts, last = inp.facts, inp.position
     toks = inp.tokens
     top = int(np.lexsort((np.arange(inp.logits.size), -inp.logits.astype(np.float64)))[0])
@@ -121,6 +185,8 @@ def walk(inp, lens: dict | None) -> list[dict]:
     steps["layers"] = [_num("layers", "层数", facts.get("num_layers"), src["capture"]),
                        _num("attention heads (key/value heads)", "注意力头数（键/值头数）",
                             f"{facts.get('num_heads')} ({facts.get('num_kv_heads')})", src["capture"])]
+    norms, head = _internals(inp, internals, src, top)
+    steps["layers"] += norms
     if lens:
         col = lens["positions"].index(last) if last in lens["positions"] else None
         for li, row in zip(lens["layers"], lens["cells"]):
@@ -134,6 +200,7 @@ def walk(inp, lens: dict | None) -> list[dict]:
         steps["lm-head"].append(_num(f"its input at position {last} (after the final norm)",
                                      f"位置 {last} 的输入（最终归一化之后）", _coords(fin[last]),
                                      src["capture"] + " (final_norm_out)"))
+    steps["lm-head"] += head
     steps["lm-head"].append(_num("the highest logit (id)", "最高的 logit（id）",
                                  f"{float(inp.logits[top]):g} ({top})", src["logits"]))
     steps["why"] = _why(inp)
@@ -170,9 +237,11 @@ def walk(inp, lens: dict | None) -> list[dict]:
                                               "yes / 是" if agree else "NO / 否", src["steps"]))
     for m in inp.prompt_metrics or []:
         if isinstance(m, dict) and "loop" in m and m.get("prompt_id", pid) == pid:
-            name = f"{m.get('branch')}{' (KV cache)' if m.get('kv_cache') else ''}"
+            kv = bool(m.get("kv_cache"))
             found = f"yes / 是: period {m.get('loop_period')}" if m["loop"] else "no / 否"
-            steps["repetition"].append(_num(f"{name}: a loop?", f"{name}：是否出现循环？", found, src["metrics"]))
+            steps["repetition"].append(_num(f"{m.get('branch')}{' (KV cache)' if kv else ''}: a loop?",
+                                            f"{m.get('branch')}{'（KV 缓存）' if kv else ''}：是否出现循环？", found,
+                                            src["metrics"]))
     missing = {"layers": ("", ""),
                "why": ("the attribution stage has not run for this prompt", "本提示词没有运行 attribution 阶段"),
                "softmax": ("no probability table at this position", "此位置没有概率表"),

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from pipeline.model.names import act_name
-from pipeline.report import equivalence, explorer, overview
+from pipeline.report import equivalence, explorer, explorer_walk, overview
 from pipeline.report.render import Inputs, filtered_rows
 from pipeline.store import logits_io, paths, safetensors_io, variant_logits
 from pipeline.store.artifacts import read_parquet, tables_stored
@@ -105,6 +105,15 @@ def _variants(use: overview.Use, inp: Inputs) -> tuple[list[dict] | None, dict |
     return rows, variant_logits.read(use(paths.VARIANT_LOGITS, inp.prompt_id), positions=[inp.position])
 
 
+def _internals(use: overview.Use, inp: Inputs) -> dict:
+    """The walk's figures from inside the model: the residual stream's norm after each layer (the capture) and the
+    LM head's row of the top id with its dot product (the prepared snapshot's weights: the prepare_model manifest
+    the report declares holds their sha256, so a change of weights re-runs the report)."""
+    capture, top = use(paths.CAPTURE, inp.prompt_id), int(explorer.logit_order(inp.logits)[0])
+    return {"norms": explorer_walk.resid_norms(capture, int(inp.facts.get("num_layers") or 0), inp.position),
+            "head": explorer_walk.head_row(use(paths.SOURCE).parent, capture, inp.facts, inp.position, top)}
+
+
 def page(use: overview.Use, inp: Inputs, files: dict[str, str], language: str = "en") -> str:
     """One prompt's page, rendered (explanations in `language` at opening: report.language)."""
     positions = _positions(use, inp)
@@ -117,6 +126,7 @@ def page(use: overview.Use, inp: Inputs, files: dict[str, str], language: str = 
     text = _vocab_text(use, ids)
     filters = [f for f in inp.summary["filters"] if f["position"] == inp.position]
     data = explorer.page_data(inp, pages=files, filters=filters, kept=_kept(use, inp), positions=positions,
+                              internals=_internals(use, inp),
                               attention=_attention(use, inp), vocab_text=text, lens=_lens(inp, lens_rows, text),
                               equivalence=explorer.equivalence_data(inp.logits, inp.position, eq_rows, variants, text),
                               language=language)

@@ -63,3 +63,34 @@ def sample_once(logits: np.ndarray, t: float, k: int, top_p: float, seed: int) -
         return int(np.argmax(logits))
     p = softmax64(logits, t)
     return inverse_cdf(p, nucleus(p, logits, k, top_p), uniform(seed))
+
+
+def decode_logits(encoding: str, data: str | None, params: dict, ref: np.ndarray) -> np.ndarray:
+    """A row the page embeds (explorer.variant_encoding / logits_encoding), decoded bit by bit the way
+    docs/explorer.md states it, independently of the encoder: `ref` is the record ("same") or the row params["ref"]
+    names ("as", "rice")."""
+    import base64
+
+    if encoding in ("same", "as"):
+        return ref
+    if encoding == "nan":
+        return np.full(ref.size, np.nan, dtype=np.float32)
+    raw = base64.b64decode(data)
+    if encoding == "bf16":
+        return (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4")
+    if encoding in ("f16", "f4"):
+        return np.frombuffer(raw, {"f16": "<f2", "f4": "<f4"}[encoding]).astype(np.float32)
+    assert encoding == "rice", encoding
+    bits, pos, k, qmax, escape = np.unpackbits(np.frombuffer(raw, np.uint8)).tolist(), 0, params["k"], 24, 34
+    out = np.empty(ref.size, dtype="<u4")
+    for i, r in enumerate(np.ascontiguousarray(ref, dtype="<f4").view("<u4").tolist()):
+        q = 0
+        while q < qmax and bits[pos]:
+            q, pos = q + 1, pos + 1
+        width, pos = (k, pos + 1) if q < qmax else (escape, pos)
+        z = int("".join(map(str, bits[pos:pos + width])) or "0", 2) + (q << k if q < qmax else 0)
+        pos += width
+        d = (z >> 1 if z % 2 == 0 else -((z + 1) >> 1)) << params["shift"]
+        o = (r if r < 1 << 31 else -(1 << 31) if r == 1 << 31 else -(r - (1 << 31))) + d
+        out[i] = o if o >= 0 else 1 << 31 if o == -(1 << 31) else (1 << 31) - o
+    return out.view("<f4")

@@ -290,6 +290,106 @@ def test_the_walk_shows_each_step_with_the_run_s_numbers_and_their_files_in_both
     assert driver.execute_script("return document.documentElement.lang") == "zh-Hans"
 
 
+def test_the_layers_and_lm_head_steps_show_the_residual_norms_and_the_dot_product_that_gives_the_logit(run, driver):
+    """The layers step: each captured resid_post's L2 norm at the last position (capture.safetensors, read here with
+    torch); the lm-head step: the top id's row of the LM head (the snapshot's weights, loaded here with torch), and
+    its FP64 dot product with final_norm_out, which equals the recorded logit within bf16 rounding."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.model.names import act_name
+    _open(driver, run / "artifacts/report/explorer.html")
+    walk = _walk(driver, "en")
+    cap = load_file(str(part(paths.CAPTURE, run)))
+    norms = [n for n in walk["layers"]["numbers"] if "resid_post" in n[1]]
+    layers = sorted(int(k.split(".")[1]) for k in cap if k.endswith(".resid_post"))
+    assert [n[1].split("(")[-1].rstrip(")") for n in norms] == [act_name("resid_post", i) for i in layers]
+    for (value, _), layer in zip(norms, layers):
+        want = torch.linalg.vector_norm(cap[act_name("resid_post", layer)][0, -1].double()).item()
+        assert float(value) == pytest.approx(want, rel=1e-3), layer
+    table, _ = _last(run)
+    top = table.sort_values(["rank"]).iloc[0]
+    weights = {}
+    for f in sorted((run / "artifacts/prepare_model").glob("*.safetensors")):
+        weights |= load_file(str(f))
+    row = weights["lm_head.weight"][int(top.token_id)].double()        # tiny_qwen2: an untied head
+    x = cap[act_name("final_norm_out")][0, -1].double()
+    head = [n for n in walk["lm-head"]["numbers"] if "lm_head.weight" in n[1]]
+    assert [n[1].split("/")[-1].split(" ")[0] for n in head] == ["model.safetensors"] * 2 or len(head) == 2
+    coords = [float(c) for c in head[0][0].strip("[, …]").split(", ")]
+    assert coords == pytest.approx(row[:4].tolist(), rel=1e-3)
+    dot = float(head[1][0])
+    assert dot == pytest.approx(torch.dot(row, x).item(), rel=1e-5)
+    assert abs(dot - float(top.logit)) <= 2 ** -8 * abs(float(top.logit)) + 1e-6      # bf16: 8 significant bits
+
+
+# zh mode: what may stay Latin outside the [translate="no"] names, ids, numbers and token texts (terms the Chinese
+# texts use as they are, and the run's own names)
+TERMS = (r"token|id|ids|logits?|[Ll]ogit lens|lens|bf16|softmax|top-[kp1]|KL|MLP|LM head|RMSNorm|FP64|KV|Q|K|V|"
+         r"Jaccard|float32|"
+         r"transformers|warper|NaN|error|report|max|exp")
+
+
+def test_in_chinese_no_panel_text_is_left_in_english(run, driver):
+    """Switch #language to zh: every visible text node outside the names and numbers ([translate="no"]: ids, token
+    texts, numbers, file and variation names) is Chinese, Latin only for TERMS and the run's own branch, filter and
+    variation names; the same nodes in English are English (the switch changed them), and back in English no
+    Chinese is left outside the names."""
+    import re
+    collect = """
+        const s = document.getElementById("language"); s.value = arguments[0]; s.dispatchEvent(new Event("change"));
+        const out = [], w = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+        while (w.nextNode()) {
+          const t = w.currentNode.textContent.trim(), e = w.currentNode.parentElement;
+          if (t && !e.closest('[translate="no"], script, style') && e.checkVisibility()) out.push(t);
+        }
+        return out;"""
+    _open(driver, run / "artifacts/report/explorer.html")
+    driver.execute_script("document.querySelectorAll('#why-layers tr.why-layer')[0]?.click()")   # open a layer too
+    names = set(pd.read_parquet(part(paths.STEPS, run)).branch)
+    names |= {f["filter"] for f in json.loads(part(paths.PROBS_SUMMARY, run).read_text())["filters"]}
+    names |= set(pd.read_parquet(part(paths.EQUIVALENCE, run)).variation)
+    allowed = re.compile(rf"(?<![A-Za-z_])(?:{TERMS}|{'|'.join(map(re.escape, sorted(names, key=len)[::-1]))})"
+                         r"(?![A-Za-z_])")
+    zh, en = driver.execute_script(collect, "zh"), driver.execute_script(collect, "en")
+    english = [t for t in zh if re.search(r"[A-Za-z]{2,}", allowed.sub(" ", t))]
+    assert english == [], english
+    assert len(zh) > 100 and sum(re.search(r"[\u4e00-\u9fff]", t) is not None for t in zh) > 100
+    assert not [t for t in en if re.search(r"[\u4e00-\u9fff]", t)]
+
+
+def test_prompt_tokens_and_picks_are_shaded_by_their_probability(run, driver):
+    """Each prompt token after the first carries p (data-p, hover) = numpy's FP64 softmax at T = 1 of logits.parquet
+    at the position before, for that token's id, and a green whose opacity grows with p; each trajectory pick the p
+    steps.parquet recorded for it."""
+    import re
+
+    from pipeline.store import logits_io
+    _open(driver, run / "artifacts/report/explorer.html")
+    got = driver.execute_script("""return [...document.querySelectorAll("#tokens .tok")].map((e) =>
+        [Number(e.dataset.position), e.dataset.p ?? null, getComputedStyle(e).backgroundColor]);""")
+    tokens = pd.read_parquet(part(paths.TOKENS, run))
+    have = set(logits_io.positions_in(part(paths.LOGITS, run)))
+    shaded = [(pos, float(p), bg) for pos, p, bg in got if p is not None]
+    assert [pos for pos, _, _ in shaded] == [pos for pos in tokens.position if pos - 1 in have] and shaded
+    for pos, p, _ in shaded:
+        row = logits_io.read_position(part(paths.LOGITS, run), pos - 1)
+        want = _fp64(row, 1.0)[int(tokens.token_id[tokens.position == pos].iloc[0])]
+        assert p == pytest.approx(want, rel=1e-12, abs=0), pos
+    picks = driver.execute_script("""return [...document.querySelectorAll("#trajectories td.picked-tok")]
+        .map((e) => [Number(e.dataset.p), getComputedStyle(e).backgroundColor]);""")
+    steps = pd.read_parquet(part(paths.STEPS, run))
+    assert sorted(p for p, _ in picks) == sorted(steps.prob.tolist())
+
+    def alpha(bg: str) -> float:
+        return float(re.findall(r"[\d.]+", bg)[3])
+    # the darker the likelier (a random-init model gives every prompt token about 1/V: the picks spread wider)
+    for pairs in ([(p, bg) for _, p, bg in shaded], picks):
+        pairs = sorted(pairs)
+        assert all(alpha(a) <= alpha(b) for (_, a), (_, b) in zip(pairs, pairs[1:]))
+    assert alpha(sorted(picks)[0][1]) < alpha(sorted(picks)[-1][1])
+
+
 def test_the_why_step_shows_the_stored_parts_by_layer_opening_per_head_and_the_prompt_shaded(run, driver):
     """Step "why": a bar per layer for attention and MLP whose values are the top-1's parts in
     logit_parts.parquet summed; a click opens the layer's heads (each head's own row); every prompt token
@@ -510,16 +610,21 @@ def test_the_equivalence_panel_agrees_with_the_row_and_with_numpy_at_every_tempe
 
 
 def test_each_encoding_gives_back_the_variant_exactly(run, driver):
-    """sdpa (bf16 values: their high halves), float16 (IEEE half), float32, batch_2 (here the record's own
-    bits: nothing embedded): the panel's variant probabilities are numpy's FP64 softmax of
-    variant_logits.parquet's values."""
+    """sdpa (bf16 values), float16 (half values), float32, batch_2 (here the record's own bits: nothing embedded),
+    each in the encoding the page chose (its plain bytes or its Rice-coded difference from the record or an earlier
+    variation): the panel's variant probabilities are numpy's FP64 softmax of variant_logits.parquet's values."""
     from pipeline.report.explorer import variant_encoding
     _, rec, variants = _eq_inputs(run)
     _open(driver, run / "artifacts/report/explorer.html")
+    earlier, encodings = {}, {}
+    for variation, row in variants.items():          # the page's order: a row refers only to an earlier one
+        encodings[variation] = variant_encoding(rec, row, earlier)[0]
+        earlier[variation] = row
+    assert encodings["batch_2"] == "same" and {encodings[v] for v in ("sdpa", "float16", "float32")} <= {
+        "rice", "bf16", "f16", "f4", "as"}
     for variation in ("sdpa", "float16", "float32", "batch_2"):
-        encoding, _ = variant_encoding(rec, variants[variation])
         got = _eq(driver, variation, 1.0)
-        assert f"embedded as {encoding})" in got["status"], got["status"]
+        assert f"embedded as {encodings[variation]})" in got["status"], got["status"]
         _check_panel(got, rec, variants[variation], 1.0, fp64_sets=False)
 
 

@@ -43,10 +43,12 @@ function checkSampling(f) {
     assert.equal(f.inverseCdf(p, kept, c.u), c.id, `${c.name} u=${c.u}`);
   }
 }
+const REC = new Float32Array(FX.decode[0].values);     // the record a "rice" row is coded against
 function checkDecoding(f) {
   for (const c of FX.decode) {
     const got = c.encoding === "floats" ? f.floats(c.b64) : c.encoding === "bits" ? f.bits(c.b64, c.n)
-      : f.decodeLogits(c.encoding, c.b64, c.n, null);
+      : c.encoding === "rice" ? f.unrice(c.b64, REC, c.params.k, c.params.shift)
+      : f.decodeLogits(c.encoding, c.b64, c.n, REC, c.params);
     assert.deepEqual(Array.from(got, (x) => (Number.isNaN(x) ? "NaN" : x)), c.values, c.name);
   }
 }
@@ -100,6 +102,10 @@ const MUTANTS = {
     const h = new Uint16Array(real.bytesOf(b64).buffer), out = new Float32Array(h.length), u = new Uint32Array(out.buffer);
     for (let i = 0; i < h.length; i++) u[i] = h[i];
     return out;
+  }}],
+  "Rice difference with its sign swapped": ["checkDecoding", {unrice(b64, ref, k, shift) {
+    const out = real.unrice(b64, ref, k, shift);
+    return out.map((x, i) => ref[i] - (x - ref[i]));
   }}],
   "bits read big-endian": ["checkDecoding", {bits(b64, n) {
     const bytes = real.bytesOf(b64), out = new Uint8Array(n);

@@ -73,20 +73,27 @@ def _decode(rec: np.ndarray) -> list[dict]:
     def values(x):
         return ["NaN" if np.isnan(v) else float(v) for v in np.asarray(x, dtype=np.float64)]
     out = [{"name": "logits", "encoding": "floats", "b64": explorer.b64_floats(rec), "values": values(rec)}]
+    encoding, b64 = explorer.logits_encoding(rec)
+    assert encoding == "bf16"
+    out.append({"name": "record", "encoding": encoding, "n": int(rec.size), "b64": b64, "values": values(rec)})
     ids = np.array([0, 3, 8, 9, 17, 4095])
     mask = np.zeros(rec.size)
     mask[ids] = 1
     out.append({"name": "kept", "encoding": "bits", "n": int(rec.size), "b64": explorer.b64_bits(ids, rec.size),
                 "values": mask.tolist()})
+    near = rec.copy()                    # a bf16 step off at every 5th id, a sign flip (escaped) and -0
+    near[::5] = _bf16(np.nextafter(near[::5], np.float32(np.inf)) + np.abs(near[::5]) / 100)
+    near[[11, 12]] = [-rec[11], -0.0]
     with np.errstate(over="ignore"):
-        variants = {"bf16": _bf16(rec + 0.5), "f16": (rec / 3).astype("<f2").astype("<f4"),
-                    "f4": rec / np.float32(3)}
+        variants = {"bf16": _bf16(np.random.default_rng(3).normal(0, 30, rec.size)),       # unrelated: plain bf16
+                    "f16": (-rec[::-1] * 7).astype("<f2").astype("<f4"), "f4": -rec[::-1] / np.float32(3),
+                    "rice": near}
     variants["f16"][5] = np.nan
     for want, v in variants.items():
-        encoding, b64 = explorer.variant_encoding(rec, v)
+        encoding, b64, params = explorer.variant_encoding(rec, v)
         assert encoding == want, (encoding, want)
         out.append({"name": f"variant {want}", "encoding": encoding, "n": int(rec.size), "b64": b64,
-                    "values": values(v)})
+                    "params": params, "values": values(v)})
     return out
 
 
@@ -106,4 +113,4 @@ def test_the_page_s_numerics_equal_the_python_reference_and_mutants_fail(tmp_pat
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={"NEXTTOKEN_JS_FIXTURES": str(path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "# fail 0" in proc.stdout and "# pass 17" in proc.stdout, proc.stdout[-2000:]
+    assert "# fail 0" in proc.stdout and "# pass 18" in proc.stdout, proc.stdout[-2000:]

@@ -44,40 +44,49 @@ def test_a_variation_that_ran_and_gave_nan_says_so_not_that_it_did_not_run():
 
 
 def test_the_explorer_embeds_each_variant_in_the_fewest_bytes_that_give_it_back():
-    """explorer.variant_encoding: nothing for the record's bits or all NaN, 2 bytes per id for bf16 or float16
-    values, 4 otherwise; decoded as the page decodes them, every value comes back."""
-    import base64
-
+    """explorer.variant_encoding: nothing for the record's bits, an earlier variation's bits or all NaN; otherwise
+    the smallest of its plain bytes (2 per id for bf16 or float16 values, 4 otherwise) and its Rice-coded difference
+    from the record or an earlier row; decoded by the reference decoder (tests/helpers/explorer_ref), every value
+    comes back, bit for bit."""
     import numpy as np
     import torch
 
     from pipeline.report.explorer import equivalence_data, variant_encoding
+    from tests.helpers.explorer_ref import decode_logits
     rng = np.random.default_rng(0)
     rec = torch.from_numpy(rng.normal(0, 4, 1000).astype(np.float32)).bfloat16().float().numpy()
 
-    def decoded(encoding, data):
-        raw = base64.b64decode(data)
-        if encoding == "bf16":
-            return (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4")
-        return np.frombuffer(raw, {"f16": "<f2", "f4": "<f4"}[encoding]).astype(np.float32)
+    def bf16(x):
+        return torch.from_numpy(np.asarray(x, dtype=np.float32)).bfloat16().float().numpy()
 
-    bf16 = torch.from_numpy(rec + 0.25).bfloat16().float().numpy()
+    near = rec.copy()                                    # one bf16 step off at a few ids (sdpa, kernels)
+    near[::37] = np.nextafter(bf16(near[::37]), np.float32(np.inf))
+    near = bf16(near + np.where(np.arange(rec.size) % 37 == 0, np.abs(rec) / 64, 0))
+    near[5], near[6] = -0.0, -rec[6]                     # -0 and a sign flip (escaped) come back too
+    far = bf16(rng.normal(0, 4, 1000))                   # unrelated to the record: its plain bf16 bytes
     f16 = (rec + 0.001).astype(np.float16).astype(np.float32)
     f16[3] = np.nan
     f32 = rec + np.float32(1e-3)
-    for variant, want in ((bf16, "bf16"), (f16, "f16"), (f32, "f4")):
-        encoding, data = variant_encoding(rec, variant)
-        assert encoding == want
-        back = decoded(encoding, data)
-        assert np.array_equal(back, variant, equal_nan=True) and len(data) < 4 * variant.size * (4 if want == "f4"
-                                                                                                 else 2) / 3 + 4
-    assert variant_encoding(rec, rec.copy()) == ("same", None)
-    assert variant_encoding(rec, np.full_like(rec, np.nan)) == ("nan", None)
+    earlier = {}
+    sizes = {}
+    for name, variant, plain in (("near", near, 2), ("far", far, 2), ("f16", f16, 2), ("f32", f32, 4)):
+        encoding, data, params = variant_encoding(rec, variant, earlier)
+        ref = earlier[params["ref"]] if params.get("ref") is not None else rec
+        back = decode_logits(encoding, data, params, ref)
+        assert np.array_equal(back.view("<u4"), variant.view("<u4")), name
+        assert len(data) <= 4 * variant.size * plain / 3 + 4, name
+        sizes[name] = (encoding, len(data))
+        earlier[name] = variant
+    assert sizes["near"][0] == "rice" and sizes["near"][1] < variant.size / 2     # a few bits an id, not 16
+    assert sizes["far"][0] == "bf16"
+    assert variant_encoding(rec, rec.copy()) == ("same", None, {})
+    assert variant_encoding(rec, near.copy(), {"near": near}) == ("as", None, {"ref": "near"})
+    assert variant_encoding(rec, np.full_like(rec, np.nan)) == ("nan", None, {})
     rows = [{**ROW, "kl_last": 1e-4}, {**ROW, "variation": "kv_cache_greedy", "compared": "step logits"},
             {**ROW, "variation": "kernels", "max_abs_diff": math.nan, "kept_recorded": -1, "note": "no AVX2"}]
-    panel = equivalence_data(rec, 24, rows, {"sdpa": ("bfloat16", [23, 24], np.stack([rec, bf16]))}, {})
+    panel = equivalence_data(rec, 24, rows, {"sdpa": ("bfloat16", [23, 24], np.stack([rec, near]))}, {})
     sdpa, kv, kernels = panel["variations"]
-    assert sdpa["shown"] and sdpa["encoding"] == "bf16" and sdpa["row"]["kl_last"] == 1e-4
+    assert sdpa["shown"] and sdpa["encoding"] in ("bf16", "rice") and sdpa["row"]["kl_last"] == 1e-4
     assert not kv["shown"] and "step_logits.parquet" in kv["why"]
     assert not kernels["shown"] and kernels["why"] == "not run here: no AVX2" and kernels["row"]["max_abs_diff"] is None
     assert equivalence_data(rec, 24, None, None, {}) is None

@@ -6,7 +6,7 @@ function el(tag, attrs, ...kids) {
   for (const k of kids) e.append(k);
   return e;
 }
-const LOGITS = floats(D.last.logits);             // float32 values of the bf16 logits, exact
+const LOGITS = decodeLogits(D.last.encoding, D.last.logits, D.last.size, null);   // the recorded values, exact
 const N = D.last.size;
 const ORDER = logitOrder(LOGITS);                 // the order of p at any temperature > 0
 const RANK = ranks(ORDER);
@@ -17,13 +17,13 @@ function configured(T, k, topP) {
 let SHOWN = null;        // what the Next token panel shows: {T, p, kept (ids in rank order)}, null when invalid
 function clearNext(why) {
   SHOWN = null;
-  $("input-error").textContent = why;
-  for (const id of ["kept-count", "kept-mass", "kept-source"]) $(id).textContent = "";
+  setUi($("input-error"), why.code, why.raw);
+  for (const id of ["kept-count", "kept-mass", "kept-source"]) clearUi($(id));
   $("candidates").tBodies[0].replaceChildren();
   clearSample();
 }
 function clearSample() {
-  $("sampled-id").textContent = ""; $("sampled-text").textContent = "";
+  $("sampled-id").textContent = ""; clearUi($("sampled-text"));
   delete $("sampled-id").dataset.seed;
   document.querySelectorAll("#candidates tr.picked").forEach((r) => r.classList.remove("picked"));
 }
@@ -32,22 +32,22 @@ function percent(x) {
 }
 function update() {
   const s = parseSetting($("temperature").value, $("top-k").value, $("top-p").value);
-  if (s.error) { clearNext(s.error); updateEquivalence(); return; }
+  if (s.error) { clearNext(s); updateEquivalence(); return; }
   const {T, k, topP} = s;
-  $("input-error").textContent = "";
+  clearUi($("input-error"));
   clearSample();
   const p = distribution(LOGITS, T);
   const f = T > 0 ? configured(T, k, topP) : null;
   let keptMask, kept;
   if (T === 0) {
     kept = [greedy(LOGITS)]; keptMask = new Uint8Array(N); keptMask[kept[0]] = 1;
-    $("kept-source").textContent = "(T = 0: greedy, the highest logit; top-k and top-p do not apply)";
+    setUi($("kept-source"), "src-greedy");
   } else if (f) {
-    keptMask = bits(f.kept, N); kept = ORDER.filter((i) => keptMask[i]);
-    $("kept-source").textContent = `(the set recorded by transformers' warpers for filter ${f.name}: filtered.parquet)`;
+    kept = keptIds(f.kept, ORDER, N); keptMask = new Uint8Array(N); kept.forEach((i) => { keptMask[i] = 1; });
+    setUi($("kept-source"), "src-warper", f.name, "filtered.parquet");
   } else {
     kept = keptFP64(p, k, topP, ORDER, LOGITS); keptMask = new Uint8Array(N); kept.forEach((i) => { keptMask[i] = 1; });
-    $("kept-source").textContent = "(computed here in FP64: not a configured filter)";
+    setUi($("kept-source"), "src-fp64");
   }
   let mass = 0;
   for (const i of ORDER) if (keptMask[i]) mass += p[i];
@@ -60,7 +60,7 @@ function update() {
     const bar = el("div", {class: "bar", title: `p = ${p[id]}`}, el("span", {}));
     bar.firstChild.style.width = (100 * p[id] / top).toFixed(3) + "%";      // the top candidate spans the track
     return el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), class: keptMask[id] ? "kept" : ""},
-      el("td", {}, String(RANK[id])), el("td", {class: "tokcell"}, JSON.stringify(D.last.text[id] ?? "").slice(1, -1)),
+      el("td", {}, String(RANK[id])), el("td", {class: "tokcell", translate: "no"}, JSON.stringify(D.last.text[id] ?? "").slice(1, -1)),
       el("td", {class: "pct", title: `p = ${p[id]}`}, percent(p[id])), el("td", {class: "barcell"}, bar),
       el("td", {}, String(id)), el("td", {}, String(LOGITS[id])));
   }));
@@ -72,16 +72,16 @@ function sampleOnce() {
   const seed = parseSeed($("seed").value);
   if (seed === null) {
     clearSample();
-    $("input-error").textContent = `seed = ${$("seed").value}: not allowed; a whole number in [0, 2^64)`;
+    setUi($("input-error"), "err-seed", $("seed").value);
     return;
   }
-  $("input-error").textContent = "";
+  clearUi($("input-error"));
   const u = uniform(splitmix64(seed));
   const id = SHOWN.T === 0 ? SHOWN.kept[0] : inverseCdf(SHOWN.p, SHOWN.kept, u);
   clearSample();
   const out = $("sampled-id");
   out.textContent = String(id); out.dataset.seed = String(seed); out.dataset.u = String(u);
-  $("sampled-text").textContent = `${JSON.stringify(D.last.text[id] ?? "")} (seed ${seed}, u = ${u.toFixed(6)})`;
+  setUi($("sampled-text"), "drawn-how", JSON.stringify(D.last.text[id] ?? ""), String(seed), u.toFixed(6));
   const row = document.querySelector(`#candidates tr[data-token-id="${id}"]`);
   if (row) row.classList.add("picked");
   $("seed").value = String(seed + 1n < 2n ** 64n ? seed + 1n : 0n);
@@ -89,32 +89,44 @@ function sampleOnce() {
 function pages() {
   const nav = $("pages");
   for (const [pid, file] of Object.entries(D.pages)) {
-    nav.append(el("a", {href: file, class: pid === D.prompt_id ? "current" : ""}, pid));
+    nav.append(el("a", {href: file, class: pid === D.prompt_id ? "current" : "", translate: "no"}, pid));
   }
 }
 function conditions() {
-  $("conditions").append(...D.conditions.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v))));
+  $("conditions").append(...D.conditions.map(([k, v]) => el("tr", {}, ui("th", `cond-${k}`),
+    el("td", {translate: "no"}, v))));
 }
 function tokens() {
-  if (D.chat) $("chat").append(el("p", {class: "note"}, "Chat prompt, rendered by the tokenizer's own template:"),
-    ...D.chat.map((m) => el("p", {}, el("b", {}, m.role + ": "), m.content)));
+  if (D.chat) $("chat").append(ui("p", "chat", [], {class: "note"}),
+    ...D.chat.map((m) => el("p", {translate: "no"}, el("b", {}, m.role + ": "), m.content)));
   const box = $("tokens");
+  if (D.tokens.some((t) => t.p !== undefined)) $("tokens-shade").hidden = false;
   for (const t of D.tokens) {
     const cls = "tok" + (t.special ? " special" : "") + (t.alone ? "" : " split");
-    const span = el("span", {class: cls, "data-position": String(t.position), title: `id ${t.id}, bytes ${t.bytes}`},
+    const span = el("span", {class: cls, "data-position": String(t.position), title: `id ${t.id}, bytes ${t.bytes}`,
+                             translate: "no"},
       (t.alone ? "" : "\u26a0") + JSON.stringify(t.text).slice(1, -1), el("small", {}, " " + t.id));
+    if (t.p !== undefined) {          // shaded by the probability the position before gave it (T = 1)
+      span.style.background = probColor(t.p); span.dataset.p = String(t.p); span.dataset.source = "logits.parquet";
+      span.title += `; p = ${t.p} (rank ${t.rank}) after position ${t.position - 1}`;
+    }
     span.addEventListener("click", () => showPosition(t.position, span));
     box.append(span);
   }
+}
+// green, darker the likelier: alpha from sqrt(p), so that 1% and 10% differ as much as 25% and 100% nearly do;
+// dark text stays readable on the darkest (contrast > 6:1)
+function probColor(p) {
+  return `rgba(46,125,50,${(0.04 + 0.6 * Math.sqrt(Math.max(0, Math.min(1, p)))).toFixed(3)})`;
 }
 function showPosition(pos, span) {
   document.querySelectorAll(".tok.sel").forEach((s) => s.classList.remove("sel"));
   if (span) span.classList.add("sel");
   const row = D.positions.find((r) => r.position === pos);
   const out = $("position-top");
-  if (!row) { out.replaceChildren(el("p", {class: "note"}, `position ${pos}: no logits recorded there`)); return; }
-  out.replaceChildren(el("p", {}, `position ${pos}: recorded top candidates (logit)`),
-    el("table", {id: "position-candidates"}, ...row.top.map(([id, text, logit]) =>
+  if (!row) { out.replaceChildren(ui("p", "pos-none", [pos], {class: "note"})); return; }
+  out.replaceChildren(ui("p", "pos-top", [pos]),
+    el("table", {id: "position-candidates", translate: "no"}, ...row.top.map(([id, text, logit]) =>
       el("tr", {"data-token-id": String(id)}, el("td", {}, String(id)), el("td", {}, JSON.stringify(text)),
         el("td", {}, String(logit))))));
 }
@@ -132,20 +144,20 @@ function heat(canvas, w, h, value) {
 function attention() {
   const box = $("attention");
   const layers = Object.keys(D.attention);
-  if (!layers.length) { box.append(el("p", {class: "note"}, "no attention weights captured")); return; }
-  const pick = el("select", {id: "attention-layer"}, ...layers.map((l) => el("option", {value: l}, `layer ${l}`)));
+  if (!layers.length) { box.append(ui("p", "att-none", [], {class: "note"})); return; }
+  const pick = el("select", {id: "attention-layer"}, ...layers.map((l) => el("option", {value: l}, l)));
   const focus = el("div", {id: "attention-focus"});
-  box.append(el("label", {}, "layer ", pick), focus);
+  box.append(el("label", {}, ui("span", "layer"), " ", pick), focus);
   const blocks = {};
   for (const layer of layers) {
     const a = D.attention[layer], w = floats(a.weights), n = a.n;
     const row = el("div", {class: "att-maps", "data-layer": layer},
-      el("p", {class: "note"}, `layer ${layer}, every head (positions ${a.offset}..${a.offset + n - 1}; row = query)`));
+      ui("p", "att-maps", [layer, a.offset, a.offset + n - 1], {class: "note"}));
     for (let h = 0; h < a.heads; h++) {
       const c = el("canvas", {class: "heat", width: String(n), height: String(n), title: `layer ${layer} head ${h}`});
       c.style.width = c.style.height = Math.max(96, 3 * n) + "px";
       heat(c, n, n, (x, y) => w[h * n * n + y * n + x]);
-      row.append(el("span", {}, `head ${h} `), c);
+      row.append(ui("span", "head-n", [h]), " ", c);
     }
     blocks[layer] = {a, w, row};
     box.append(row);
@@ -157,9 +169,9 @@ function attention() {
     const grid = el("div", {class: "att-grid", id: "attention-last"});
     grid.style.gridTemplateColumns = `64px repeat(${n}, minmax(0, 1fr))`;
     grid.append(el("div", {}, ""), ...Array.from({length: n}, (_, k) =>
-      el("div", {class: "att-label", title: `position ${a.offset + k}`}, label(a.offset + k))));
+      el("div", {class: "att-label", title: `position ${a.offset + k}`, translate: "no"}, label(a.offset + k))));
     for (let h = 0; h < a.heads; h++) {
-      grid.append(el("div", {class: "att-head"}, `head ${h}`));
+      grid.append(ui("div", "head-n", [h], {class: "att-head"}));
       for (let k = 0; k < n; k++) {
         const v = w[h * n * n + q * n + k];
         const cell = el("div", {class: "att-cell", title: `head ${h} → ${JSON.stringify(label(a.offset + k))}: ${v}`},
@@ -168,8 +180,7 @@ function attention() {
         grid.append(cell);
       }
     }
-    focus.replaceChildren(el("p", {class: "note"}, `what position ${a.offset + q} (the last) attends to, ` +
-      `in percent, per head of layer ${pick.value}`), grid);
+    focus.replaceChildren(ui("p", "att-last", [a.offset + q, pick.value], {class: "note"}), grid);
   };
   pick.value = layers[layers.length - 1];
   pick.addEventListener("change", show);
@@ -177,18 +188,17 @@ function attention() {
 }
 function lens() {
   const box = $("lens"), L = D.lens;
-  if (!L) { box.append(el("p", {class: "note"}, "no logit lens in this run")); return; }
-  box.append(el("p", {class: "note"}, "layer x position: the top-1 piece after the model's own final norm and " +
-    "LM head; colour = its probability (FP64); hover for the top 5 and the final token's rank"));
+  if (!L) { box.append(ui("p", "lens-none", [], {class: "note"})); return; }
+  box.append(ui("p", "lens-note", [], {class: "note"}));
   const grid = el("div", {class: "grid", id: "lens-grid"});
   grid.style.gridTemplateColumns = `44px repeat(${L.positions.length}, minmax(0, 1fr))`;   // fits: no scrolling
-  grid.append(el("div", {}, "layer"), ...L.positions.map((p) => el("div", {class: "cell"}, String(p))));
+  grid.append(ui("div", "layer"), ...L.positions.map((p) => el("div", {class: "cell"}, String(p))));
   for (let li = L.layers.length - 1; li >= 0; li--) {
     grid.append(el("div", {}, String(L.layers[li])));
     for (let pi = 0; pi < L.positions.length; pi++) {
       const c = L.cells[li][pi], v = c.p;
       const cell = el("div", {class: "cell", title: c.top5.map(([t, q]) => `${JSON.stringify(t)} ${q.toPrecision(4)}`)
-        .join("\n") + `\nfinal token's rank: ${c.final_rank}`}, c.text);
+        .join("\n") + `\nfinal token's rank: ${c.final_rank}`, translate: "no"}, c.text);
       // white text from the middle of the scale on (contrast >= 4.5:1 either side)
       cell.style.background = `rgba(35,57,93,${0.08 + 0.9 * v})`; cell.style.color = v > 0.35 ? "#fff" : "#111";
       grid.append(cell);
@@ -199,42 +209,42 @@ function lens() {
 function trajectories() {
   const box = $("trajectories");
   const greedy = D.trajectories.find((b) => b.branch === "greedy" && !b.kv);
+  if (D.trajectories.length) box.append(ui("p", "traj-shade", [], {class: "note"}));
   for (const b of D.trajectories) {
     const twin = D.trajectories.find((o) => o.branch === b.branch && o.kv !== b.kv);
     const agree = twin ? b.steps.every((s, i) => twin.steps[i] && twin.steps[i].id === s.id) : null;
-    const kv = agree === null ? "" : agree ? ": KV cache and full prefix agree" : ": KV cache and full prefix DIFFER";
-    const head = `${b.name}${kv}${b.loop ? " (loop)" : ""}`;
-    const t = el("table", {class: "step"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "token id"), el("th", {}, "p"),
-      el("th", {}, "text so far"), el("th", {}, "alternatives (text id p)")));
+    const head = ui("h3", agree === null ? "traj" : agree ? "traj-agree" : "traj-differ", [b.name]);
+    if (b.loop) head.append(" ", ui("span", "loop"));
+    const t = el("table", {class: "step"}, el("tr", {}, ui("th", "th-step"), ui("th", "th-token"), el("th", {}, "p"),
+      ui("th", "th-text"), ui("th", "th-alts")));
     b.steps.forEach((s, i) => {
       const leaves = greedy && b.branch !== "greedy" && greedy.steps[i] && greedy.steps[i].id !== s.id;
-      t.append(el("tr", {class: leaves ? "leave" : ""}, el("td", {}, String(s.step)),
-        el("td", {}, `${JSON.stringify(s.piece ?? "")} ${s.id}`),
+      t.append(el("tr", {class: leaves ? "leave" : "", translate: "no"}, el("td", {}, String(s.step)),
+        el("td", {class: "picked-tok", style: `background:${probColor(s.prob)}`, "data-p": String(s.prob),
+                  title: `p = ${s.prob}`}, `${JSON.stringify(s.piece ?? "")} ${s.id}`),
         el("td", {}, s.prob.toPrecision(6)), el("td", {}, JSON.stringify(s.text)),
         el("td", {}, s.alts.map(([id, q, text]) => `${JSON.stringify(text ?? "")} ${id} ${(100 * q).toPrecision(3)}%`)
           .join(", "))));
     });
-    box.append(el("h3", {}, head), t);
+    box.append(head, t);
   }
 }
 function checks() {
-  if (!D.checks) { $("checks").append(el("tr", {}, el("td", {}, "the checks stage has not run"))); return; }
-  if (!D.checks.length) {
-    $("checks-summary").append(el("p", {},
-      "checks: none ran on this prompt (outside the checks.prompts sample of a large set)"));
-    return;
-  }
+  if (!D.checks) { $("checks").append(el("tr", {}, ui("td", "checks-none"))); return; }
+  if (!D.checks.length) { $("checks-summary").append(ui("p", "checks-outside")); return; }
   const failed = D.checks.filter((c) => c.verdict !== "pass");
   const errors = failed.filter((c) => c.severity === "error").length;
-  $("checks-summary").append(el("p", {}, `checks: ${D.checks.length - failed.length} of ${D.checks.length} pass; ` +
-    `${errors} error and ${failed.length - errors} report checks fail`));
-  $("checks").append(...D.checks.map((c) => el("tr", {}, el("td", {class: c.verdict}, c.verdict),
+  $("checks-summary").append(ui("p", "checks-summary",
+    [D.checks.length - failed.length, D.checks.length, errors, failed.length - errors]));
+  $("checks").append(...D.checks.map((c) => el("tr", {translate: "no"}, el("td", {class: c.verdict}, c.verdict),
     el("td", {}, c.severity), el("td", {}, c.name), el("td", {}, c.value === null ? "" : String(c.value)))));
 }
 // ---- Equivalence: the recorded next-token distribution against a variation's, at the page's temperature
 const EQ = D.equivalence, EQ_CACHE = {};
 function variantLogits(v) {            // exact: the encodings are lossless (explorer.variant_encoding)
-  return decodeLogits(v.encoding, v.logits, N, LOGITS);
+  const ref = v.params && v.params.ref != null ? variant(EQ.variations.findIndex((o) => o.name === v.params.ref)).L
+    : LOGITS;                          // "same" and a "rice" row against the record; "as" / "rice" against an earlier one
+  return decodeLogits(v.encoding, v.logits, N, ref, v.params);
 }
 function variant(i) {
   if (!EQ_CACHE[i]) {
@@ -248,21 +258,19 @@ function variant(i) {
 function g(x) {
   return x === null || x === undefined ? "n/a" : typeof x === "number" && x !== 0 ? x.toPrecision(4) : String(x);
 }
-function storedRow(v) {
+function storedRow(v) {            // the row's figures: names and numbers; the words around them in TEXT
   const r = v.row;
-  return `stored row (equivalence.parquet, ${v.compared}, ${r.n_positions} positions, T = 1): ` +
-    `KL mean ${g(r.kl_mean)}, max ${g(r.kl_max)}, at the last one ${g(r.kl_last)}; ` +
-    `top-p 0.9 kept ${r.kept_recorded} → ${r.kept_variant}, Jaccard ${g(r.kept_jaccard)} ` +
-    `(transformers' float32 warper); top-1 changed at ` +
-    `${r.top1_changed.length ? r.top1_changed.join(", ") : "no position"}; max |Δ logit| ${g(r.max_abs_diff)}, ` +
-    `mean ${g(r.mean_abs_diff)}; bit-identical ${r.bit_identical ? "yes" : "no"}; first differing tensor ` +
-    `${r.first_differing_tensor || "none"}; ${r.note || ""}`;
+  setUi($("eq-row"), "eq-row", "equivalence.parquet", v.compared, r.n_positions, g(r.kl_mean), g(r.kl_max),
+    g(r.kl_last), `${r.kept_recorded} → ${r.kept_variant}`, g(r.kept_jaccard),
+    r.top1_changed.length ? r.top1_changed.join(", ") : "—", g(r.max_abs_diff), g(r.mean_abs_diff),
+    r.bit_identical ? "✓" : "✗", r.first_differing_tensor || "—", r.note || "");
 }
-function eqClear(why) {
+function eqClear(key, ...args) {
   for (const id of ["eq-kl", "eq-top1", "eq-kept-recorded", "eq-kept-variant", "eq-jaccard", "eq-max-diff",
-                    "eq-mean-diff", "eq-kept-source"]) $(id).textContent = "";
+                    "eq-mean-diff"]) $(id).textContent = "";
+  clearUi($("eq-kept-source"));
   $("eq-candidates").tBodies[0].replaceChildren();
-  $("eq-status").textContent = why;
+  setUi($("eq-status"), key, ...args);
 }
 function equivalenceSetup() {
   if (!EQ) {           // no empty shell: the panel says why in one line
@@ -270,10 +278,10 @@ function equivalenceSetup() {
     for (const e of document.querySelectorAll("#panel-equivalence .controls, #eq-figures, #eq-candidates, #eq-row")) {
       e.hidden = true;
     }
-    eqClear("the equivalence stage did not run for this prompt (equivalence.prompts)"); return;
+    eqClear("eq-none", "equivalence.prompts"); return;
   }
   $("eq-variation").append(...EQ.variations.map((v, i) =>
-    el("option", {value: v.name, "data-index": String(i)}, v.name + (v.shown ? "" : " (not shown)"))));
+    el("option", {value: v.name, "data-index": String(i)}, v.name + (v.shown ? "" : " ✗"))));
   const first = EQ.variations.findIndex((v) => v.shown);
   if (first >= 0) $("eq-variation").selectedIndex = first;
   $("eq-variation").addEventListener("change", updateEquivalence);
@@ -282,15 +290,14 @@ function equivalenceSetup() {
 function updateEquivalence() {
   if (!EQ) return;
   const T = Number($("temperature").value), topP = Number($("eq-top-p").value);
-  $("eq-temperature").textContent = `T = ${T}`;
+  setUi($("eq-temperature"), "eq-temp-note", `T = ${T}`);
   const idx = EQ.variations.findIndex((v) => v.name === $("eq-variation").value), v = EQ.variations[idx];
-  if (!v) { eqClear("no variation chosen"); return; }
-  $("eq-row").textContent = storedRow(v);
-  if (!v.shown) { eqClear(`${v.name}: not shown: ${v.why}`); return; }
-  if (T === 0) { eqClear("T = 0 (greedy): no distribution to compare; choose a temperature > 0"); return; }
-  if (!(T > 0) || !(topP > 0 && topP <= 1)) { eqClear("(invalid setting)"); return; }
-  if (v.encoding === "nan") { eqClear(`${v.name}: every logit is NaN at position ${EQ.position} (${v.dtype}): ` +
-    "no distribution to compare"); return; }
+  if (!v) { eqClear("eq-unchosen"); return; }
+  storedRow(v);
+  if (!v.shown) { eqClear("eq-not-shown", v.name, v.why); return; }
+  if (T === 0) { eqClear("eq-greedy"); return; }
+  if (!(T > 0) || !(topP > 0 && topP <= 1)) { eqClear("eq-invalid"); return; }
+  if (v.encoding === "nan") { eqClear("eq-nan", v.name, EQ.position, v.dtype); return; }
   const V = variant(idx);
   const p = softmax64(LOGITS, T), q = softmax64(V.L, T), lp = logSoftmax64(LOGITS, T), lq = logSoftmax64(V.L, T);
   let kl = 0, maxd = 0, sumd = 0;
@@ -301,21 +308,18 @@ function updateEquivalence() {
   // at the row's own setting the sets are the row's (transformers' float32 warper, which breaks ties at the
   // boundary its own way); elsewhere the FP64 nucleus
   const rows = T === 1 && topP === 0.9 && v.kept;
-  const setIds = (k) => { if (!k.bits) return k.ids; const m = bits(k.bits, N); return ORDER.filter((i) => m[i]); };
-  const kr = rows ? setIds(v.kept.recorded) : keptFP64(p, 0, topP, ORDER, LOGITS);
-  const kv = rows ? setIds(v.kept.variant) : keptFP64(q, 0, topP, V.order, V.L);
-  $("eq-kept-source").textContent = rows ? "(the row's sets: transformers' float32 warper at T = 1, top-p 0.9)"
-    : "(computed here: the FP64 nucleus)";
+  const kr = rows ? keptIds(v.kept.recorded, ORDER, N) : keptFP64(p, 0, topP, ORDER, LOGITS);
+  const kv = rows ? keptIds(v.kept.variant, V.order, N) : keptFP64(q, 0, topP, V.order, V.L);
+  setUi($("eq-kept-source"), rows ? "eq-src-row" : "eq-src-fp64");
   const inR = new Uint8Array(N), inV = new Uint8Array(N);
   kr.forEach((i) => { inR[i] = 1; }); kv.forEach((i) => { inV[i] = 1; });
   let both = 0; for (const i of kv) both += inR[i];
   const jaccard = kr.length + kv.length - both ? both / (kr.length + kv.length - both) : 1;
   const a = ORDER[0], b = V.order[0];
-  $("eq-status").textContent = `${v.name} (${v.dtype}, embedded as ${v.encoding}) at position ${EQ.position}, ` +
-    `the next token's`;
+  setUi($("eq-status"), "eq-status", v.name, v.dtype, v.encoding, EQ.position);
   $("eq-kl").textContent = String(kl);
   const top1 = $("eq-top1");
-  top1.textContent = a === b ? `same: ${a}` : `changed: ${a} → ${b}`;
+  if (a === b) setUi(top1, "eq-same", a); else setUi(top1, "eq-changed", a, b);
   top1.dataset.changed = String(a !== b); top1.dataset.recorded = String(a); top1.dataset.variant = String(b);
   $("eq-kept-recorded").textContent = String(kr.length); $("eq-kept-variant").textContent = String(kv.length);
   $("eq-jaccard").textContent = String(jaccard);
@@ -327,7 +331,7 @@ function updateEquivalence() {
     return el("tr", {"data-token-id": String(id), "data-p-recorded": String(p[id]), "data-p-variant": String(q[id]),
                      "data-rank-recorded": String(rr), "data-rank-variant": String(rv),
                      "data-delta-logit": String(V.L[id] - LOGITS[id]),
-                     class: a !== b && (id === a || id === b) ? "flip" : ""},
+                     class: a !== b && (id === a || id === b) ? "flip" : "", translate: "no"},
       el("td", {}, String(id)), el("td", {}, JSON.stringify(text(id))), el("td", {}, String(rr)),
       el("td", {}, String(rv)), el("td", {}, rv === rr ? "0" : (rv > rr ? "+" : "") + String(rv - rr)),
       el("td", {}, String(LOGITS[id])), el("td", {}, String(V.L[id])), el("td", {}, String(V.L[id] - LOGITS[id])),
@@ -349,7 +353,7 @@ $("temperature-slider").addEventListener("input", () => {
 $("sample").addEventListener("click", sampleOnce);
 $("seed").value = String(D.seed ?? 0);
 $("model-line").textContent = D.conditions[0][1];
-$("next-where").textContent = `after position ${D.last.position}, ` +
-  JSON.stringify(D.tokens.find((t) => t.position === D.last.position)?.text ?? "");
+setUi($("next-where"), "next-where", D.last.position,
+  JSON.stringify(D.tokens.find((t) => t.position === D.last.position)?.text ?? ""));
 update();
 showPosition(D.last.position, document.querySelector(`.tok[data-position="${D.last.position}"]`));

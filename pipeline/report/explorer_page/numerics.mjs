@@ -25,10 +25,37 @@ export function half(x) {
   if (e === 31) return f ? NaN : s * Infinity;
   return s * (1 + f / 1024) * 2 ** (e - 15);
 }
-// A variant's logits row from its encoding (explorer.variant_encoding): every encoding is lossless.
-export function decodeLogits(encoding, b64, n, same) {
-  if (encoding === "same") return same;
+// float32 bits <-> the ordinal explorer.ordinals gives them (JS numbers: exact far beyond 2^32)
+function ordinal(u) {
+  if (u < 0x80000000) return u;
+  return u === 0x80000000 ? -(2 ** 31) : -(u - 0x80000000);
+}
+function fromOrdinal(o) {
+  return o >= 0 ? o : o === -(2 ** 31) ? 0x80000000 : 0x80000000 - o;
+}
+export const RICE_QMAX = 24, RICE_ESCAPE = 34;       // explorer.RICE_QMAX, RICE_ESCAPE
+// A row coded as its difference from `ref` (explorer.rice): per id, the unary quotient (ones, then a zero) and k
+// bits, or RICE_QMAX ones and the zigzag value in RICE_ESCAPE bits; d = zigzag^-1 * 2^shift added to ref's ordinal.
+export function unrice(b64, ref, k, shift) {
+  const bytes = bytesOf(b64), n = ref.length, out = new Float32Array(n), ob = new Uint32Array(out.buffer);
+  const rb = new Uint32Array(ref.buffer, ref.byteOffset, n), scale = 2 ** shift;
+  let pos = 0;
+  const bit = () => { const b = (bytes[pos >> 3] >> (7 - (pos & 7))) & 1; pos++; return b; };
+  for (let i = 0; i < n; i++) {
+    let q = 0, z = 0;
+    while (q < RICE_QMAX && bit()) q++;
+    if (q < RICE_QMAX) { for (let j = 0; j < k; j++) z = 2 * z + bit(); z += q * 2 ** k; }
+    else for (let j = 0; j < RICE_ESCAPE; j++) z = 2 * z + bit();
+    ob[i] = fromOrdinal(ordinal(rb[i]) + (z % 2 === 0 ? z / 2 : -(z + 1) / 2) * scale);
+  }
+  return out;
+}
+// A logits row from its encoding (explorer.variant_encoding): every encoding is lossless. `same`: the record's row
+// ("same"), the row an "as" or "rice" encoding refers to.
+export function decodeLogits(encoding, b64, n, same, params = {}) {
+  if (encoding === "same" || encoding === "as") return same;
   if (encoding === "nan") return new Float32Array(n).fill(NaN);
+  if (encoding === "rice") return unrice(b64, same, params.k, params.shift);
   const bytes = bytesOf(b64);
   if (encoding === "f4") return new Float32Array(bytes.buffer);
   const h = new Uint16Array(bytes.buffer), out = new Float32Array(h.length);
@@ -39,6 +66,13 @@ export function decodeLogits(encoding, b64, n, same) {
     for (let i = 0; i < h.length; i++) out[i] = half(h[i]);
   } else throw new Error(`unknown encoding ${encoding}`);
   return out;
+}
+// A kept set (explorer.kept_set) as its ids in `order`: {top: n} (the first n of order), {ids}, or {bits}.
+export function keptIds(kept, order, n) {
+  if (kept.top !== undefined) return order.slice(0, kept.top);
+  if (kept.ids) { const m = new Uint8Array(n); kept.ids.forEach((i) => { m[i] = 1; }); return order.filter((i) => m[i]); }
+  const m = bits(kept.bits, n);
+  return order.filter((i) => m[i]);
 }
 // Ids by descending logit, equal logits by lower id (the project's rank rule; the order of p at any T > 0).
 export function logitOrder(L) {
@@ -117,9 +151,16 @@ export function inverseCdf(p, kept, u) {
 export function parseSetting(rawT, rawK, rawP) {
   const num = (s) => (String(s).trim() === "" ? NaN : Number(s));
   const T = num(rawT), k = num(rawK), topP = num(rawP);
-  if (!(Number.isFinite(T) && T >= 0)) return {error: `temperature = ${rawT}: not allowed; a number >= 0 (0 = greedy)`};
-  if (!(Number.isInteger(k) && k >= 0)) return {error: `top-k = ${rawK}: not allowed; a whole number >= 0 (0 = off)`};
-  if (!(topP > 0 && topP <= 1)) return {error: `top-p = ${rawP}: not allowed; a number in (0, 1] (1 = off)`};
+  // {error, code, raw}: the English line, and the key of its text in walk.js's TEXT with the value as typed
+  if (!(Number.isFinite(T) && T >= 0)) {
+    return {error: `temperature = ${rawT}: not allowed; a number >= 0 (0 = greedy)`, code: "err-temperature", raw: rawT};
+  }
+  if (!(Number.isInteger(k) && k >= 0)) {
+    return {error: `top-k = ${rawK}: not allowed; a whole number >= 0 (0 = off)`, code: "err-top-k", raw: rawK};
+  }
+  if (!(topP > 0 && topP <= 1)) {
+    return {error: `top-p = ${rawP}: not allowed; a number in (0, 1] (1 = off)`, code: "err-top-p", raw: rawP};
+  }
   return {T, k, topP};
 }
 // A seed as typed: a BigInt in [0, 2^64), or null

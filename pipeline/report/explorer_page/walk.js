@@ -41,7 +41,49 @@ const TEXT = {
       t0: "T = 0: greedy (the highest logit). top-k 0 and top-p 1 are off.",
       "tokens-note": "Each box is one token: its text and, small, its id (hover: bytes). ⚠: a piece that does not " +
         "decode alone (part of a multi-byte character); special tokens are grey. Click a position to see its " +
-        "recorded top candidates."},
+        "recorded top candidates.",
+      "tokens-shade": "Green: how likely the model found the token after the ones before it (dark = expected, " +
+        "pale = a surprise; hover: p at T = 1 and rank).",
+      "traj-shade": "Each pick is shaded by the probability it had when it was picked (dark green = likely).",
+      "err-temperature": "temperature = {0}: not allowed; a number >= 0 (0 = greedy)",
+      "err-top-k": "top-k = {0}: not allowed; a whole number >= 0 (0 = off)",
+      "err-top-p": "top-p = {0}: not allowed; a number in (0, 1] (1 = off)",
+      "err-seed": "seed = {0}: not allowed; a whole number in [0, 2^64)",
+      "src-greedy": "(T = 0: greedy, the highest logit; top-k and top-p do not apply)",
+      "src-warper": "(the set recorded by transformers' warpers for filter {0}: {1})",
+      "src-fp64": "(computed here in FP64: not a configured filter)",
+      "drawn-how": "{0} (seed {1}, u = {2})", "next-where": "after position {0}, {1}",
+      chat: "Chat prompt, rendered by the tokenizer's own template:",
+      "pos-none": "position {0}: no logits recorded there", "pos-top": "position {0}: recorded top candidates (logit)",
+      "att-none": "no attention weights captured", layer: "layer", "head-n": "head {0}",
+      "att-maps": "layer {0}, every head (positions {1}..{2}; row = query)",
+      "att-last": "what position {0} (the last) attends to, in percent, per head of layer {1}",
+      "lens-none": "no logit lens in this run",
+      "lens-note": "layer × position: the top-1 piece after the model's own final norm and LM head; colour = its " +
+        "probability (FP64); hover for the top 5 and the final token's rank",
+      traj: "{0}", "traj-agree": "{0}: KV cache and full prefix agree", "traj-differ": "{0}: KV cache and full prefix DIFFER",
+      loop: "(loop)", "th-step": "step", "th-token": "token id", "th-text": "text so far", "th-alts": "alternatives (text id p)",
+      "checks-none": "the checks stage has not run",
+      "checks-outside": "checks: none ran on this prompt (outside the checks.prompts sample of a large set)",
+      "checks-summary": "checks: {0} of {1} pass; {2} error and {3} report checks fail",
+      "cond-model": "model", "cond-dtype / attention": "dtype / attention", "cond-device": "device",
+      "cond-kernel path": "kernel path", "cond-commit": "commit", "cond-created": "created",
+      eq: "Equivalence: a variation against the record", "eq-variation": "variation",
+      "eq-temp-note": "temperature: the Next token panel's ({0}); top-k off",
+      "eq-kl-label": "KL(record ‖ variant), FP64, this position", "eq-top1-label": "top-1 (record → variant)",
+      "eq-kept-label": "top-p kept (record → variant)", "eq-diff-label": "max / mean |Δ logit|, this position",
+      "eq-rank-rec": "rank rec", "eq-rank-var": "rank var", "eq-drank": "Δ rank", "eq-logit-rec": "logit rec",
+      "eq-logit-var": "logit var", "eq-dlogit": "Δ logit", "eq-p-rec": "p rec", "eq-p-var": "p var", "eq-kept": "kept",
+      "eq-none": "the equivalence stage did not run for this prompt ({0})", "eq-unchosen": "no variation chosen",
+      "eq-not-shown": "{0}: not shown: {1}", "eq-greedy": "T = 0 (greedy): no distribution to compare; choose a temperature > 0",
+      "eq-invalid": "(invalid setting)", "eq-nan": "{0}: every logit is NaN at position {1} ({2}): no distribution to compare",
+      "eq-src-row": "(the row's sets: transformers' float32 warper at T = 1, top-p 0.9)",
+      "eq-src-fp64": "(computed here: the FP64 nucleus)",
+      "eq-status": "{0} ({1}, embedded as {2}) at position {3}, the next token's",
+      "eq-same": "same: {0}", "eq-changed": "changed: {0} → {1}",
+      "eq-row": "stored row ({0}, {1}, {2} positions, T = 1): KL mean {3}, max {4}, at the last one {5}; top-p 0.9 " +
+        "kept {6}, Jaccard {7} (transformers' float32 warper); top-1 changed at {8}; max |Δ logit| {9}, mean {10}; " +
+        "bit-identical {11}; first differing tensor {12}; {13}"},
   },
   zh: {
     title: {tokens: "1. 文本 → token", embedding: "2. token → 向量（嵌入）", layers: "3. 各层",
@@ -75,7 +117,49 @@ const TEXT = {
       "ids-mass": "个 id，总概率", rank: "排名", prob: "概率（FP64，过滤之前；悬停显示完整精度）",
       t0: "T = 0：贪心（选 logit 最高的）。top-k 为 0、top-p 为 1 表示不启用。",
       "tokens-note": "每个方框是一个 token：它的文本和小字的 id（悬停显示字节）。⚠：单独无法解码的片段" +
-        "（多字节字符的一部分）；特殊 token 为灰色。点击一个位置查看它记录的候选词。"},
+        "（多字节字符的一部分）；特殊 token 为灰色。点击一个位置查看它记录的候选词。",
+      "tokens-shade": "绿色：在前面的 token 之后，模型认为这个 token 有多大可能（深 = 意料之中，浅 = 出乎意料；" +
+        "悬停显示 T = 1 时的 p 和排名）。",
+      "traj-shade": "每个选中的 token 按它被选中时的概率着色（深绿 = 可能性大）。",
+      "err-temperature": "温度 = {0}：不允许；应为 >= 0 的数（0 = 贪心）",
+      "err-top-k": "top-k = {0}：不允许；应为 >= 0 的整数（0 = 不启用）",
+      "err-top-p": "top-p = {0}：不允许；应为 (0, 1] 中的数（1 = 不启用）",
+      "err-seed": "随机种子 = {0}：不允许；应为 [0, 2^64) 中的整数",
+      "src-greedy": "（T = 0：贪心，取 logit 最高者；top-k 与 top-p 不适用）",
+      "src-warper": "（transformers 的 warper 为过滤器 {0} 记录的集合：{1}）",
+      "src-fp64": "（在此用 FP64 计算：不是配置过的过滤器）",
+      "drawn-how": "{0}（种子 {1}，u = {2}）", "next-where": "位置 {0} 之后，{1}",
+      chat: "对话提示词，由分词器自带的模板渲染：",
+      "pos-none": "位置 {0}：此处没有记录 logit", "pos-top": "位置 {0}：记录的候选词（logit）",
+      "att-none": "没有捕获注意力权重", layer: "层", "head-n": "头 {0}",
+      "att-maps": "第 {0} 层，每个头（位置 {1}..{2}；行 = 查询）",
+      "att-last": "位置 {0}（最后一个）对各位置的注意力，百分比，第 {1} 层的每个头",
+      "lens-none": "本次运行没有 logit lens",
+      "lens-note": "层 × 位置：经过模型自己的最终归一化和 LM head 后排名第一的片段；颜色 = 它的概率（FP64）；" +
+        "悬停显示前 5 名和最终 token 的排名",
+      traj: "{0}", "traj-agree": "{0}：KV 缓存与完整前缀一致", "traj-differ": "{0}：KV 缓存与完整前缀不一致",
+      loop: "（循环）", "th-step": "步", "th-token": "token id", "th-text": "目前的文本", "th-alts": "备选（文本 id p）",
+      "checks-none": "checks 阶段尚未运行",
+      "checks-outside": "检查：本提示词没有运行检查（不在大集合的 checks.prompts 抽样中）",
+      "checks-summary": "检查：{1} 项中 {0} 项通过；{2} 项 error 检查和 {3} 项 report 检查未通过",
+      "cond-model": "模型", "cond-dtype / attention": "数据类型 / 注意力实现", "cond-device": "设备",
+      "cond-kernel path": "内核路径", "cond-commit": "提交", "cond-created": "创建时间",
+      eq: "等价性：一种变体与记录的对比", "eq-variation": "变体",
+      "eq-temp-note": "温度：使用“下一个 token”面板的温度（{0}）；top-k 不启用",
+      "eq-kl-label": "KL（记录 ‖ 变体），FP64，此位置", "eq-top1-label": "第一名（记录 → 变体）",
+      "eq-kept-label": "top-p 保留（记录 → 变体）", "eq-diff-label": "最大 / 平均 |Δ logit|，此位置",
+      "eq-rank-rec": "记录排名", "eq-rank-var": "变体排名", "eq-drank": "Δ 排名", "eq-logit-rec": "记录 logit",
+      "eq-logit-var": "变体 logit", "eq-dlogit": "Δ logit", "eq-p-rec": "记录 p", "eq-p-var": "变体 p", "eq-kept": "保留",
+      "eq-none": "本提示词没有运行 equivalence 阶段（{0}）", "eq-unchosen": "未选择变体",
+      "eq-not-shown": "{0}：不显示：{1}", "eq-greedy": "T = 0（贪心）：没有可比较的分布；请选择大于 0 的温度",
+      "eq-invalid": "（设置无效）", "eq-nan": "{0}：位置 {1} 的每个 logit 都是 NaN（{2}）：没有可比较的分布",
+      "eq-src-row": "（该行自己的集合：transformers 的 float32 warper，T = 1，top-p 0.9）",
+      "eq-src-fp64": "（在此计算：FP64 核心集合）",
+      "eq-status": "{0}（{1}，以 {2} 编码嵌入），位置 {3}，下一个 token 的分布",
+      "eq-same": "相同：{0}", "eq-changed": "改变：{0} → {1}",
+      "eq-row": "存储的行（{0}，{1}，{2} 个位置，T = 1）：KL 平均 {3}，最大 {4}，最后一个位置 {5}；top-p 0.9 " +
+        "保留 {6}，Jaccard {7}（transformers 的 float32 warper）；第一名改变的位置 {8}；最大 |Δ logit| {9}，平均 {10}；" +
+        "逐位相同 {11}；第一个不同的张量 {12}；{13}"},
   },
 };
 function walk() {
@@ -84,7 +168,7 @@ function walk() {
     const table = el("table", {class: "walk-numbers"});
     for (const n of s.numbers) {
       table.append(el("tr", {}, el("th", {"data-label-en": n.label.en, "data-label-zh": n.label.zh}, n.label.en),
-        el("td", {class: "num", "data-source": n.source, title: n.source}, n.value)));
+        el("td", {class: "num", "data-source": n.source, title: n.source, translate: "no"}, n.value)));
     }
     const sec = el("section", {"data-step": s.step, id: `step-${s.step}`, class: "step-section"},
       el("h2", {"data-step-title": s.step}), el("p", {class: "explain", "data-step-explain": s.step}), table);
@@ -128,27 +212,51 @@ function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a
       table.append(row, ...heads);
     }
     box.append(table);
-    if (w.outside.length) box.append(el("p", {class: "note"}, w.outside.map(([c, v]) => `${c}: ${v >= 0 ? "+" : ""}${v.toFixed(3)}`).join(" · ")));
+    if (w.outside.length) box.append(el("p", {class: "note", translate: "no"}, w.outside.map(([c, v]) => `${c}: ${v >= 0 ? "+" : ""}${v.toFixed(3)}`).join(" · ")));
   }
   if (w.inputs.length) {
     const span = Math.max(...w.inputs.map(Math.abs));
     const strip = el("div", {class: "why-inputs", id: "why-inputs"});
     w.inputs.forEach((v, i) => {
       const t = D.tokens[i] || {text: "", id: ""};
-      strip.append(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`,
+      strip.append(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`, translate: "no",
         title: `position ${i}, id ${t.id}: ${v}`}, t.text.replace(/\n/g, "⏎") || "␣"));
     });
     box.append(el("p", {class: "caption", "data-ui": "why-inputs"}), strip);
   }
   return box;
 }
+// An element whose text is TEXT[lang].ui[key] with {0}, {1}, ... filled by args (names and numbers, the same in
+// both languages: each in a <span translate="no">); setLanguage fills every such element again.
+let LANG = "en";
+function fillUi(e) {
+  const tpl = TEXT[LANG].ui[e.dataset.ui] ?? TEXT.en.ui[e.dataset.ui] ?? "";
+  const args = e.dataset.args ? JSON.parse(e.dataset.args) : [];
+  if (e.tagName === "OPTION") { e.textContent = tpl.replace(/\{(\d+)\}/g, (_, i) => String(args[+i])); return; }
+  e.replaceChildren(...tpl.split(/\{(\d+)\}/).map((part, i) =>
+    i % 2 ? el("span", {translate: "no"}, String(args[+part])) : part));
+}
+function setUi(e, key, ...args) {
+  e.dataset.ui = key;
+  if (args.length) e.dataset.args = JSON.stringify(args); else delete e.dataset.args;
+  fillUi(e);
+}
+function clearUi(e) {
+  delete e.dataset.ui; delete e.dataset.args; e.textContent = "";
+}
+function ui(tag, key, args = [], attrs = {}) {
+  const e = el(tag, attrs);
+  setUi(e, key, ...args);
+  return e;
+}
 function setLanguage(lang) {
-  const T = TEXT[lang] || TEXT.en;
+  LANG = lang === "zh" ? "zh" : "en";
+  const T = TEXT[LANG];
   document.documentElement.lang = lang === "zh" ? "zh-Hans" : "en";
   document.querySelectorAll("[data-step-title]").forEach((e) => { e.textContent = T.title[e.dataset.stepTitle]; });
   document.querySelectorAll("[data-step-explain]").forEach((e) => { e.textContent = T.explain[e.dataset.stepExplain]; });
   document.querySelectorAll("[data-label-en]").forEach((e) => { e.textContent = e.dataset[`label${lang === "zh" ? "Zh" : "En"}`]; });
   document.querySelectorAll("[data-missing-en]").forEach((e) => { e.textContent = e.dataset[`missing${lang === "zh" ? "Zh" : "En"}`]; });
-  document.querySelectorAll("[data-ui]").forEach((e) => { e.textContent = T.ui[e.dataset.ui]; });
+  document.querySelectorAll("[data-ui]").forEach(fillUi);
   $("language").value = lang;
 }
