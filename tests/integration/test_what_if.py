@@ -4,6 +4,8 @@ wrong branch, a wrong claim, a missing branch and a continuation decoded from th
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -138,3 +140,19 @@ def test_depth_2_forks_the_greedy_run_at_step_2_and_a_wrong_continuation_fails_g
     got = _checks(model, prompt_ids, steps, rows, deep)
     assert got["what_if_branches"].passed          # each id is its row's argmax: only generate can tell
     assert got["what_if_generate_parity"].measured >= 1 and not got["what_if_generate_logits"].passed
+
+
+
+def test_the_report_names_each_forced_branch_with_its_forced_id_and_rank(steps, tiny_chain):
+    from types import SimpleNamespace
+
+    from pipeline.report import render
+    recorded = json.loads(part(paths.TRAJECTORIES, tiny_chain).read_text())
+    inp = SimpleNamespace(manifests={}, trajectories=recorded, steps=steps, prompt_metrics=[], cite=str)
+    text = "\n".join(render.trajectories(inp))
+    for name, rows in _runs([r for r in steps if r["forced_step"] is not None]).items():
+        f = rows[0]
+        want = {"step": 1, "token_id": f["forced_token_id"], "rank": f["forced_rank"]}
+        assert recorded[f"{name}_kv"]["forced"] == want
+        assert f"Branch `{name}`, KV cache on: {len(rows)} new tokens" in text, name
+        assert f"What if: id {f['forced_token_id']} (rank {f['forced_rank']}) forced at step 1, then greedy." in text
