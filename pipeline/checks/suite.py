@@ -23,7 +23,16 @@ import torch
 
 from pipeline import kernels
 from pipeline.checks import next_token, recompute, tables
-from pipeline.checks.trajectory import generate_parity, greedy_argmax, kv_cache, loops, step1_logits, step_logits_sha256
+from pipeline.checks.trajectory import (
+    generate_parity,
+    greedy_argmax,
+    kv_cache,
+    loops,
+    step1_logits,
+    step_logits_sha256,
+    what_if_branches,
+    what_if_generate,
+)
 from pipeline.checks.verdicts import Check, diff_detail, max_abs, mismatches
 from pipeline.model import capture, decode, loader, tokenization, trajectories
 from pipeline.numerics import probs
@@ -453,7 +462,7 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
         rows, _ = trajectories.rederive_step_logits(model, ids, cfg["sampling"], recorded)
     step_rows = {(k["branch"], k["kv_cache"], k["step"]): row for k, _, row in rows}
     hashes = step_logits_sha256(rows, recorded, "stored" if stored.step_logits else "re-derived", "error")
-    own = greedy_argmax(steps, step_rows)                       # the recorded greedy tokens vs the rows' argmax
+    own = [*greedy_argmax(steps, step_rows), *what_if_branches(steps, step_rows, cfg["sampling"], eos_ids)]
     if stored.step_logits is None:  # rows decoded here: on another kernel path they may differ and follow
         hashes, own = kernel_bound(hashes, traj, here), kernel_bound(own, traj, here)   # another prefix
     one_row = recompute.lm_head_rows(model, tensors[capture.act_name("final_norm_out")], 1)[0, -1].float().cpu()
@@ -464,6 +473,7 @@ def run_all(stored: Stored, model, tokenizer, cfg: dict, device: torch.device, e
         *kv_cache(steps, step_rows, cfg["checks"].kv_cache_atol),
         *kernel_bound(generate_parity(model, ids, steps, step_rows, cfg["sampling"], eos_ids, device, "error"),
                       traj, here),
+        *kernel_bound(what_if_generate(model, ids, steps, step_rows, cfg["sampling"], eos_ids, "error"), traj, here),
         *(loops(read_parquet(stored.prompt_metrics[0], filters=[("prompt_id", "=", stored.prompt_metrics[1])])
                 .to_pylist(), steps) if stored.prompt_metrics else []),
     ]

@@ -117,11 +117,11 @@ def kv_cache(steps: list[dict], step_rows: dict, atol: float) -> list[Check]:
 
 def generate_parity(model, prompt_ids: list[int], steps: list[dict], step_rows: dict, sampling_cfg,
                     eos_ids: set[int], device: torch.device, severity: str) -> list[Check]:
-    """Every recorded run vs `model.generate` run again here with the same settings, seed and
-    cache mode: the ids, and the raw logits generate computed at each step vs the stored step
-    logits (`severity`: from the devices of the trajectories stage and of this one)."""
+    """Every recorded run but the what-if ones (`what_if`) vs `model.generate` run again here with the same
+    settings, seed and cache mode: the ids, and the raw logits generate computed at each step vs the stored
+    step logits (`severity`: from the devices of the trajectories stage and of this one)."""
     out = []
-    for b, kv in sorted({(r["branch"], r["kv_cache"]) for r in steps}):
+    for b, kv in sorted({(r["branch"], r["kv_cache"]) for r in steps if r.get("forced_step") is None}):
         stored = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"])
                   if (r["branch"], r["kv_cache"]) == (b, kv)]
         ref = generate_reference(model, prompt_ids, branch_settings(b, sampling_cfg), sampling_cfg.max_new_tokens,
@@ -164,3 +164,96 @@ def loops(metrics_rows: list[dict], steps: list[dict]) -> list[Check]:
     return [Check("trajectory_loops", "each run's loop start / period and new-token count in prompt_metrics.parquet "
                   "vs its ids in steps.parquet, by the loop's definition element by element (runs differing)",
                   len(wrong), 0, "error", ", ".join(wrong))]
+
+
+# ---------------------------------------------------------------- what-if branches
+def _forced_runs(steps: list[dict]) -> dict[str, list[dict]]:
+    """The what-if branches' rows (those with a forced_step; a run made before them has none), in step order."""
+    out: dict[str, list[dict]] = {}
+    for r in sorted(steps, key=lambda r: r["step"]):
+        if r.get("forced_step") is not None:
+            out.setdefault(r["branch"], []).append(r)
+    return out
+
+
+def _rank_order(row: np.ndarray, n: int) -> list[int]:
+    """The n best ids of a logits row by numpy's full stable sort (logit descending, lower id first among
+    equal ones), not by the stage's `top_order`."""
+    return [int(i) for i in np.argsort(-row.astype(np.float64), kind="stable")[:n]]
+
+
+def _expected_forced(sampling_cfg, step_rows: dict, eos_ids: set[int]) -> set[tuple[int, int]]:
+    """(step, rank) of every what-if branch the config asks for: ranks 2..what_if+1 at step 1, and at step 2
+    with what_if_depth 2 when the greedy pick at step 1 (the argmax of the stored step-1 row) is not an end
+    of sequence; none past max_new_tokens or past the output size."""
+    what_if, depth, max_new = (getattr(sampling_cfg, k, 0) for k in ("what_if", "what_if_depth", "max_new_tokens"))
+    first = next((row for (_, _, s), row in sorted(step_rows.items()) if s == 1), None)
+    if not what_if or not max_new or first is None:
+        return set()
+    ranks = range(2, min(what_if + 1, first.size) + 1)
+    out = {(1, r) for r in ranks}
+    if depth == 2 and max_new >= 2 and int(np.argmax(first)) not in eos_ids:
+        out |= {(2, r) for r in ranks}
+    return out
+
+
+def what_if_branches(steps: list[dict], step_rows: dict, sampling_cfg, eos_ids: set[int]) -> list[Check]:
+    """Each what-if branch as it claims to be, from its stored rows and step logits: every step before and
+    after the forced one is the argmax of its row (numpy), the forced id is the id of rank forced_rank (>= 2)
+    in its step's row by numpy's full sort, the claim columns agree on every row, and the branches present
+    are the ones `sampling.what_if` / `what_if_depth` ask for (none missing, none extra)."""
+    runs, wrong = _forced_runs(steps), []
+    for name, rows in runs.items():
+        f = rows[0]
+        claim = (f["forced_step"], f["forced_token_id"], f["forced_rank"])
+        got = [step_rows.get((name, r["kv_cache"], r["step"]), np.full(1, np.nan)) for r in rows]
+        at = claim[0] - 1
+        ok = all((r["forced_step"], r["forced_token_id"], r["forced_rank"]) == claim for r in rows) \
+            and [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and 0 <= at < len(rows) and claim[2] >= 2 \
+            and rows[at]["token_id"] == claim[1] == _rank_order(got[at], claim[2])[-1] \
+            and all(r["token_id"] == int(np.argmax(row)) for i, (r, row) in enumerate(zip(rows, got)) if i != at)
+        if not ok:
+            wrong.append(name)
+    have = {(rows[0]["forced_step"], rows[0]["forced_rank"]) for rows in runs.values()}
+    want = _expected_forced(sampling_cfg, step_rows, eos_ids)
+    wrong += [f"missing step {s} rank {r}" for s, r in sorted(want - have)]
+    wrong += [f"not asked for: step {s} rank {r}" for s, r in sorted(have - want)]
+    return [Check("what_if_branches", "each what-if branch's forced id vs the id of its rank in the stored step row "
+                  "(numpy sort), its other ids vs numpy argmax, the branches vs sampling.what_if / what_if_depth "
+                  "(branches wrong, missing or extra)", len(wrong), 0, "error",
+                  ", ".join(wrong[:4]) or f"{len(runs)} branches")]
+
+
+def what_if_generate(model, prompt_ids: list[int], steps: list[dict], step_rows: dict, sampling_cfg,
+                     eos_ids: set[int], severity: str) -> list[Check]:
+    """Each what-if branch vs `model.generate(do_sample=False)` run here on the prompt plus the branch's ids up
+    to and with its forced one, for the steps left: its ids after the forced step (error, as the greedy
+    branch's parity), and the raw logits generate computed at each of those steps vs the stored step logits,
+    bit for bit up to the first different id (`severity`: from the devices of the two stages)."""
+    runs = _forced_runs(steps)
+    if not runs:
+        return []
+    bad, diffs, details = [], [], []
+    for name, rows in runs.items():
+        s = rows[0]["forced_step"]
+        if not 1 <= s <= len(rows):                 # what_if_branches names it; nothing to run generate on
+            bad.append(name)
+            details.append(f"{name}: forced_step {s} outside its {len(rows)} steps")
+            continue
+        prefix, stored = [r["token_id"] for r in rows[:s]], [r["token_id"] for r in rows[s:]]
+        ref = generate_reference(model, [*prompt_ids, *prefix], branch_settings(name, sampling_cfg),
+                                 sampling_cfg.max_new_tokens - s, sampling_cfg.seed, kv_cache=True, eos_ids=eos_ids) \
+            if rows[s - 1]["stop_reason"] is None else None
+        want = ref.ids if ref else []
+        if mismatches(want, stored):
+            bad.append(name)
+            details.append(f"{name}: {diff_detail(want, stored)}")
+        n = next((i for i, (x, y) in enumerate(zip(want, stored)) if x != y), min(len(want), len(stored))) + 1
+        diffs += [max_abs(step_rows.get((name, True, s + 1 + i), np.empty(0)), row.float().numpy())
+                  for i, row in enumerate(ref.logits[:n] if ref else [])]
+    return [Check("what_if_generate_parity", "each what-if branch's ids after its forced one vs model.generate("
+                  "do_sample=False) on the prompt plus its ids up to the forced one, with the KV cache (branches "
+                  "differing)", len(bad), 0, "error", "; ".join(details[:4]) or f"{len(runs)} branches"),
+            Check("what_if_generate_logits", "stored step logits of the what-if branches after the forced step vs "
+                  "the raw logits model.generate computed at each step, bit for bit", max(diffs, default=0.0), 0,
+                  severity, f"{len(diffs)} steps compared")]

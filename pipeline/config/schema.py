@@ -342,6 +342,22 @@ class SamplingConfig(Filter):
     step_logits: Literal["auto", "all"] | Annotated[int, Field(ge=1)] = Field(
         "auto", description="auto (every prompt of a set of up to 100, a fixed sample of 100 of a larger one: the "
                             "checks' own sample), all, or an integer >= 1 (a fixed sample of that many)")
+    # What-if branches (docs/trajectories.md): at the last prompt position (and, with depth 2, at the greedy
+    # run's step 2) each of the top `what_if` candidates other than the greedy one is forced, then decoded
+    # greedily with the KV cache. Defaults off: a config recorded before these keys existed re-derives its
+    # step logits with no forced branch, as it was run (conf/ turns them on).
+    what_if: Annotated[int, Field(ge=0, description="an integer >= 0 (0: off)")] = 0
+    what_if_depth: Annotated[int, Field(ge=1, le=2, description="1 (force at step 1) or 2 (also at the greedy run's "
+                                                                  "step 2)")] = 1
+
+    @model_validator(mode="after")
+    def _what_if_recorded(self):
+        # a forced candidate is one of the top_n alternatives recorded at the step it replaces
+        if self.what_if > self.top_n - 1:
+            raise RuleError("what_if", self.what_if, f"an integer in [0, {self.top_n - 1}] (at most sampling.top_n - 1 "
+                            f"= {self.top_n - 1}: each forced candidate is among the top_n alternatives recorded at "
+                            "its step, the greedy one first)")
+        return self
 
 
 CHECKED_AUTO = 100     # checks.prompts=auto: every prompt of a set up to this size, a sample of this many beyond

@@ -1,7 +1,8 @@
 """The trajectories stage's work: run every branch with and without the KV cache, tabulate.
 
 Branches: `sample` (the configured temperature / top-k / top-p, a CPU generator seeded from
-`sampling.seed`) and `greedy` (argmax of the raw logits). The full-prefix run (no cache) is
+`sampling.seed`), `greedy` (argmax of the raw logits) and the what-if branches `forced_r{rank}` /
+`forced_s2_r{rank}` (`what_if_runs`: a lower-ranked candidate forced, then greedy). The full-prefix run (no cache) is
 the reference path, as in the article; the cached run is recorded so the checks stage can
 compare its logits. The stage's recording (inputs through the run's ledger, the files written) is
 `pipeline.record.trajectories`.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from pipeline.config.schema import SamplingConfig
 from pipeline.errors import UserError, bad_value
 from pipeline.model import loader
-from pipeline.model.decode import Step, prefill, run_branch
+from pipeline.model.decode import Prefill, Step, prefill, run_branch
 from pipeline.numerics.aggregates import trajectory_set_metrics
 from pipeline.numerics.repetition import distinct_ratio, find_loop
 from pipeline.numerics.sampling import SamplingSettings, next_token_probs, rank_of, top_order
@@ -34,6 +35,8 @@ STEPS_SCHEMA = pa.schema([
     ("token_id", pa.int32()), ("piece", pa.string()), ("text_so_far", pa.string()), ("logit", pa.float32()),
     ("prob", pa.float32()), ("rank", pa.int32()), ("top_ids", pa.list_(pa.int32())),
     ("top_logits", pa.list_(pa.float32())), ("top_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()),
+    # what-if branches: the step whose token was forced, that token and its rank there; null on the other branches
+    ("forced_step", pa.int32()), ("forced_token_id", pa.int32()), ("forced_rank", pa.int32()),
 ])
 # One row per (prompt_id, branch, kv_cache): what a continuation did, for tables across prompts.
 PROMPT_METRICS_SCHEMA = pa.schema([
@@ -47,9 +50,21 @@ TEXT_COLUMNS = 12   # terminal columns of a continuation's text in the DVC metri
 
 
 def branch_settings(branch: str, sampling: SamplingConfig) -> SamplingSettings:
-    if branch == "greedy":
-        return SamplingSettings(temperature=0.0, top_k=0, top_p=1.0)
+    if branch == "greedy" or branch.startswith("forced_"):
+        return GREEDY
     return SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0)
+
+
+@dataclass(frozen=True)
+class Forced:
+    """Where a what-if branch leaves the greedy run: the step, the id forced there and its rank (2 = the
+    runner-up of that step's raw logits, ties by lower id as `top_order`)."""
+    step: int
+    token_id: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class Run:
     kv_cache: bool
     settings: SamplingSettings
     steps: list[Step]
+    forced: Forced | None = None
 
 
 def check_room(prompt_len: int, max_new_tokens: int, max_positions: int | None, prompt_id: str | None = None) -> None:
@@ -74,8 +90,9 @@ def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set
     """Every (branch, kv_cache) run. The prompt pass (step 1) is done once per cache mode and
     shared by the branches; the cached and the full-prefix runs keep their own prompt passes,
     so the checks still compare two computations at step 1."""
-    shared = {kv: prefill(model, prompt_ids, kv) for kv in dict.fromkeys(sampling.kv_cache)} \
-        if sampling.max_new_tokens > 0 and len(sampling.branches) > 1 else {}
+    modes = [*sampling.kv_cache, *([True] if sampling.what_if else [])]
+    shared = {kv: prefill(model, prompt_ids, kv) for kv in dict.fromkeys(modes)} \
+        if sampling.max_new_tokens > 0 and (len(sampling.branches) > 1 or sampling.what_if) else {}
     runs = []
     for branch in sampling.branches:
         settings = branch_settings(branch, sampling)
@@ -83,12 +100,57 @@ def run_all(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set
             steps = run_branch(model, prompt_ids, settings, sampling.max_new_tokens, sampling.seed, kv, eos_ids,
                                shared=shared.get(kv))
             runs.append(Run(branch, kv, settings, steps))
+    return runs + what_if_runs(model, prompt_ids, sampling, eos_ids, shared.get(True))
+
+
+def forced_name(step: int, rank: int) -> str:
+    """A what-if branch's name: `forced_r{rank}` at step 1, `forced_s{step}_r{rank}` later."""
+    return f"forced_r{rank}" if step == 1 else f"forced_s{step}_r{rank}"
+
+
+def what_if_runs(model, prompt_ids: list[int], sampling: SamplingConfig, eos_ids: set[int],
+                 shared: Prefill | None = None) -> list[Run]:
+    """The what-if branches (`sampling.what_if`, `what_if_depth`), all with the KV cache: at each step s up to
+    the depth that the greedy run reaches, each of the `what_if` best ids after the greedy one (`top_order`)
+    forced as token s, then greedy for the remaining `max_new_tokens - s` steps. Steps before s are the greedy
+    run's (its logits rows, bit for bit); step s keeps the row the forced id was picked from. The continuation
+    decodes prompt + prefix + forced id as `generate` would (one pass over them, then the cache), so the
+    checks' `generate` on that prefix is the same computation, not a near one."""
+    n = min(sampling.what_if_depth, sampling.max_new_tokens) if sampling.what_if else 0
+    if n == 0:
+        return []
+    base = run_branch(model, prompt_ids, GREEDY, n, sampling.seed, True, eos_ids, shared=shared)
+    runs = []
+    for s, at in enumerate(base, start=1):
+        for i, token in enumerate(top_order(at.logits, sampling.what_if + 1)[1:]):
+            forced = Forced(s, int(token), i + 2)
+            runs.append(Run(forced_name(s, forced.rank), True, GREEDY,
+                            forced_steps(model, prompt_ids, base[:s], forced, sampling, eos_ids), forced))
+        if at.stop_reason is not None:      # the greedy run stopped here (eos): no step after it to fork
+            break
     return runs
+
+
+def forced_steps(model, prompt_ids: list[int], before: list[Step], forced: Forced, sampling: SamplingConfig,
+                 eos_ids: set[int]) -> list[Step]:
+    """One what-if branch: the greedy steps `before` (the last one's row is where `forced` replaces the greedy
+    pick), the forced step, then greedy with the KV cache from prompt + the prefix, renumbered to follow."""
+    *kept, at = before
+    token, max_new = forced.token_id, sampling.max_new_tokens
+    stop = "eos" if token in eos_ids else "max_new_tokens" if forced.step == max_new else None
+    prob = float(next_token_probs(at.logits, GREEDY)[token])
+    steps = [*kept, replace(at, token_id=token, prob=prob, stop_reason=stop)]
+    if stop is None:
+        prefix = [*prompt_ids, *(x.token_id for x in steps)]
+        after = run_branch(model, prefix, GREEDY, max_new - forced.step, sampling.seed, True, eos_ids)
+        steps += [replace(x, step=x.step + forced.step) for x in after]
+    return steps
 
 
 def steps_table(runs: list[Run], tokenizer, top_n: int) -> pa.Table:
     rows: dict[str, list] = {name: [] for name in STEPS_SCHEMA.names}
     for r in runs:
+        forced = {f"forced_{k}": getattr(r.forced, k) if r.forced else None for k in ("step", "token_id", "rank")}
         new_ids: list[int] = []
         for s in r.steps:
             new_ids.append(s.token_id)
@@ -104,7 +166,7 @@ def steps_table(runs: list[Run], tokenizer, top_n: int) -> pa.Table:
                 "logit": float(logits[s.token_id]), "prob": s.prob,
                 "rank": rank_of(s.logits, s.token_id),
                 "top_ids": order.tolist(), "top_logits": logits[order].tolist(), "top_probs": probs[order].tolist(),
-                "stop_reason": s.stop_reason,
+                "stop_reason": s.stop_reason, **forced,
             }
             for k, v in values.items():
                 rows[k].append(v)
@@ -132,6 +194,7 @@ def summary(runs: list[Run], tokenizer) -> dict:
             "text": tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
             "stop_reason": r.steps[-1].stop_reason if r.steps else None,
             "step_logits_sha256": [logits_io.row_sha256(logits_io.widened(s.logits)) for s in r.steps],
+            **({"forced": asdict(r.forced)} if r.forced else {}),
         }
     return out
 

@@ -306,7 +306,10 @@ def _trajectories(inp, vocab_text: dict[int, str]) -> list[dict]:
     branches: dict[str, dict] = {}
     for r in inp.steps:
         key = f"{r['branch']}{' (KV cache)' if r['kv_cache'] else ''}"
-        b = branches.setdefault(key, {"name": key, "branch": r["branch"], "kv": bool(r["kv_cache"]), "steps": []})
+        forced = f": id {r['forced_token_id']} (rank {r['forced_rank']}) forced at step {r['forced_step']}, then " \
+                 "greedy" if r.get("forced_step") is not None else ""      # a what-if branch (docs/artifacts.md)
+        b = branches.setdefault(key, {"name": key + forced, "branch": r["branch"], "kv": bool(r["kv_cache"]),
+                                      "steps": []})
         alts = [[int(i), float(p), vocab_text.get(int(i), "")] for i, p in zip(r["top_ids"], r["top_probs"])]
         b["steps"].append({"step": r["step"], "id": r["token_id"], "text": r["text_so_far"], "prob": r["prob"],
                            "piece": vocab_text.get(int(r["token_id"]), r.get("piece")),

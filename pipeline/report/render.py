@@ -296,8 +296,10 @@ def trajectories(inp: Inputs) -> list[str]:
         steps = [s for s in inp.steps if s["branch"] == t["branch"] and s["kv_cache"] == t["kv_cache"]]
         rows = [[s["step"], s["prefix_len"], s["token_id"], code(s["piece"]), code(s["text_so_far"]),
                  exact(s["logit"]), prob(s["prob"]), s["rank"]] for s in sorted(steps, key=lambda s: s["step"])]
+        forced = f" What if: id {t['forced']['token_id']} (rank {t['forced']['rank']}) forced at step " \
+                 f"{t['forced']['step']}, then greedy." if t.get("forced") else ""
         out += [f"Branch `{t['branch']}`, KV cache {'on' if t['kv_cache'] else 'off'}: {len(t['token_ids'])} new "
-                f"tokens, stop: {t['stop_reason']}, text {code(t['text'])}.", ""]
+                f"tokens, stop: {t['stop_reason']}, text {code(t['text'])}.{forced}", ""]
         more = f" (the article's table; steps {ARTICLE_STEPS + 1}-{len(rows)}: {inp.cite(paths.STEPS)})" \
             if len(rows) > ARTICLE_STEPS else ""
         out += [f"The first {min(len(rows), ARTICLE_STEPS)} steps{more}:", ""]

@@ -108,6 +108,7 @@ def test_clean_run_passes_every_error_check_and_writes_results(ws, clean_run):
                      "step1_logits_sample_kv", "greedy_tokens_argmax", "kv_cache_logits_sample",
                      "kv_cache_choices_greedy", "generate_parity_sample", "generate_parity_greedy_kv",
                      "generate_logits_sample_kv", "generate_logits_greedy", "trajectory_loops", "ref_token_ids",
+                     "what_if_branches", "what_if_generate_parity", "what_if_generate_logits",
                      "ref_pieces", "ref_byte_split"):
         assert required in names, required
     assert all(" vs " in r["what"] for r in rows if r["severity"] == "error" and not r["name"].startswith("ref_")), \
@@ -639,9 +640,9 @@ def test_a_changed_sampled_token_or_step_logit_fails_generate_parity(model, stor
     assert [n for n, c in got.items() if not c.passed] == ["generate_logits_sample_kv"]
 
 
-def test_a_wrong_loop_claim_or_token_count_in_prompt_metrics_fails_trajectory_loops(stored, steps):
+def test_a_wrong_loop_claim_or_token_count_in_prompt_metrics_fails_trajectory_loops(stored, steps, cfg):
     rows = pq.read_table(stored.prompt_metrics[0]).to_pylist()
-    assert trajectory.loops(rows, steps)[0].passed and len(rows) == 4
+    assert trajectory.loops(rows, steps)[0].passed and len(rows) == 4 + cfg["sampling"].what_if  # + what-if runs
     greedy = [r["token_id"] for r in sorted(steps, key=lambda r: r["step"]) if (r["branch"], r["kv_cache"]) ==
               ("greedy", False)]
     looping = steps
@@ -657,7 +658,8 @@ def test_a_wrong_loop_claim_or_token_count_in_prompt_metrics_fails_trajectory_lo
         assert trajectory.loops(bad, looping)[0].detail == "greedy", wrong
     fewer = [{**r, "n_new": r["n_new"] - 1} if r["branch"] == "sample" and r["kv_cache"] else r for r in rows]
     assert trajectory.loops(fewer, steps)[0].detail == "sample_kv"
-    assert trajectory.loops(rows[:3], steps)[0].detail == "greedy_kv"         # a run missing from the table
+    missing = [r for r in rows if (r["branch"], r["kv_cache"]) != ("greedy", True)]
+    assert trajectory.loops(missing, steps)[0].detail == "greedy_kv"          # a run missing from the table
 
 
 def test_generate_parity_of_the_sample_branch_is_a_report_off_cpu(model, stored, steps, step_rows, cfg):

@@ -36,7 +36,7 @@ def test_one_row_per_run_matching_its_steps(ws):
     table = pq.read_table(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws)).to_pandas()
     steps = pq.read_table(part(paths.STEPS, ws)).to_pandas()
     runs, prompt_id = _runs(ws), json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text())["prompt_id"]
-    assert sorted(zip(table.branch, table.kv_cache)) == sorted(runs) and len(table) == 4
+    assert sorted(zip(table.branch, table.kv_cache)) == sorted(runs) and len(table) == 4 + 4    # + what-if runs
     assert (table.prompt_id == prompt_id).all() and prompt_id == "temperature_question"
     for row in table.itertuples():
         ids, last = runs[(row.branch, row.kv_cache)], steps[(steps.branch == row.branch) &

@@ -150,7 +150,7 @@ def test_trajectory_tables_show_the_stored_ids(ws, md):
     text = section(md, 8)
     blocks = tables(text)
     heads = re.findall(r"^Branch `(\w+)`, KV cache (on|off)", text, flags=re.M)
-    assert len(heads) == len(blocks) - 1 == 4             # one table per run, then the repetition table
+    assert len(heads) == len(blocks) - 1 == 4 + 4         # one table per run (+ conf/'s 4 what-if), then repetition
     for (branch, kv), rows in zip(heads, blocks):
         want = steps[(steps.branch == branch) & (steps.kv_cache == (kv == "on"))].sort_values("step")
         assert len(want) > render.ARTICLE_STEPS       # conf/'s max_new_tokens: the table is the article's first 4
@@ -167,7 +167,7 @@ def test_repetition_table_shows_each_runs_loop_and_distinct_2_from_its_ids(ws, m
     steps = pq.read_table(part(paths.STEPS, ws)).to_pandas()
     stored = pq.read_table(paths.artifact(paths.TRAJECTORY_PROMPT_METRICS, ws)).to_pandas()
     rows = tables(section(md, 8))[-1]
-    assert len(rows) == len(stored) == 4 and "prompt_metrics.parquet" in section(md, 8).split("Repetition")[1]
+    assert len(rows) == len(stored) == 4 + 4 and "prompt_metrics.parquet" in section(md, 8).split("Repetition")[1]
     for row in rows:
         kv = row["KV cache"] == "on"
         ids = steps[(steps.branch == unquote_name(row["branch"])) & (steps.kv_cache == kv)].sort_values("step")

@@ -238,6 +238,11 @@ def range_cases() -> list[Case]:
         _missing("sampling.seed"),
         _r("sampling.step_logits", 0),
         _r("sampling.step_logits", "some", "name"),
+        _r("sampling.what_if", -1),
+        _r("sampling.what_if", 5),                           # > top_n - 1: not among the recorded alternatives
+        _r("sampling.what_if", 2, sampling__top_n=2),
+        _r("sampling.what_if_depth", 0),
+        _r("sampling.what_if_depth", 3),
         # checks
         _r("checks.kv_cache_atol", -0.01),
         _r("checks.kv_cache_atol", math.nan),
