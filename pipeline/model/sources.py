@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.config.schema import SourceConfig
 from pipeline.errors import UserError, bad_value
+from pipeline.model import gguf
 from pipeline.model.families import TINY_FAMILIES, Support, support
 from pipeline.store.provenance import sha256_file
 
@@ -98,8 +99,12 @@ def up_front(source: SourceConfig, root: Path) -> Support | None:
 
     kind=local: the folder must load (`check_folder`); kind=tiny: the family is built here; kind=hub:
     decided where the HF cache already holds the config (else prepare_model finds or fetches it);
-    the packaged models (gguf_package, tiny_qwen2) are known families.
+    kind=gguf / ollama: the file is found and its header read (`gguf.check`), unless a package
+    assembles it (read by prepare_model); tiny_qwen2 is a known family.
     """
+    if source.kind in ("gguf", "ollama"):
+        _gguf_up_front(source, root)
+        return None
     if source.kind == "local":
         folder = check_folder(source.path, root)
         return support(_read_config(folder / "config.json"), f"{source.path}/config.json")
@@ -113,3 +118,10 @@ def up_front(source: SourceConfig, root: Path) -> Support | None:
         config = local / "config.json" if local.is_dir() else _cached_config(source.hub_id, source.revision)
         return support(_read_config(config), str(config)) if config is not None and config.is_file() else None
     return None
+
+
+def _gguf_up_front(source: SourceConfig, root: Path) -> None:
+    """A GGUF that is missing, not GGUF, or of an architecture transformers cannot read: one line."""
+    file = gguf.locate(source, root)
+    if file is not None:
+        gguf.check(file, f"model.source ({file})")
