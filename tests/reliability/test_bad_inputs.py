@@ -641,7 +641,8 @@ SUBPROCESS = [
     Run("compose sampling.top_k=-1", ("nexttoken", "compose", "model=tiny_qwen2", "sampling.top_k=-1"),
         ("sampling.top_k=-1 is not allowed: an integer >= 0",)),
     Run("compose model=nope", ("nexttoken", "compose", "model=nope"),
-        ("model='nope' is not allowed: one of gemma3_270m, hub, local, qwen2_5_7b, tiny, tiny_qwen2",)),
+        ("model='nope' is not allowed: one of gemma3_270m, gguf, hub, local, ollama, qwen2_5_7b, "
+         "smollm2_135m_instruct, tiny, tiny_qwen2",)),
     Run("compose sampling.nope=1", ("nexttoken", "compose", "model=tiny_qwen2", "sampling.nope=1"),
         ("sampling.nope='1' is not allowed: a known key:", "top_p")),
     Run("compose capture.dtype=float8", ("nexttoken", "compose", "model=tiny_qwen2", "capture.dtype=float8"),

@@ -26,7 +26,9 @@ def test_groups_are_the_designed_ones():
 # Options that leave a value to the user (`???`), with one supplied; their files also interpolate or extend
 # another option, so they are compared key by key with what was supplied.
 SUPPLIED = {("model", "local"): {"model.source.path": "models/mine"}, ("model", "hub"): {"model.source.hub_id": "o/n"},
-            ("model", "tiny"): {"model.source.family": "gpt2"}}
+            ("model", "tiny"): {"model.source.family": "gpt2"},
+            ("model", "gguf"): {"model.source.path": "models/my.gguf"},
+            ("model", "ollama"): {"model.source.name": "smollm2:135m"}}
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS
@@ -127,7 +129,8 @@ def test_a_key_conf_does_not_set_is_added_with_plus(tmp_path, monkeypatch):
 
 
 def test_unknown_model_lists_the_options(tmp_path):
-    with pytest.raises(UserError, match=r"model='nope'.*gemma3_270m, hub, local, qwen2_5_7b, tiny, tiny_qwen2"):
+    with pytest.raises(UserError, match=r"model='nope'.*gemma3_270m, gguf, hub, local, ollama, qwen2_5_7b, "
+                                        r"smollm2_135m_instruct, tiny, tiny_qwen2"):
         compose.compose_to(tmp_path / "p.yaml", ["model=nope"], REPO)
 
 
@@ -176,8 +179,8 @@ def _tiny_source(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"kind": "onnx"}, r"^model\.source\.kind='onnx' is not allowed: one of gguf_package, tiny, local, hub$"),
-    ({"kind": None}, r"^model\.source\.kind=None is not allowed: one of gguf_package, tiny, local, hub$"),
+    ({"kind": "onnx"}, r"^model\.source\.kind='onnx' is not allowed: one of gguf, ollama, tiny, local, hub$"),
+    ({"kind": None}, r"^model\.source\.kind=None is not allowed: one of gguf, ollama, tiny, local, hub$"),
     ({"seed": None}, r"^model\.source\.seed=None is not allowed: an integer >= 0$"),
     ({"seed": True}, "model.source.seed=True"),
     ({"architecture": {"hidden_size": 64}}, "model.source.architecture.intermediate_size is missing"),
