@@ -151,9 +151,9 @@ class _Source(Section):
     """One kind of `model.source`: its own keys only, typed and checked here; what it takes to check it
     against the disk and to prepare it is beside it in pipeline/model/sources.py (`KINDS`).
 
-    A key of another kind is accepted as null and dropped: conf/model/*.yaml write every kind's keys (null
-    where unused), so params.yaml keeps one shape and `-S model.source.<key>=...` overrides a key that is
-    there. A value in it is refused (`_one_line`): this kind would ignore it."""
+    A key of another kind is accepted as null and dropped: conf/model/*.yaml write other kinds' keys as null
+    (most of them), so `-S model.source.<key>=...` overrides a key the file names. A value in it is refused
+    (`_one_line`): this kind would ignore it."""
 
     # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`):
     # the folder for kind=local (an edited weight re-runs the chain), the model's conf file otherwise
@@ -368,7 +368,7 @@ class SamplingConfig(Filter):
     step_logits: Literal["auto", "all"] | Annotated[int, Field(ge=1)] = Field(
         "auto", description="auto (every prompt of a set of up to 100, a fixed sample of 100 of a larger one: the "
                             "checks' own sample), all, or an integer >= 1 (a fixed sample of that many)")
-    # What-if branches (docs/trajectories.md): at the last prompt position (and, with depth 2, at the greedy
+    # What-if branches (docs/artifacts.md): at the last prompt position (and, with depth 2, at the greedy
     # run's step 2) each of the top `what_if` candidates other than the greedy one is forced, then decoded
     # greedily with the KV cache. Defaults off: a config recorded before these keys existed re-derives its
     # step logits with no forced branch, as it was run (conf/ turns them on).

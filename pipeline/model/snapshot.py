@@ -32,7 +32,7 @@ def record(source: SourceConfig, version: str | None, **fields) -> dict:
             "package_version": version, "hub_id": given("hub_id"),
             "requested_revision": given("revision"), "revision": version,
             "seed": given("seed"), "family": given("family"), "path": given("path"), "file": given("file"),
-            "name": given("name"), "snapshot_dir": None, **fields}
+            "ollama_name": given("name"), "snapshot_dir": None, **fields}
 
 
 def package_dir(source: Packaged) -> Path:

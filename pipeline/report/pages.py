@@ -19,7 +19,7 @@ from pipeline.model.names import act_name
 from pipeline.report import equivalence, explorer, explorer_walk, overview
 from pipeline.report.render import Inputs, filtered_rows
 from pipeline.store import logits_io, paths, safetensors_io, variant_logits
-from pipeline.store.artifacts import read_parquet, tables_stored
+from pipeline.store.artifacts import read_json, read_parquet, tables_stored
 
 MAX_PAGES = 32      # pages a set gets; the overview in report.md covers every prompt
 
@@ -110,8 +110,12 @@ def _internals(use: overview.Use, inp: Inputs) -> dict:
     LM head's row of the top id with its dot product (the prepared snapshot's weights: the prepare_model manifest
     the report declares holds their sha256, so a change of weights re-runs the report)."""
     capture, top = use(paths.CAPTURE, inp.prompt_id), int(explorer.logit_order(inp.logits)[0])
+    source = use(paths.SOURCE)
+    # where the model loads from, as the stages resolve it (loader.snapshot_dir, without torch): a hub or local
+    # model is used in place, its weights at source.json's snapshot_dir; a prepared one beside source.json
+    weights = Path(read_json(source).get("snapshot_dir") or source.parent)
     return {"norms": explorer_walk.resid_norms(capture, int(inp.facts.get("num_layers") or 0), inp.position),
-            "head": explorer_walk.head_row(use(paths.SOURCE).parent, capture, inp.facts, inp.position, top)}
+            "head": explorer_walk.head_row(weights, capture, inp.facts, inp.position, top)}
 
 
 def page(use: overview.Use, inp: Inputs, files: dict[str, str], language: str = "en") -> str:
