@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from pipeline.config import schema
@@ -104,15 +105,16 @@ def _cached_config(hub_id: str, revision: str | None) -> Path | None:
 
 
 # ---------------------------------------------------------------- the kinds
-class Kind:
+class Kind(ABC):
     """What a kind of source does: `up_front` (no torch) and `prepare` (the heavy imports inside it)."""
 
     def up_front(self, source, root: Path) -> Support | None:
         """The capture support of the model, or a one-line refusal; None: decided when it is prepared."""
         return None
 
+    @abstractmethod
     def prepare(self, source, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
-        raise NotImplementedError
+        """Write the snapshot into the empty `out_dir` -> the source record."""
 
 
 class Gguf(Kind):

@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -48,7 +49,7 @@ from pipeline.store.readers import (  # noqa: F401
 from pipeline.store.staging import Staging
 
 
-class Writer:
+class Writer(ABC):
     """What a stage's per-prompt work writes through: files under `out()`'s folder (its `Staging`), Parquet
     files whose schema metadata carries the run's key facts, and the facts and model record it sets.
     `StageRun` writes into its staging folder; `pipeline.executor`'s worker context into a private folder
@@ -66,8 +67,9 @@ class Writer:
         """The folder written into (a stage writing a whole tree itself, e.g. a model snapshot, writes here)."""
         return self.files.folder
 
+    @abstractmethod
     def use(self, item: tuple[str, str] | Path, prompt_id: str | None = None) -> Path:
-        raise NotImplementedError
+        """An input's path, recorded (the stage's ledger verifies it; a worker's is verified by the stage)."""
 
     def out(self, name: str, prompt_id: str | None = None) -> Path:
         return self.files.out(name, prompt_id)
