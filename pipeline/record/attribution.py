@@ -27,15 +27,19 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: Att
         snapshot, torch.float32, loader.resolve_device(cap.device), cap.attn_implementation,
         model_cfg.trust_remote_code)
     stage.model = {**provenance.model_record(source), "trust_remote_code": model_cfg.trust_remote_code}
+    tokenizer = loader.load_tokenizer(snapshot)
     done = {}
     for pid in pids:
         with stage.timed(pid):
             tokens = read_parquet(stage.use(paths.TOKENS, pid), columns=["position", "token_id"]).to_pandas()
             ids = torch.tensor([tokens.sort_values("position")["token_id"].tolist()])
             tensors = read_safetensors(stage.use(paths.CAPTURE, pid))
-            one = done[pid] = one_prompt(model, model32, ids, tensors, cfg)
+            baseline = input_attribution.baseline_ids(ids, tokenizer)
+            one = done[pid] = one_prompt(model, model32, ids, baseline, tensors, cfg)
             stage.facts = {"top_k": cfg.top_k, "ig_steps": cfg.ig_steps, "position": ids.shape[1] - 1,
-                           "ig_alpha_power": input_attribution.ALPHA_POWER,
+                           "ig_alpha_power": input_attribution.path_alpha_power(model32, ids, baseline),
+                           "ig_baseline_ids": sorted(set(baseline[0].tolist())),
+                           "ig_baseline_kept": (baseline == ids)[0].nonzero().flatten().tolist(),
                            "logit_parts": one.not_applicable or "recorded", **one.facts}
             stage.write_parquet(paths.LOGIT_PARTS[1], table(one.parts, PARTS_SCHEMA), prompt_id=pid)
             stage.write_parquet(paths.INPUTS[1], table(one.inputs, INPUTS_SCHEMA), prompt_id=pid)

@@ -126,7 +126,8 @@ def section(attr: AttributionInputs | str, text: Callable[[int], str], pieces: l
         r0 = ig.iloc[0]
         diff = float(r0["logit_input"] - r0["logit_baseline"])
         out += [f"Which prompt tokens the top-1's logit depends on: integrated gradients over the input embeddings "
-                f"(float32 model, all-zero baseline), each token's share of logit(input) - logit(baseline) = "
+                "(float32 model; baseline: the pad token at every position, <bos> kept), each token's share of "
+                f"logit(input) - logit(baseline) = "
                 f"{float(r0['logit_input']):.6g} - {float(r0['logit_baseline']):.6g} = {diff:.6g}; the shares sum "
                 f"to {float(ig['attribution'].sum()):.6g} (the completeness check in "
                 f"`{paths.artifact(paths.ATTRIBUTION_CHECKS).as_posix()}` says how close). Attribution is not "
