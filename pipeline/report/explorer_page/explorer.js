@@ -59,10 +59,15 @@ function update() {
   body.replaceChildren(...D.last.top.map((id) => {
     const bar = el("div", {class: "bar", title: `p = ${p[id]}`}, el("span", {}));
     bar.firstChild.style.width = (100 * p[id] / top).toFixed(3) + "%";      // the top candidate spans the track
-    return el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), class: keptMask[id] ? "kept" : ""},
+    const row = el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), tabindex: "0",
+                          class: (keptMask[id] ? "kept" : "") + (forcedBranch(id) ? " has-branch" : "") +
+                            ($("what-if")?.dataset.tokenId === String(id) ? " wi-sel" : "")},
       el("td", {}, String(RANK[id])), el("td", {class: "tokcell", translate: "no"}, JSON.stringify(D.last.text[id] ?? "").slice(1, -1)),
       el("td", {class: "pct", title: `p = ${p[id]}`}, percent(p[id])), el("td", {class: "barcell"}, bar),
       el("td", {}, String(id)), el("td", {}, String(LOGITS[id])));
+    row.addEventListener("click", () => whatIf(id, true));           // what if the model had picked it (step what-if)
+    row.addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); whatIf(id, true); } });
+    return row;
   }));
 }
 // "sample once": one draw from the shown distribution (kept set, FP64) by inverse CDF, u from SplitMix64(seed);
