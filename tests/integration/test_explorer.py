@@ -354,6 +354,16 @@ def test_in_chinese_no_panel_text_is_left_in_english(run, driver):
     zh, en = driver.execute_script(collect, "zh"), driver.execute_script(collect, "en")
     english = [t for t in zh if re.search(r"[A-Za-z]{2,}", allowed.sub(" ", t))]
     assert english == [], english
+    # the hover titles too: their words follow the language, their values (token texts, numbers) are left out here;
+    # a number's file path ([data-source]) is a name
+    titles = """
+        const s = document.getElementById("language"); s.value = arguments[0]; s.dispatchEvent(new Event("change"));
+        return [...document.querySelectorAll("[title]:not([data-source])")].map((e) =>
+          JSON.parse(e.dataset.tipArgs || "[]").reduce((t, a) => t.split(a).join(" "), e.title));"""
+    zh_titles, en_titles = driver.execute_script(titles, "zh"), driver.execute_script(titles, "en")
+    assert len(zh_titles) > 100 and [t for t in zh_titles if re.search(r"[A-Za-z]{2,}", allowed.sub(" ", t))] == []
+    assert sum(re.search(r"[\u4e00-\u9fff]", t) is not None for t in zh_titles) > 100
+    assert not [t for t in en_titles if re.search(r"[\u4e00-\u9fff]", t)]
     assert len(zh) > 100 and sum(re.search(r"[\u4e00-\u9fff]", t) is not None for t in zh) > 100
     assert not [t for t in en if re.search(r"[\u4e00-\u9fff]", t)]
 

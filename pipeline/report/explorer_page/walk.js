@@ -98,6 +98,11 @@ const TEXT = {
       "eq-row": "stored row ({0}, {1}, {2} positions, T = 1): KL mean {3}, max {4}, at the last one {5}; top-p 0.9 " +
         "kept {6}, Jaccard {7} (transformers' float32 warper); top-1 changed at {8}; max |Δ logit| {9}, mean {10}; " +
         "bit-identical {11}; first differing tensor {12}; {13}"},
+    // hover titles: values stay as written (full precision), after ": " where a test or a reader reads them off
+    tip: {tok: "id {0}, bytes {1}", "tok-p": "id {0}, bytes {1}; p = {2} (rank {3}) after position {4}",
+      "att-map": "layer {0}, head {1}", "att-pos": "position {0}", "att-cell": "head {0} → {1}: {2}",
+      "lens-cell": "{0}\nthe final token's rank: {1}", "why-attn": "attention: {0}", "why-mlp": "MLP: {0}",
+      "why-head": "head {0}: {1}", "why-tok": "position {0}, id {1}: {2}"},
   },
   zh: {
     title: {tokens: "1. 文本 → token", embedding: "2. token → 向量（嵌入）", layers: "3. 各层",
@@ -184,6 +189,10 @@ const TEXT = {
       "eq-row": "存储的行（{0}，{1}，{2} 个位置，T = 1）：KL 平均 {3}，最大 {4}，最后一个位置 {5}；top-p 0.9 " +
         "保留 {6}，Jaccard {7}（transformers 的 float32 warper）；第一名改变的位置 {8}；最大 |Δ logit| {9}，平均 {10}；" +
         "逐位相同 {11}；第一个不同的张量 {12}；{13}"},
+    tip: {tok: "id {0}，字节 {1}", "tok-p": "id {0}，字节 {1}；位置 {4} 给它的 p = {2}（排名 {3}）",
+      "att-map": "第 {0} 层，头 {1}", "att-pos": "位置 {0}", "att-cell": "头 {0} → {1}: {2}",
+      "lens-cell": "{0}\n最终 token 的排名：{1}", "why-attn": "注意力: {0}", "why-mlp": "MLP: {0}",
+      "why-head": "头 {0}: {1}", "why-tok": "位置 {0}，id {1}: {2}"},
   },
 };
 function walk() {
@@ -208,11 +217,11 @@ function signColor(v, span) {   // red up, blue down, white at 0 (the report's c
   const [r, g, b] = v >= 0 ? [214, 96, 77] : [67, 147, 195];
   return `rgba(${r},${g},${b},${(0.15 + 0.85 * a).toFixed(3)})`;
 }
-function whyBar(v, span, label) {
+function whyBar(v, span, key, ...label) {
   const w = (50 * Math.abs(v) / (span || 1)).toFixed(2);
-  return el("div", {class: "why-bar", title: `${label}: ${v}`},
+  return tip(el("div", {class: "why-bar"},
     el("span", {class: v >= 0 ? "up" : "down", style: v >= 0 ? `left:50%;width:${w}%` : `right:50%;width:${w}%`}),
-    el("b", {}, (v >= 0 ? "+" : "") + v.toFixed(3)));
+    el("b", {}, (v >= 0 ? "+" : "") + v.toFixed(3))), key, ...label, v);
 }
 function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a layer opens per head) and the prompt
   const box = el("div", {class: "why"});
@@ -222,11 +231,11 @@ function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a
     table.append(el("caption", {"data-ui": "why-layers"}));
     for (const l of w.layers) {
       const row = el("tr", {class: "why-layer", "data-layer": l.layer, tabindex: 0},
-        el("th", {}, `▸ ${l.layer}`), el("td", {"data-ui": "attn"}), el("td", {class: "barcell"}, whyBar(l.attn, span, "attn")),
-        el("td", {"data-ui": "mlp"}), el("td", {class: "barcell"}, whyBar(l.mlp, span, "mlp")));
+        el("th", {}, `▸ ${l.layer}`), el("td", {"data-ui": "attn"}), el("td", {class: "barcell"}, whyBar(l.attn, span, "why-attn")),
+        el("td", {"data-ui": "mlp"}), el("td", {class: "barcell"}, whyBar(l.mlp, span, "why-mlp")));
       const heads = l.heads.map((v, h) => el("tr", {class: "why-head", "data-layer": l.layer, hidden: ""},
         el("th", {}, ""), el("td", {}, el("span", {"data-ui": "head"}), ` ${h}`),
-        el("td", {class: "barcell"}, whyBar(v, span, `head ${h}`)), el("td", {}), el("td", {})));
+        el("td", {class: "barcell"}, whyBar(v, span, "why-head", h)), el("td", {}), el("td", {})));
       const toggle = () => {
         const open = heads.length && heads[0].hidden;
         heads.forEach((r) => { r.hidden = !open; });
@@ -244,8 +253,8 @@ function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a
     const strip = el("div", {class: "why-inputs", id: "why-inputs"});
     w.inputs.forEach((v, i) => {
       const t = D.tokens[i] || {text: "", id: ""};
-      strip.append(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`, translate: "no",
-        title: `position ${i}, id ${t.id}: ${v}`}, t.text.replace(/\n/g, "⏎") || "␣"));
+      strip.append(tip(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`, translate: "no"},
+        t.text.replace(/\n/g, "⏎") || "␣"), "why-tok", i, t.id, v));
     });
     box.append(el("p", {class: "caption", "data-ui": "why-inputs"}), strip);
   }
@@ -345,6 +354,18 @@ function ui(tag, key, args = [], attrs = {}) {
   setUi(e, key, ...args);
   return e;
 }
+// A hover title from TEXT[lang].tip[key], its {0}, {1}, ... the values as given (full precision); setLanguage
+// fills it again.
+function fillTip(e) {
+  const tpl = TEXT[LANG].tip[e.dataset.tip] ?? TEXT.en.tip[e.dataset.tip] ?? "";
+  const args = JSON.parse(e.dataset.tipArgs || "[]");
+  e.title = tpl.replace(/\{(\d+)\}/g, (_, i) => String(args[+i]));
+}
+function tip(e, key, ...args) {
+  e.dataset.tip = key; e.dataset.tipArgs = JSON.stringify(args.map(String));
+  fillTip(e);
+  return e;
+}
 function setLanguage(lang) {
   LANG = lang === "zh" ? "zh" : "en";
   const T = TEXT[LANG];
@@ -354,5 +375,6 @@ function setLanguage(lang) {
   document.querySelectorAll("[data-label-en]").forEach((e) => { e.textContent = e.dataset[`label${lang === "zh" ? "Zh" : "En"}`]; });
   document.querySelectorAll("[data-missing-en]").forEach((e) => { e.textContent = e.dataset[`missing${lang === "zh" ? "Zh" : "En"}`]; });
   document.querySelectorAll("[data-ui]").forEach(fillUi);
+  document.querySelectorAll("[data-tip]").forEach(fillTip);
   $("language").value = lang;
 }
