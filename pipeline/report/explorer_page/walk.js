@@ -268,7 +268,8 @@ function forcedBranch(id) {          // looked up by the id forced as the first 
   return D.trajectories.find((b) => b.forced && b.forced.step === 1 && b.forced.id === id);
 }
 function greedyBranch() {            // the full-prefix greedy run (the reference path), else the KV-cache one
-  return D.trajectories.find((b) => b.branch === "greedy" && !b.kv) ?? D.trajectories.find((b) => b.branch === "greedy");
+  return D.trajectories.find((b) => b.branch === "greedy" && !b.kv) ??
+    D.trajectories.find((b) => b.branch === "greedy");
 }
 const tokText = (t) => JSON.stringify(t ?? "").slice(1, -1);
 function stepsTable(b, id) {          // like the Trajectories panel: pick, its p, the alternatives with their p
@@ -280,16 +281,20 @@ function stepsTable(b, id) {          // like the Trajectories panel: pick, its 
                        "data-prob": String(s.prob), translate: "no"}, el("td", {}, String(s.step)),
       el("td", {class: "wi-tok", style: `background:${probColor(s.prob)}`}, `${tokText(s.piece)} `,
         el("small", {}, String(s.id))),
-      el("td", {class: "pct", "data-source": D.steps_source, title: `p = ${s.prob} (${D.steps_source})`}, percent(s.prob)),
-      el("td", {class: "wi-alts"}, ...s.alts.map(([aid, q, text]) => el("span", {class: aid === s.id ? "wi-alt own" : "wi-alt",
-        "data-token-id": String(aid), "data-prob": String(q), title: `id ${aid}: p = ${q}`}, `${tokText(text)} `, el("small", {}, String(aid)), ` ${percent(q)}`)))));
+      el("td", {class: "pct", "data-source": D.steps_source, title: `p = ${s.prob} (${D.steps_source})`},
+        percent(s.prob)),
+      el("td", {class: "wi-alts"}, ...s.alts.map(([aid, q, text]) =>
+        el("span", {class: aid === s.id ? "wi-alt own" : "wi-alt", "data-token-id": String(aid), "data-prob": String(q),
+                    title: `id ${aid}: p = ${q}`},
+          `${tokText(text)} `, el("small", {}, String(aid)), ` ${percent(q)}`)))));
   }
   return t;
 }
 function branchColumn(b, head, id) {
   const last = b.steps[b.steps.length - 1];
   return el("div", {class: "wi-col"}, ui("h3", head, [b.branch]),
-    el("p", {class: "wi-text"}, ui("span", "wi-text"), " ", el("b", {translate: "no"}, JSON.stringify(last ? last.text : ""))),
+    el("p", {class: "wi-text"}, ui("span", "wi-text"), " ",
+      el("b", {translate: "no"}, JSON.stringify(last ? last.text : ""))),
     stepsTable(b, id));
 }
 function whatIf(id, scroll) {
@@ -304,12 +309,13 @@ function whatIf(id, scroll) {
   if (!b) {
     if (forced.length) setUi(status, "wi-none", name, RANK[id], forced.length, `sampling.what_if = ${forced.length}`);
     else setUi(status, "wi-off", "sampling.what_if = 0");
-    view.replaceChildren(...(g ? [el("div", {class: "wi-col"}), branchColumn(g, "wi-greedy-head", "what-if-greedy")] : []));
+    view.replaceChildren(...(g ? [el("div", {class: "wi-col"}), branchColumn(g, "wi-greedy-head", "what-if-greedy")]
+      : []));
   } else {
-    const first = b.steps.find((s) => s.step === 1);
+    const first = b.steps.find((s) => s.step === 1), top = g && g.steps[0];
     if (b === g) setUi(status, "wi-is-greedy", name);
     else setUi(status, "wi-forced", name, RANK[id], first ? percent(first.prob) : "?",
-               g && g.steps[0] ? `${JSON.stringify(D.last.text[g.steps[0].id] ?? g.steps[0].piece ?? "")} (${g.steps[0].id})` : "?");
+               top ? `${JSON.stringify(D.last.text[top.id] ?? top.piece ?? "")} (${top.id})` : "?");
     view.replaceChildren(branchColumn(b, "wi-branch-head", "what-if-branch"),
       ...(g && b !== g ? [branchColumn(g, "wi-greedy-head", "what-if-greedy")] : []));
   }
