@@ -271,7 +271,10 @@ function greedyBranch() {            // the full-prefix greedy run (the referenc
   return D.trajectories.find((b) => b.branch === "greedy" && !b.kv) ??
     D.trajectories.find((b) => b.branch === "greedy");
 }
-const tokText = (t) => JSON.stringify(t ?? "").slice(1, -1);
+const tokText = (t) => {               // a token as text; one of spaces only is shown as ␣ (an empty one as ∅)
+  const s = JSON.stringify(t ?? "").slice(1, -1);
+  return s.trim() ? s : s.replace(/ /g, "␣") || "∅";
+};
 function stepsTable(b, id) {          // like the Trajectories panel: pick, its p, the alternatives with their p
   const t = el("table", {class: "wi-steps", id, "data-branch": b.branch}, el("tr", {}, ui("th", "th-step"),
     ui("th", "wi-th-pick"), el("th", {}, "p"), ui("th", "th-alts")));
