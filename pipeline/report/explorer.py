@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.report import conditions, explorer_font, explorer_walk
+from pipeline.store import paths
 
 TOP_IDS = 200            # candidate rows the page can list, in logit order (temperature keeps that order)
 TOP_PER_POSITION = 10    # recorded candidates shown for a clicked position
@@ -257,6 +258,7 @@ def page_data(inp, *, pages: dict[str, str], filters: list[dict], kept: dict[str
         "attention": {str(layer): {"heads": int(w.shape[0]), "n": int(w.shape[-1]), "offset": int(offset),
                                    "weights": b64_floats(w)} for layer, (offset, w) in attention.items()},
         "trajectories": _trajectories(inp, vocab_text),
+        "steps_source": paths.partition(paths.STEPS, inp.prompt_id).as_posix(),   # the what-if step's p: their file
         "checks": _checks(inp.checks),
         "lens": lens,
         "equivalence": equivalence,
@@ -309,6 +311,9 @@ def _trajectories(inp, vocab_text: dict[int, str]) -> list[dict]:
         forced = f": id {r['forced_token_id']} (rank {r['forced_rank']}) forced at step {r['forced_step']}, then " \
                  "greedy" if r.get("forced_step") is not None else ""      # a what-if branch (docs/artifacts.md)
         b = branches.setdefault(key, {"name": key + forced, "branch": r["branch"], "kv": bool(r["kv_cache"]),
+                                      "forced": None if r.get("forced_step") is None else
+                                      {"step": int(r["forced_step"]), "id": int(r["forced_token_id"]),
+                                       "rank": int(r["forced_rank"])},
                                       "steps": []})
         alts = [[int(i), float(p), vocab_text.get(int(i), "")] for i, p in zip(r["top_ids"], r["top_probs"])]
         b["steps"].append({"step": r["step"], "id": r["token_id"], "text": r["text_so_far"], "prob": r["prob"],

@@ -1,6 +1,6 @@
 """The explorer's walk: the seed article's steps on the run's own numbers, each number with the artifact it is from.
 
-`walk(inp, lens)` gives, per step (tokens, embedding, layers, lm-head, softmax, temperature, filter, pick,
+`walk(inp, lens)` gives, per step (tokens, embedding, layers, lm-head, why, what-if, softmax, temperature, filter, pick,
 kv-cache, repetition), the figures the page shows under that step's plain-language explanation (written in
 explorer_page/explorer.js, in English and Chinese): each a label in both languages, the value as text, and the
 artifact path it comes from (the page puts it in `data-source`). A step without its artifact says why in one line.
@@ -16,8 +16,8 @@ from pipeline.model.names import act_name
 from pipeline.numerics import parts_table
 from pipeline.store import paths, safetensors_io
 
-STEPS = ("tokens", "embedding", "layers", "lm-head", "why", "softmax", "temperature", "filter", "pick", "kv-cache",
-         "repetition")
+STEPS = ("tokens", "embedding", "layers", "lm-head", "why", "what-if", "softmax", "temperature", "filter", "pick",
+         "kv-cache", "repetition")
 SHOW_IDS = 12           # ids listed in a row
 N_COORDS = 4            # coordinates shown of a vector
 
@@ -96,6 +96,26 @@ def why_chart(inp) -> dict | None:
     ig = attr.inputs[attr.inputs["method"] == "integrated_gradients"].sort_values("source_position")
     chart["inputs"] = [float(v) for v in ig["attribution"]]
     return chart
+
+
+def _what_if(inp, src: str) -> list[dict]:
+    """The "what if another token" step's numbers: each forced branch (docs/artifacts.md, what-if branches): the id
+    forced, its rank, p and step, and the text the greedy continuation after it wrote; the page's view below them
+    (explorer.js, whatIf) shows a chosen candidate's branch step by step beside the greedy one."""
+    runs: dict[str, list[dict]] = {}
+    for r in inp.steps:
+        if r.get("forced_step") is not None:
+            runs.setdefault(r["branch"], []).append(r)
+    out = []
+    for branch, rows in runs.items():
+        rows = sorted(rows, key=lambda r: r["step"])
+        f = next(r for r in rows if r["step"] == r["forced_step"])
+        text = (inp.vocab.get(int(f["token_id"])) or {}).get("text")
+        rank, step = f["forced_rank"], f["forced_step"]
+        out.append(_num(f"{branch}: the id forced (rank {rank}, step {step}), its p → the greedy text after it",
+                        f"{branch}：强制选的 id（排名 {rank}，第 {step} 步）、它的概率 → 之后贪心续写的文本",
+                        f"{f['token_id']} {text!r} ({100 * f['prob']:.2f}%) → {rows[-1]['text_so_far']!r}", src))
+    return out
 
 
 HEAD_NAMES = ("lm_head.weight", "embed_out.weight")                 # an untied LM head's weight
@@ -221,6 +241,7 @@ def walk(inp, lens: dict | None, internals: dict | None = None) -> list[dict]:
                             f"top-p {f['top_p']:g}）：保留的 id 数，总概率",
                             f"{f['kept_count']}, {f['kept_mass']:.6f}", src["summary"])
                        for f in inp.summary["filters"] if f["position"] == last]
+    steps["what-if"] = _what_if(inp, src["steps"])
     branches = {}
     for r in inp.steps:
         branches.setdefault((r["branch"], bool(r["kv_cache"])), []).append(r)
@@ -244,6 +265,8 @@ def walk(inp, lens: dict | None, internals: dict | None = None) -> list[dict]:
                                             src["metrics"]))
     missing = {"layers": ("", ""),
                "why": ("the attribution stage has not run for this prompt", "本提示词没有运行 attribution 阶段"),
+               "what-if": ("no what-if branch was recorded (sampling.what_if = 0, or the trajectories stage has not "
+                           "run)", "没有记录假设分支（sampling.what_if = 0，或 trajectories 阶段尚未运行）"),
                "softmax": ("no probability table at this position", "此位置没有概率表"),
                "pick": ("the trajectories stage has not run", "trajectories 阶段尚未运行"),
                "kv-cache": ("no KV-cache branch was run", "没有运行 KV 缓存分支"),

@@ -354,6 +354,16 @@ def test_in_chinese_no_panel_text_is_left_in_english(run, driver):
     zh, en = driver.execute_script(collect, "zh"), driver.execute_script(collect, "en")
     english = [t for t in zh if re.search(r"[A-Za-z]{2,}", allowed.sub(" ", t))]
     assert english == [], english
+    # the hover titles too: their words follow the language, their values (token texts, numbers) are left out here;
+    # a number's file path ([data-source]) is a name
+    titles = """
+        const s = document.getElementById("language"); s.value = arguments[0]; s.dispatchEvent(new Event("change"));
+        return [...document.querySelectorAll("[title]:not([data-source])")].map((e) =>
+          JSON.parse(e.dataset.tipArgs || "[]").reduce((t, a) => t.split(a).join(" "), e.title));"""
+    zh_titles, en_titles = driver.execute_script(titles, "zh"), driver.execute_script(titles, "en")
+    assert len(zh_titles) > 100 and [t for t in zh_titles if re.search(r"[A-Za-z]{2,}", allowed.sub(" ", t))] == []
+    assert sum(re.search(r"[\u4e00-\u9fff]", t) is not None for t in zh_titles) > 100
+    assert not [t for t in en_titles if re.search(r"[\u4e00-\u9fff]", t)]
     assert len(zh) > 100 and sum(re.search(r"[\u4e00-\u9fff]", t) is not None for t in zh) > 100
     assert not [t for t in en if re.search(r"[\u4e00-\u9fff]", t)]
 
@@ -501,6 +511,102 @@ def test_a_page_computing_otherwise_fails_the_comparison(run, driver, tmp_path, 
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(np.array(got["probs"], dtype=np.float64), ref.loc[got["ids"]].to_numpy(),
                                    rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------- the what-if step (issue 47 item 4)
+WHAT_IF_READ = """
+    const alts = (r) => [...r.querySelectorAll(".wi-alt")].map((a) => [Number(a.dataset.tokenId), a.dataset.prob]);
+    const read = (id) => { const t = document.getElementById(id); return t ? [...t.querySelectorAll("tr[data-step]")]
+      .map((r) => [Number(r.dataset.step), Number(r.dataset.tokenId), r.dataset.prob, alts(r)]) : null; };
+    const box = document.getElementById("what-if"), status = document.getElementById("what-if-status");
+    return {token: box.dataset.tokenId, branch: box.dataset.branch, status: status.textContent,
+            branch_rows: read("what-if-branch"), greedy_rows: read("what-if-greedy"),
+            top: document.getElementById("step-what-if").getBoundingClientRect().top};"""
+
+
+def _what_if(driver, token_id: int, how: str) -> dict:
+    """Choose a candidate as a reader does: a click on its row of the next-token bars (Selenium's own click), Enter
+    on that row, or a click on its button in the step; read the step back."""
+    from selenium.webdriver.common.keys import Keys
+    sel = f'#what-if-candidates button[data-token-id="{token_id}"]' if how == "button" else \
+        f'#candidates tr[data-token-id="{token_id}"]'
+    e = driver.find_element("css selector", sel)
+    if how == "enter":
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'}); arguments[0].focus()", e)
+        e.send_keys(Keys.ENTER)
+    else:
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", e)
+        e.click()
+    return driver.execute_script(WHAT_IF_READ)
+
+
+def _rows(steps: pd.DataFrame) -> list:
+    """A branch's steps as the page must show them: step, id, p, each alternative's id and p (float64, exact)."""
+    return [[int(r.step), int(r.token_id), float(r.prob), [[int(i), float(q)] for i, q in zip(r.top_ids, r.top_probs)]]
+            for r in steps.sort_values("step").itertuples()]
+
+
+def _page_rows(rows: list | None) -> list | None:
+    """The page's rows with its String(x) values read back as float64 (exact: String round-trips a double)."""
+    return None if rows is None else [[s, t, float(p), [[i, float(q)] for i, q in alts]] for s, t, p, alts in rows]
+
+
+def _check_what_if(run, driver) -> None:
+    """Every candidate that has a forced branch (steps.parquet, forced_step 1), chosen in turn by a click, Enter, or
+    its button: the step shows that branch's ids and probabilities (and each step's alternatives) exactly as
+    steps.parquet holds them, the greedy branch beside it, and the page scrolled to the step for the bars; the
+    greedy candidate shows the greedy branch; the next candidate after the forced ones says in one line, in both
+    languages, that it has none."""
+    steps = pd.read_parquet(part(paths.STEPS, run))
+    forced = steps[steps.forced_step == 1]
+    greedy = _rows(steps[(steps.branch == "greedy") & ~steps.kv_cache])
+    assert forced.branch.nunique() == 4           # sampling.what_if's default: ranks 2 .. 5
+    for i, (branch, rows) in enumerate(sorted(forced.groupby("branch"), key=lambda x: -x[1].forced_rank.iloc[0])):
+        token = int(rows.forced_token_id.iloc[0])
+        got = _what_if(driver, token, ("click", "enter", "button")[i % 3])
+        assert (got["token"], got["branch"]) == (str(token), branch)
+        assert _page_rows(got["branch_rows"]) == _rows(rows), branch
+        assert _page_rows(got["greedy_rows"]) == greedy
+        if i % 3 != 2:                             # from the bars: the step is brought on screen
+            assert abs(got["top"]) < 2, got["top"]
+    table, _ = _last(run)
+    order = table.sort_values("rank").token_id.astype(int).tolist()
+    got = _what_if(driver, order[0], "click")
+    assert got["branch"] == "greedy" and _page_rows(got["branch_rows"]) == greedy and got["greedy_rows"] is None
+    beyond = order[int(forced.forced_rank.max())]          # rank what_if + 2: no branch recorded
+    assert beyond not in set(forced.forced_token_id)
+    for lang in ("en", "zh"):
+        driver.execute_script("const s = document.getElementById('language'); s.value = arguments[0];"
+                              "s.dispatchEvent(new Event('change'))", lang)
+        got = _what_if(driver, beyond, "click")
+        assert got["branch"] == "" and got["branch_rows"] is None and _page_rows(got["greedy_rows"]) == greedy
+        assert str(beyond) in got["status"] and "\n" not in got["status"], got
+        assert ("no branch" in got["status"]) == (lang == "en") and ("没有" in got["status"]) == (lang == "zh")
+    driver.execute_script("const s = document.getElementById('language'); s.value = 'en';"
+                          "s.dispatchEvent(new Event('change'))")
+
+
+def test_the_what_if_step_shows_each_candidate_s_forced_branch_as_recorded(run, driver):
+    _open(driver, run / "artifacts/report/explorer.html")
+    _check_what_if(run, driver)
+    assert screenshot.console_errors(driver) == []
+
+
+@pytest.mark.parametrize("mutant", ["rank", "fallback"])
+def test_a_what_if_step_looking_up_the_wrong_branch_fails_the_comparison(run, driver, tmp_path, mutant):
+    """A branch looked up by the wrong rank (forced_rank read as 0-based: the next candidate's branch), or one that
+    shows some other branch for a candidate without one instead of saying so, fails the comparison above."""
+    html = (run / "artifacts/report/explorer.html").read_text()
+    good = "return D.trajectories.find((b) => b.forced && b.forced.step === 1 && b.forced.id === id);"
+    bad = {"rank": good.replace("b.forced.id === id", "b.forced.rank === RANK[id] + 1"),
+           "fallback": "return D.trajectories.find((b) => b.forced && b.forced.step === 1 && b.forced.id === id) ?? "
+                        "D.trajectories.find((b) => b.forced);"}[mutant]
+    assert html.count(good) == 1
+    page = tmp_path / "explorer.html"
+    page.write_text(html.replace(good, bad))
+    _open(driver, page)
+    with pytest.raises(AssertionError):
+        _check_what_if(run, driver)
 
 
 def test_a_set_s_pages_link_to_each_other(tiny_workspace, tmp_path, driver):

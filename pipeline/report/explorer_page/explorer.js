@@ -59,10 +59,15 @@ function update() {
   body.replaceChildren(...D.last.top.map((id) => {
     const bar = el("div", {class: "bar", title: `p = ${p[id]}`}, el("span", {}));
     bar.firstChild.style.width = (100 * p[id] / top).toFixed(3) + "%";      // the top candidate spans the track
-    return el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), class: keptMask[id] ? "kept" : ""},
+    const row = el("tr", {"data-token-id": String(id), "data-prob": String(p[id]), tabindex: "0",
+                          class: (keptMask[id] ? "kept" : "") + (forcedBranch(id) ? " has-branch" : "") +
+                            ($("what-if")?.dataset.tokenId === String(id) ? " wi-sel" : "")},
       el("td", {}, String(RANK[id])), el("td", {class: "tokcell", translate: "no"}, JSON.stringify(D.last.text[id] ?? "").slice(1, -1)),
       el("td", {class: "pct", title: `p = ${p[id]}`}, percent(p[id])), el("td", {class: "barcell"}, bar),
       el("td", {}, String(id)), el("td", {}, String(LOGITS[id])));
+    row.addEventListener("click", () => whatIf(id, true));           // what if the model had picked it (step what-if)
+    row.addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); whatIf(id, true); } });
+    return row;
   }));
 }
 // "sample once": one draw from the shown distribution (kept set, FP64) by inverse CDF, u from SplitMix64(seed);
@@ -103,13 +108,12 @@ function tokens() {
   if (D.tokens.some((t) => t.p !== undefined)) $("tokens-shade").hidden = false;
   for (const t of D.tokens) {
     const cls = "tok" + (t.special ? " special" : "") + (t.alone ? "" : " split");
-    const span = el("span", {class: cls, "data-position": String(t.position), title: `id ${t.id}, bytes ${t.bytes}`,
-                             translate: "no"},
+    const span = el("span", {class: cls, "data-position": String(t.position), translate: "no"},
       (t.alone ? "" : "\u26a0") + JSON.stringify(t.text).slice(1, -1), el("small", {}, " " + t.id));
     if (t.p !== undefined) {          // shaded by the probability the position before gave it (T = 1)
       span.style.background = probColor(t.p); span.dataset.p = String(t.p); span.dataset.source = "logits.parquet";
-      span.title += `; p = ${t.p} (rank ${t.rank}) after position ${t.position - 1}`;
-    }
+      tip(span, "tok-p", t.id, t.bytes, t.p, t.rank, t.position - 1);
+    } else tip(span, "tok", t.id, t.bytes);
     span.addEventListener("click", () => showPosition(t.position, span));
     box.append(span);
   }
@@ -154,7 +158,7 @@ function attention() {
     const row = el("div", {class: "att-maps", "data-layer": layer},
       ui("p", "att-maps", [layer, a.offset, a.offset + n - 1], {class: "note"}));
     for (let h = 0; h < a.heads; h++) {
-      const c = el("canvas", {class: "heat", width: String(n), height: String(n), title: `layer ${layer} head ${h}`});
+      const c = tip(el("canvas", {class: "heat", width: String(n), height: String(n)}), "att-map", layer, h);
       c.style.width = c.style.height = Math.max(96, 3 * n) + "px";
       heat(c, n, n, (x, y) => w[h * n * n + y * n + x]);
       row.append(ui("span", "head-n", [h]), " ", c);
@@ -169,13 +173,13 @@ function attention() {
     const grid = el("div", {class: "att-grid", id: "attention-last"});
     grid.style.gridTemplateColumns = `64px repeat(${n}, minmax(0, 1fr))`;
     grid.append(el("div", {}, ""), ...Array.from({length: n}, (_, k) =>
-      el("div", {class: "att-label", title: `position ${a.offset + k}`, translate: "no"}, label(a.offset + k))));
+      tip(el("div", {class: "att-label", translate: "no"}, label(a.offset + k)), "att-pos", a.offset + k)));
     for (let h = 0; h < a.heads; h++) {
       grid.append(ui("div", "head-n", [h], {class: "att-head"}));
       for (let k = 0; k < n; k++) {
         const v = w[h * n * n + q * n + k];
-        const cell = el("div", {class: "att-cell", title: `head ${h} → ${JSON.stringify(label(a.offset + k))}: ${v}`},
-          v >= 0.1 ? `${Math.round(100 * v)}` : "");
+        const cell = tip(el("div", {class: "att-cell"}, v >= 0.1 ? `${Math.round(100 * v)}` : ""), "att-cell", h,
+          JSON.stringify(label(a.offset + k)), v);
         cell.style.background = `rgba(35,57,93,${Math.min(1, v)})`; cell.style.color = v > 0.35 ? "#fff" : "#111";
         grid.append(cell);
       }
@@ -197,8 +201,8 @@ function lens() {
     grid.append(el("div", {}, String(L.layers[li])));
     for (let pi = 0; pi < L.positions.length; pi++) {
       const c = L.cells[li][pi], v = c.p;
-      const cell = el("div", {class: "cell", title: c.top5.map(([t, q]) => `${JSON.stringify(t)} ${q.toPrecision(4)}`)
-        .join("\n") + `\nfinal token's rank: ${c.final_rank}`, translate: "no"}, c.text);
+      const cell = tip(el("div", {class: "cell", translate: "no"}, c.text), "lens-cell",
+        c.top5.map(([t, q]) => `${JSON.stringify(t)} ${q.toPrecision(4)}`).join("\n"), c.final_rank);
       // white text from the middle of the scale on (contrast >= 4.5:1 either side)
       cell.style.background = `rgba(35,57,93,${0.08 + 0.9 * v})`; cell.style.color = v > 0.35 ? "#fff" : "#111";
       grid.append(cell);

@@ -4,8 +4,9 @@ const TEXT = {
   en: {
     title: {tokens: "1. Text → tokens", embedding: "2. Tokens → vectors (embedding)", layers: "3. The layers",
       "lm-head": "4. Final norm and LM head → logits", why: "5. Why this token?",
-      softmax: "6. Logits → probabilities (softmax)", temperature: "7. Temperature", filter: "8. top-k and top-p",
-      pick: "9. The pick, and the loop", "kv-cache": "10. The KV cache", repetition: "11. Repetition"},
+      "what-if": "6. What if another token?", softmax: "7. Logits → probabilities (softmax)",
+      temperature: "8. Temperature", filter: "9. top-k and top-p", pick: "10. The pick, and the loop",
+      "kv-cache": "11. The KV cache", repetition: "12. Repetition"},
     explain: {
       tokens: "The model never sees letters. A tokenizer cuts the text into pieces from a fixed vocabulary and " +
         "replaces each piece by its id. A Chinese character can be one piece, or be split into byte pieces.",
@@ -20,6 +21,10 @@ const TEXT = {
         "final norm's scale frozen at its recorded value, the top token's logit splits exactly into one part per " +
         "piece. The bars show each layer's parts (click a layer for its heads; red pushes the logit up, blue down); " +
         "the prompt below is shaded by how much each token matters (integrated gradients). A share is not a cause.",
+      "what-if": "The model picked its top token, but the others had some probability too. What would it have " +
+        "written after another one? The run records it: each of the next candidates is forced as the first new " +
+        "token, and the model goes on greedily from there (checked against transformers' own generation). Click a " +
+        "candidate, here or in the next-token bars, to see its continuation step by step beside the greedy one.",
       softmax: "Softmax turns logits into probabilities: p = exp(logit − max) / (the sum over the whole " +
         "vocabulary). Computed in FP64, as recorded.",
       temperature: "Temperature divides the logits before the softmax: below 1 the top token gains, above 1 the " +
@@ -34,7 +39,16 @@ const TEXT = {
     },
     ui: {walk: "Step by step, on this run's numbers", source: "hover a number: the file it comes from",
       tokens: "The prompt as tokens", run: "Run details", "why-layers": "Parts of the top token's logit, by layer",
-      "why-inputs": "The prompt, shaded by each token's share", attn: "attention", mlp: "MLP", head: "head", checks: "Checks", lens: "Logit lens",
+      "why-inputs": "The prompt, shaded by each token's share",
+      "wi-cands": "candidates (rank, token):", "wi-hint": "click a candidate (or Enter): what the model would have " +
+        "written after it (step 6)",
+      "wi-forced": "if the model had picked {0} (rank {1}, p = {2} at T = 1) instead of {3}, and then gone on greedily:",
+      "wi-is-greedy": "{0} is the greedy pick (rank 1): what follows is the greedy continuation itself",
+      "wi-none": "{0} (rank {1}): no branch recorded for it: this run forces only the {2} candidates after the " +
+        "greedy one ({3})",
+      "wi-off": "no forced branch in this run ({0}, or the trajectories stage has not run)",
+      "wi-branch-head": "{0}, step by step", "wi-greedy-head": "{0}, for comparison", "wi-th-pick": "pick (text, id)",
+      "wi-text": "the text:", attn: "attention", mlp: "MLP", head: "head", checks: "Checks", lens: "Logit lens",
       attention: "Attention", trajectories: "Trajectories", sample: "sample once", language: "language",
       next: "Next token:", temperature: "temperature", seed: "seed", drawn: "drawn:", kept: "kept:",
       "ids-mass": "ids, mass", rank: "rank", prob: "probability (FP64, before filtering; hover: full precision)",
@@ -84,12 +98,17 @@ const TEXT = {
       "eq-row": "stored row ({0}, {1}, {2} positions, T = 1): KL mean {3}, max {4}, at the last one {5}; top-p 0.9 " +
         "kept {6}, Jaccard {7} (transformers' float32 warper); top-1 changed at {8}; max |Δ logit| {9}, mean {10}; " +
         "bit-identical {11}; first differing tensor {12}; {13}"},
+    // hover titles: values stay as written (full precision), after ": " where a test or a reader reads them off
+    tip: {tok: "id {0}, bytes {1}", "tok-p": "id {0}, bytes {1}; p = {2} (rank {3}) after position {4}",
+      "att-map": "layer {0}, head {1}", "att-pos": "position {0}", "att-cell": "head {0} → {1}: {2}",
+      "lens-cell": "{0}\nthe final token's rank: {1}", "why-attn": "attention: {0}", "why-mlp": "MLP: {0}",
+      "why-head": "head {0}: {1}", "why-tok": "position {0}, id {1}: {2}"},
   },
   zh: {
     title: {tokens: "1. 文本 → token", embedding: "2. token → 向量（嵌入）", layers: "3. 各层",
       "lm-head": "4. 最终归一化与 LM head → logit", why: "5. 为什么是这个 token？",
-      softmax: "6. logit → 概率（softmax）", temperature: "7. 温度", filter: "8. top-k 与 top-p", pick: "9. 选词与循环",
-      "kv-cache": "10. KV 缓存", repetition: "11. 重复"},
+      "what-if": "6. 如果选了另一个 token？", softmax: "7. logit → 概率（softmax）", temperature: "8. 温度",
+      filter: "9. top-k 与 top-p", pick: "10. 选词与循环", "kv-cache": "11. KV 缓存", repetition: "12. 重复"},
     explain: {
       tokens: "模型看不到文字本身。分词器把文本切成固定词表里的片段（token），并把每个片段换成它的 id。" +
         "一个汉字可能是一个 token，也可能被拆成几个字节 token。",
@@ -101,6 +120,9 @@ const TEXT = {
       why: "最后的向量是一个和：嵌入，加上每个注意力头和每个 MLP 加进去的部分。把最终归一化的尺度固定在记录值上，" +
         "最高 token 的 logit 就能精确地拆成每个部分的贡献。条形图显示每一层的贡献（点击一层查看各个注意力头；" +
         "红色推高 logit，蓝色拉低）；下面的提示词按每个 token 的重要程度着色（积分梯度）。贡献大不等于因果。",
+      "what-if": "模型选了排名第一的 token，但其他候选也有一定的概率。如果选了另一个，它会接着写什么？本次运行记录了答案：" +
+        "把排在后面的几个候选分别强制作为第一个新 token，然后让模型从那里继续贪心生成（已与 transformers 自己的生成结果" +
+        "逐一核对）。点击一个候选（这里或“下一个 token”的条形图中），即可在贪心结果旁边逐步查看它的续写。",
       softmax: "softmax 把 logit 变成概率：p = exp(logit − max) /（全词表之和）。这里用 FP64 计算，与记录一致。",
       temperature: "在 softmax 之前，logit 先除以温度：温度小于 1 时最高的 token 更突出，大于 1 时分布更平。" +
         "T = 0 表示贪心：总是选 logit 最高的。",
@@ -111,7 +133,14 @@ const TEXT = {
     },
     ui: {walk: "逐步讲解：本次运行的真实数字", source: "鼠标悬停在数字上：查看它来自哪个文件",
       tokens: "提示词的 token", run: "运行详情", "why-layers": "最高 token 的 logit 按层分解",
-      "why-inputs": "提示词，按每个 token 的贡献着色", attn: "注意力", mlp: "MLP", head: "头", checks: "检查", lens: "Logit lens",
+      "why-inputs": "提示词，按每个 token 的贡献着色",
+      "wi-cands": "候选（排名，token）：", "wi-hint": "点击一个候选（或按回车）：查看模型选它之后会写什么（第 6 步）",
+      "wi-forced": "如果模型选的是 {0}（排名 {1}，T = 1 时 p = {2}）而不是 {3}，之后继续贪心生成：",
+      "wi-is-greedy": "{0} 就是贪心的选择（排名 1）：下面就是贪心续写本身",
+      "wi-none": "{0}（排名 {1}）：没有为它记录分支：本次运行只强制了贪心之后的 {2} 个候选（{3}）",
+      "wi-off": "本次运行没有强制分支（{0}，或 trajectories 阶段尚未运行）",
+      "wi-branch-head": "{0}，逐步", "wi-greedy-head": "{0}，用于对比", "wi-th-pick": "选中（文本，id）",
+      "wi-text": "文本：", attn: "注意力", mlp: "MLP", head: "头", checks: "检查", lens: "Logit lens",
       attention: "注意力", trajectories: "生成轨迹", sample: "采样一次", language: "语言",
       next: "下一个 token：", temperature: "温度", seed: "随机种子", drawn: "抽到：", kept: "保留：",
       "ids-mass": "个 id，总概率", rank: "排名", prob: "概率（FP64，过滤之前；悬停显示完整精度）",
@@ -160,6 +189,10 @@ const TEXT = {
       "eq-row": "存储的行（{0}，{1}，{2} 个位置，T = 1）：KL 平均 {3}，最大 {4}，最后一个位置 {5}；top-p 0.9 " +
         "保留 {6}，Jaccard {7}（transformers 的 float32 warper）；第一名改变的位置 {8}；最大 |Δ logit| {9}，平均 {10}；" +
         "逐位相同 {11}；第一个不同的张量 {12}；{13}"},
+    tip: {tok: "id {0}，字节 {1}", "tok-p": "id {0}，字节 {1}；位置 {4} 给它的 p = {2}（排名 {3}）",
+      "att-map": "第 {0} 层，头 {1}", "att-pos": "位置 {0}", "att-cell": "头 {0} → {1}: {2}",
+      "lens-cell": "{0}\n最终 token 的排名：{1}", "why-attn": "注意力: {0}", "why-mlp": "MLP: {0}",
+      "why-head": "头 {0}: {1}", "why-tok": "位置 {0}，id {1}: {2}"},
   },
 };
 function walk() {
@@ -176,6 +209,7 @@ function walk() {
     if (s.missing) sec.append(el("p", {class: "note", "data-missing-en": s.missing.en,
                                        "data-missing-zh": s.missing.zh}, s.missing.en));
     box.append(sec);
+    if (s.step === "what-if") whatIfSetup(sec);
   }
 }
 function signColor(v, span) {   // red up, blue down, white at 0 (the report's coolwarm, simplified)
@@ -183,11 +217,11 @@ function signColor(v, span) {   // red up, blue down, white at 0 (the report's c
   const [r, g, b] = v >= 0 ? [214, 96, 77] : [67, 147, 195];
   return `rgba(${r},${g},${b},${(0.15 + 0.85 * a).toFixed(3)})`;
 }
-function whyBar(v, span, label) {
+function whyBar(v, span, key, ...label) {
   const w = (50 * Math.abs(v) / (span || 1)).toFixed(2);
-  return el("div", {class: "why-bar", title: `${label}: ${v}`},
+  return tip(el("div", {class: "why-bar"},
     el("span", {class: v >= 0 ? "up" : "down", style: v >= 0 ? `left:50%;width:${w}%` : `right:50%;width:${w}%`}),
-    el("b", {}, (v >= 0 ? "+" : "") + v.toFixed(3)));
+    el("b", {}, (v >= 0 ? "+" : "") + v.toFixed(3))), key, ...label, v);
 }
 function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a layer opens per head) and the prompt
   const box = el("div", {class: "why"});
@@ -197,11 +231,11 @@ function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a
     table.append(el("caption", {"data-ui": "why-layers"}));
     for (const l of w.layers) {
       const row = el("tr", {class: "why-layer", "data-layer": l.layer, tabindex: 0},
-        el("th", {}, `▸ ${l.layer}`), el("td", {"data-ui": "attn"}), el("td", {class: "barcell"}, whyBar(l.attn, span, "attn")),
-        el("td", {"data-ui": "mlp"}), el("td", {class: "barcell"}, whyBar(l.mlp, span, "mlp")));
+        el("th", {}, `▸ ${l.layer}`), el("td", {"data-ui": "attn"}), el("td", {class: "barcell"}, whyBar(l.attn, span, "why-attn")),
+        el("td", {"data-ui": "mlp"}), el("td", {class: "barcell"}, whyBar(l.mlp, span, "why-mlp")));
       const heads = l.heads.map((v, h) => el("tr", {class: "why-head", "data-layer": l.layer, hidden: ""},
         el("th", {}, ""), el("td", {}, el("span", {"data-ui": "head"}), ` ${h}`),
-        el("td", {class: "barcell"}, whyBar(v, span, `head ${h}`)), el("td", {}), el("td", {})));
+        el("td", {class: "barcell"}, whyBar(v, span, "why-head", h)), el("td", {}), el("td", {})));
       const toggle = () => {
         const open = heads.length && heads[0].hidden;
         heads.forEach((r) => { r.hidden = !open; });
@@ -219,12 +253,92 @@ function whyChart(w) {            // explorer_walk.why_chart: the step's bars (a
     const strip = el("div", {class: "why-inputs", id: "why-inputs"});
     w.inputs.forEach((v, i) => {
       const t = D.tokens[i] || {text: "", id: ""};
-      strip.append(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`, translate: "no",
-        title: `position ${i}, id ${t.id}: ${v}`}, t.text.replace(/\n/g, "⏎") || "␣"));
+      strip.append(tip(el("span", {class: "why-tok", style: `background:${signColor(v, span)}`, translate: "no"},
+        t.text.replace(/\n/g, "⏎") || "␣"), "why-tok", i, t.id, v));
     });
     box.append(el("p", {class: "caption", "data-ui": "why-inputs"}), strip);
   }
   return box;
+}
+// ---- What if another token (step "what-if"): the forced branches (docs/artifacts.md) forced at the last prompt
+// position, one per candidate of rank 2 .. sampling.what_if + 1. A click (or Enter) on a candidate, in the step's
+// own row or in the Next token bars, shows its branch step by step (each pick and the top alternatives with their
+// recorded p) beside the greedy branch; a candidate without a branch says so in one line.
+function forcedBranch(id) {          // looked up by the id forced as the first new token, never by position in a list
+  return D.trajectories.find((b) => b.forced && b.forced.step === 1 && b.forced.id === id);
+}
+function greedyBranch() {            // the full-prefix greedy run (the reference path), else the KV-cache one
+  return D.trajectories.find((b) => b.branch === "greedy" && !b.kv) ??
+    D.trajectories.find((b) => b.branch === "greedy");
+}
+const tokText = (t) => {               // a token as text; one of spaces only is shown as ␣ (an empty one as ∅)
+  const s = JSON.stringify(t ?? "").slice(1, -1);
+  return s.trim() ? s : s.replace(/ /g, "␣") || "∅";
+};
+function stepsTable(b, id) {          // like the Trajectories panel: pick, its p, the alternatives with their p
+  const t = el("table", {class: "wi-steps", id, "data-branch": b.branch}, el("tr", {}, ui("th", "th-step"),
+    ui("th", "wi-th-pick"), el("th", {}, "p"), ui("th", "th-alts")));
+  for (const s of b.steps) {
+    const forced = b.forced && s.step === b.forced.step;
+    t.append(el("tr", {class: forced ? "wi-forced" : "", "data-step": String(s.step), "data-token-id": String(s.id),
+                       "data-prob": String(s.prob), translate: "no"}, el("td", {}, String(s.step)),
+      el("td", {class: "wi-tok", style: `background:${probColor(s.prob)}`}, `${tokText(s.piece)} `,
+        el("small", {}, String(s.id))),
+      el("td", {class: "pct", "data-source": D.steps_source, title: `p = ${s.prob} (${D.steps_source})`},
+        percent(s.prob)),
+      el("td", {class: "wi-alts"}, ...s.alts.map(([aid, q, text]) =>
+        el("span", {class: aid === s.id ? "wi-alt own" : "wi-alt", "data-token-id": String(aid), "data-prob": String(q),
+                    title: `id ${aid}: p = ${q}`},
+          `${tokText(text)} `, el("small", {}, String(aid)), ` ${percent(q)}`)))));
+  }
+  return t;
+}
+function branchColumn(b, head, id) {
+  const last = b.steps[b.steps.length - 1];
+  return el("div", {class: "wi-col"}, ui("h3", head, [b.branch]),
+    el("p", {class: "wi-text"}, ui("span", "wi-text"), " ",
+      el("b", {translate: "no"}, JSON.stringify(last ? last.text : ""))),
+    stepsTable(b, id));
+}
+function whatIf(id, scroll) {
+  const box = $("what-if"), status = $("what-if-status"), view = $("what-if-view");
+  if (!box) return;
+  const g = greedyBranch(), forced = D.trajectories.filter((b) => b.forced && b.forced.step === 1);
+  const b = forcedBranch(id) ?? (g && g.steps[0] && g.steps[0].id === id ? g : null);
+  box.dataset.tokenId = String(id); box.dataset.branch = b ? b.branch : "";
+  document.querySelectorAll("#what-if-candidates button, #candidates tr").forEach((e) =>
+    e.classList.toggle("wi-sel", e.dataset.tokenId === String(id)));
+  const name = `${JSON.stringify(D.last.text[id] ?? "")} (${id})`;
+  if (!b) {
+    if (forced.length) setUi(status, "wi-none", name, RANK[id], forced.length, `sampling.what_if = ${forced.length}`);
+    else setUi(status, "wi-off", "sampling.what_if = 0");
+    view.replaceChildren(...(g ? [el("div", {class: "wi-col"}), branchColumn(g, "wi-greedy-head", "what-if-greedy")]
+      : []));
+  } else {
+    const first = b.steps.find((s) => s.step === 1), top = g && g.steps[0];
+    if (b === g) setUi(status, "wi-is-greedy", name);
+    else setUi(status, "wi-forced", name, RANK[id], first ? percent(first.prob) : "?",
+               top ? `${JSON.stringify(D.last.text[top.id] ?? top.piece ?? "")} (${top.id})` : "?");
+    view.replaceChildren(branchColumn(b, "wi-branch-head", "what-if-branch"),
+      ...(g && b !== g ? [branchColumn(g, "wi-greedy-head", "what-if-greedy")] : []));
+  }
+  if (scroll) box.closest("section").scrollIntoView({block: "start"});
+}
+function whatIfSetup(sec) {
+  const forced = D.trajectories.filter((b) => b.forced && b.forced.step === 1);
+  const n = Math.min(D.last.top.length, Math.max(6, forced.length + 3));
+  const row = el("div", {id: "what-if-candidates", class: "wi-cands"}, ui("span", "wi-cands"));
+  for (const id of D.last.top.slice(0, n)) {
+    const btn = el("button", {type: "button", "data-token-id": String(id), translate: "no",
+                              class: forcedBranch(id) ? "has-branch" : ""},
+      `${RANK[id]}. ${tokText(D.last.text[id])} `, el("small", {}, String(id)));
+    btn.addEventListener("click", () => whatIf(id, false));
+    row.append(btn);
+  }
+  sec.append(el("div", {class: "what-if", id: "what-if"}, row, el("p", {id: "what-if-status", class: "wi-status"}),
+    el("div", {id: "what-if-view", class: "wi-view"})));
+  const start = forced.map((b) => b.forced.id).sort((a, b) => RANK[a] - RANK[b])[0];
+  whatIf(start ?? D.last.top[1] ?? D.last.top[0], false);
 }
 // An element whose text is TEXT[lang].ui[key] with {0}, {1}, ... filled by args (names and numbers, the same in
 // both languages: each in a <span translate="no">); setLanguage fills every such element again.
@@ -249,6 +363,18 @@ function ui(tag, key, args = [], attrs = {}) {
   setUi(e, key, ...args);
   return e;
 }
+// A hover title from TEXT[lang].tip[key], its {0}, {1}, ... the values as given (full precision); setLanguage
+// fills it again.
+function fillTip(e) {
+  const tpl = TEXT[LANG].tip[e.dataset.tip] ?? TEXT.en.tip[e.dataset.tip] ?? "";
+  const args = JSON.parse(e.dataset.tipArgs || "[]");
+  e.title = tpl.replace(/\{(\d+)\}/g, (_, i) => String(args[+i]));
+}
+function tip(e, key, ...args) {
+  e.dataset.tip = key; e.dataset.tipArgs = JSON.stringify(args.map(String));
+  fillTip(e);
+  return e;
+}
 function setLanguage(lang) {
   LANG = lang === "zh" ? "zh" : "en";
   const T = TEXT[LANG];
@@ -258,5 +384,6 @@ function setLanguage(lang) {
   document.querySelectorAll("[data-label-en]").forEach((e) => { e.textContent = e.dataset[`label${lang === "zh" ? "Zh" : "En"}`]; });
   document.querySelectorAll("[data-missing-en]").forEach((e) => { e.textContent = e.dataset[`missing${lang === "zh" ? "Zh" : "En"}`]; });
   document.querySelectorAll("[data-ui]").forEach(fillUi);
+  document.querySelectorAll("[data-tip]").forEach(fillTip);
   $("language").value = lang;
 }
