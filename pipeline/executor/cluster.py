@@ -12,8 +12,9 @@
   the kernel pins (`capture.kernels`, `pipeline.kernels.PIN_VARS`) go to every actor explicitly in
   its `runtime_env`, and the actor pins them again before it unpickles the work (which imports torch).
 - `executor.max_retries`: an actor that dies (a killed worker, a lost node) is restarted and its
-  prompt retried this many times; then the stage fails in one line naming the prompt. Every wait is
-  bounded (`executor.prompt_timeout_s`).
+  prompt retried this many times; then the stage fails in one line naming the prompt. A call that Ray ends while
+  a lost node's actors are moved (or a result lost with that node's object store) is sent again by the stage
+  (`_get`). Every wait is bounded (`executor.prompt_timeout_s`).
 - At most two prompts per actor are in flight and results are taken in the run's order, so the
   stage holds a bounded number of results whatever the size of the set.
 """
@@ -36,6 +37,7 @@ from pipeline.executor.work import PromptResult, accept, run_one
 from pipeline.store.artifacts import StageRun
 
 IN_FLIGHT_PER_WORKER = 2
+RESEND_PAUSE_S = 1.0       # between sends of a prompt whose actor is unavailable (a node lost)
 LOCAL_OBJECT_STORE = 256 * 1024 ** 2     # bytes: a prompt's results are small; Ray's default takes 30 % of RAM
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 # a local Ray on loopback only: without it Ray resolves its node address by the default route
@@ -261,7 +263,6 @@ def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
     if cfg.address is None:
         os.environ.update(LOOPBACK_ENV)              # read when ray is imported
     import ray
-    import ray.exceptions as rex
 
     pin_mode = kernels.pinned_mode() or "native"
     threads = cfg.torch_threads or _own_threads()
@@ -285,16 +286,9 @@ def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
             while queue and len(pending) < IN_FLIGHT_PER_WORKER * n:
                 pid = queue.popleft()
                 actor = actors[(len(prompt_ids) - len(queue) - 1) % n]
-                pending.append((pid, actor.run.remote(root, config, stage.model, pid)))
-            pid, ref = pending.popleft()                # the run's order: the set-level files depend on it
-            try:
-                result = ray.get(ref, timeout=cfg.prompt_timeout_s)
-            except rex.GetTimeoutError:
-                raise UserError(f"stage {stage.stage}: prompt {pid} did not finish within executor.prompt_timeout_s="
-                                f"{cfg.prompt_timeout_s} s on Ray") from None
-            except (rex.RayActorError, rex.ActorDiedError, rex.WorkerCrashedError, rex.NodeDiedError) as e:
-                raise UserError(f"stage {stage.stage}: prompt {pid} failed on Ray after executor.max_retries="
-                                f"{cfg.max_retries} retries: its worker died ({type(e).__name__})") from None
+                pending.append((pid, actor, actor.run.remote(root, config, stage.model, pid)))
+            pid, actor, ref = pending.popleft()         # the run's order: the set-level files depend on it
+            result = _get(stage, cfg, pid, actor, ref)
             values.append(accept(stage, result))
             stage.executor["prompts"][pid] = result.where
         return values
@@ -304,6 +298,36 @@ def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
                 ray.kill(a, no_restart=True)
         if started:
             ray.shutdown()
+
+
+def _get(stage: StageRun, cfg, pid: str, actor, ref) -> PromptResult:
+    """One prompt's result, within executor.prompt_timeout_s. A node lost mid-run (its raylet and object store gone)
+    ends the calls on its actors in ActorUnavailableError until the cluster declares the node dead and Ray restarts
+    the actors elsewhere (seen: the call sent again at once failed so, three times in a row, and the stage ended);
+    Ray does not send such a call again itself. So the prompt is sent again to the same actor, a second apart,
+    until it answers or the bound is spent; a result that was waiting in the lost node's object store
+    (ObjectLostError) is sent again the same way. A worker writes nothing: running a prompt twice changes no byte.
+    An actor that is dead for good (Ray's restarts, executor.max_retries, spent) or a wait past the bound is one
+    line naming the prompt."""
+    import ray
+    import ray.exceptions as rex
+    deadline = time.monotonic() + cfg.prompt_timeout_s
+    while True:
+        try:
+            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except rex.GetTimeoutError:
+            raise UserError(f"stage {stage.stage}: prompt {pid} did not finish within executor.prompt_timeout_s="
+                            f"{cfg.prompt_timeout_s} s on Ray") from None
+        except (rex.ActorUnavailableError, rex.ObjectLostError) as e:
+            if time.monotonic() + RESEND_PAUSE_S >= deadline:
+                raise UserError(f"stage {stage.stage}: prompt {pid} did not finish within executor.prompt_timeout_s="
+                                f"{cfg.prompt_timeout_s} s on Ray: its worker or node was lost and it was not back "
+                                f"in time ({type(e).__name__})") from None
+            time.sleep(RESEND_PAUSE_S)
+            ref = actor.run.remote(str(stage.root), stage.config, stage.model, pid)
+        except (rex.RayActorError, rex.ActorDiedError, rex.WorkerCrashedError, rex.NodeDiedError) as e:
+            raise UserError(f"stage {stage.stage}: prompt {pid} failed on Ray after executor.max_retries="
+                            f"{cfg.max_retries} retries: its worker died ({type(e).__name__})") from None
 
 
 def _ready(actors: list, timeout_s: float) -> list[dict]:
