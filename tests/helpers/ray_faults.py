@@ -62,3 +62,30 @@ def plan(plan_file: Path, stage: str | None, prompt: str | None = None, mode: st
         plan_file.unlink(missing_ok=True)
         return
     plan_file.write_text(json.dumps({"stage": stage, "prompt": prompt, "mode": mode, "marker": str(marker)}))
+
+
+def compose(ws: Path, set_file: str, *overrides: str) -> None:
+    """`nexttoken compose` of the tests' tiny_qwen2 chain over prompts/`set_file`."""
+    from tests.conftest import TEST_STEPS, run_module
+    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "capture.device=cpu", "model=tiny_qwen2",
+               f"prompt.set=prompts/{set_file}", *overrides, check=True)
+
+
+def outputs(ws: Path, stage: str) -> dict[str, str]:
+    """A stage's output files and their sha256, from its manifest."""
+    from pipeline.store.artifacts import read_manifest
+    return {o["path"]: o["sha256"] for o in read_manifest(stage, ws)["outputs"]}
+
+
+def tokenized_set(tiny_workspace: Path, dest: Path, n: int, set_file: str) -> Path:
+    """A copy of tiny_workspace with the first `n` prompts of prompts/concepts.jsonl as prompts/`set_file`,
+    composed and run through validate and tokenize (serial)."""
+    from tests.conftest import REPO, copy_ws
+    from tests.helpers.inprocess import run_chain
+    ws = copy_ws(tiny_workspace, dest)
+    lines = (REPO / "prompts/concepts.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+    (ws / "prompts").mkdir(exist_ok=True)
+    (ws / "prompts" / set_file).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    compose(ws, set_file)
+    run_chain(ws, ("validate", "tokenize"))
+    return ws

@@ -29,7 +29,7 @@ import pytest
 
 from pipeline.store import paths
 from pipeline.store.artifacts import read_manifest
-from tests.conftest import REPO, TEST_STEPS, copy_ws, run_module, snapshot
+from tests.conftest import copy_ws, snapshot
 from tests.helpers import ray_faults
 from tests.helpers.inprocess import run_chain
 from tests.helpers.ray_team_cluster import TeamCluster
@@ -42,12 +42,11 @@ STAGE_TIMEOUT_S = 300
 
 
 def _compose(ws, *overrides):
-    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "capture.device=cpu", "model=tiny_qwen2",
-               "prompt.set=prompts/twelve.jsonl", *overrides, check=True)
+    ray_faults.compose(ws, "twelve.jsonl", *overrides)
 
 
 def _outputs(ws, stage) -> dict[str, str]:
-    return {o["path"]: o["sha256"] for o in read_manifest(stage, ws)["outputs"]}
+    return ray_faults.outputs(ws, stage)
 
 
 def _client_env(token: str | None) -> dict[str, str]:
@@ -78,12 +77,7 @@ def team(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenized(tiny_workspace, tmp_path_factory):
-    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("team_set") / "ws")
-    lines = (REPO / "prompts/concepts.jsonl").read_text(encoding="utf-8").splitlines()[:PROMPTS]
-    (ws / "prompts").mkdir(exist_ok=True)
-    (ws / "prompts/twelve.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _compose(ws)
-    run_chain(ws, ("validate", "tokenize"))
+    ws = ray_faults.tokenized_set(tiny_workspace, tmp_path_factory.mktemp("team_set") / "ws", PROMPTS, "twelve.jsonl")
     assert len(paths.prompt_ids(paths.TOKENS, ws)) == PROMPTS
     return ws
 

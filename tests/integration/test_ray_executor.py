@@ -22,7 +22,7 @@ import torch
 from pipeline.errors import UserError, interrupted
 from pipeline.store import paths
 from pipeline.store.artifacts import read_manifest
-from tests.conftest import REPO, TEST_STEPS, copy_ws, run_module, snapshot
+from tests.conftest import copy_ws, snapshot
 from tests.helpers import ray_faults
 from tests.helpers.inprocess import run_chain
 
@@ -33,12 +33,11 @@ AFTER_TOKENIZE = ("forward", "logits", "probs", "trajectories", "lens", "checks"
 
 
 def _compose(ws, *overrides):
-    run_module("pipeline.tools.cli", ws, "compose", TEST_STEPS, "capture.device=cpu", "model=tiny_qwen2",
-               "prompt.set=prompts/four.jsonl", *overrides, check=True)
+    ray_faults.compose(ws, "four.jsonl", *overrides)
 
 
 def _outputs(ws, stage) -> dict[str, str]:
-    return {o["path"]: o["sha256"] for o in read_manifest(stage, ws)["outputs"]}
+    return ray_faults.outputs(ws, stage)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +50,7 @@ def ray_cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenized(tiny_workspace, tmp_path_factory):
     """tiny_workspace with a four-prompt set, tokenized (serial composition)."""
-    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("ray_set") / "ws")
-    lines = (REPO / "prompts/concepts.jsonl").read_text(encoding="utf-8").splitlines()[:PROMPTS]
-    (ws / "prompts").mkdir(exist_ok=True)
-    (ws / "prompts/four.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _compose(ws)
-    run_chain(ws, ("validate", "tokenize"))
-    return ws
+    return ray_faults.tokenized_set(tiny_workspace, tmp_path_factory.mktemp("ray_set") / "ws", PROMPTS, "four.jsonl")
 
 
 @pytest.fixture(scope="module")
