@@ -62,7 +62,10 @@ def _frozen(model: nn.Module):
 
 def _logit_fn(model: nn.Module, position: int, token_id: int):
     keep = torch.tensor([position], device=model.get_input_embeddings().weight.device)
-    return lambda embeds: model(inputs_embeds=embeds, use_cache=False, logits_to_keep=keep).logits[:, 0, token_id]
+    # A copy goes in: a forward that scales inputs_embeds in place (CTRL's `*= sqrt(d_model)`) would otherwise
+    # change the caller's embeddings, and refuses to on the leaf tensor Captum differentiates by.
+    return lambda embeds: model(inputs_embeds=embeds.clone(), use_cache=False,
+                                logits_to_keep=keep).logits[:, 0, token_id]
 
 
 def attribute(model: nn.Module, input_ids: torch.Tensor, targets: Sequence[tuple[int, int]],

@@ -95,3 +95,28 @@ def test_head_arithmetic_in_float32_is_found_on_the_model():
     assert recompute.lm_head_recompute(model, c["final_norm_out"], c["logits"]) == 0.0
     object.__setattr__(model, "_nexttoken_generic", replace(names, head_fp32=False))
     assert recompute.lm_head_recompute(model, c["final_norm_out"], c["logits"]) > 0
+
+
+def test_lens_eps_skips_a_null_config_key():
+    """Cohere 2 MoE's config.json has rms_norm_eps: null beside layer_norm_eps: the lens takes the norm's own eps."""
+    from dataclasses import replace
+
+    from pipeline.checks.lens import final_norm_eps
+    names = replace(families.GENERIC, norm_eps_value=1e-5)
+    assert final_norm_eps({"rms_norm_eps": None, "layer_norm_eps": 1e-5}, names) == 1e-5
+    assert final_norm_eps({"rms_norm_eps": 1e-6}, families.LLAMA_LIKE) == 1e-6
+
+
+def test_input_attribution_of_a_model_that_scales_its_input_in_place():
+    """CTRL's forward does `inputs_embeds *= sqrt(d_model)`: the attribution hands it a copy, so Captum's leaf input
+    is not written to and the logit at the input is the model's own logit for the ids."""
+    import torch
+
+    from pipeline.model import input_attribution
+
+    model = zoo.build_toy("ctrl")
+    ids = torch.randint(0, 150000, (1, 6), generator=torch.Generator().manual_seed(0))
+    table = input_attribution.attribute(model, ids, [(5, 7)], n_steps=4)
+    with torch.no_grad():
+        logit = float(model(input_ids=ids, use_cache=False).logits[0, 5, 7])
+    assert table["logit_input"].iloc[0] == pytest.approx(logit, rel=1e-5, abs=1e-6)
