@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Stages run `python -m stages.<name>`: the venv must come first on PATH.
 RUN := PATH="$(BIN):$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)"
 
-.PHONY: setup repro test test-fast bench gpu-check clean-venv
+.PHONY: setup repro test test-fast families bench gpu-check clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "nexttoken needs Python 3.11, found " + sys.version'
@@ -48,6 +48,12 @@ test: setup
 test-fast: setup
 	$(RUN) ruff check .
 	$(RUN) python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+# The whole chain, every stage, for a 2-layer toy of every decoder-only model_type the pinned transformers ships
+# (tests/helpers/zoo.py; `make test` runs each through the forward capture and its checks, and a sample through
+# the whole chain): each passes with 0 failing error checks or is refused in one line. docs/models.md.
+families: setup
+	$(RUN) NEXTTOKEN_FAMILIES=1 python -m pytest -q -n $(TEST_WORKERS) tests/integration/test_decoder_zoo.py -k whole_chain_every_type
 
 # Cost of recording vs plain transformers / nnsight, stage isolation and prompt-length scale, as
 # ratios with targets (this workspace's model, default gemma3_270m) -> artifacts/bench/bench.json.

@@ -183,6 +183,12 @@ def _config(snapshot: Path) -> dict:
     return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
+def final_norm_eps(cfg: dict, names) -> float | None:
+    """config.json's `names.norm_eps`, else (a decoder outside the family table) the final norm module's own eps;
+    a key present with null (Cohere 2 MoE's rms_norm_eps beside its layer_norm_eps) counts as absent."""
+    return cfg[names.norm_eps] if cfg.get(names.norm_eps) is not None else names.norm_eps_value
+
+
 def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
     """The final norm's and the head's FP64 tensors from the snapshot, the eps, scaling and cap; or a problem."""
     names, weights = family(model), SnapshotWeights(snapshot)
@@ -192,7 +198,7 @@ def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
         ("head.weight", names.lm_head, head.weight), ("head.bias", names.lm_head, getattr(head, "bias", None)))
         if p is not None}
     # eps: config.json's, else (a decoder outside the family table) the final norm module's own
-    eps = cfg.get(names.norm_eps, names.norm_eps_value)
+    eps = final_norm_eps(cfg, names)
     problem = next((f"the snapshot holds no tensor equal to the model's {k}" for k, v in found.items() if v is None),
                    "" if eps is not None else f"config.json has no {names.norm_eps} (the final norm's eps)")
     if problem:

@@ -81,9 +81,7 @@ def find_generic(model: nn.Module) -> ModuleNames:
         get = getattr(model, getter, None)
         return _path_of(model, get()) if get else None
     embed, lm_head = found("get_input_embeddings"), found("get_output_embeddings")
-    parent = layers.rpartition(".")[0] if layers else ""
-    norm = next((f"{parent}.{k}".lstrip(".") for k in _FINAL_NORMS
-                 if isinstance(getattr(model.get_submodule(parent), k, None), nn.Module)), None) if layers else None
+    norm = _final_norm(model, layers, cfg) if layers else None
     missing = [what for what, path in (("decoder layers", layers), ("input embeddings", embed),
                                        ("final norm", norm), ("LM head", lm_head)) if path is None]
     if missing:
@@ -92,15 +90,49 @@ def find_generic(model: nn.Module) -> ModuleNames:
     # The head's arithmetic after lm_head, as the model's forward applies it: the pinned transformers'
     # decoders multiply by the model's `logit_scale` (Cohere), divide by config `logits_scaling` (Granite),
     # or softcap (Gemma); none of them is a module, so they are read off the model and its config.
-    softcap = "final_logit_softcapping" if getattr(cfg, "final_logit_softcapping", None) is not None else None
+    softcap = next((a for a in _SOFTCAPS if getattr(cfg, a, None) is not None), None)
     scale = "logit_scale" if isinstance(getattr(model, "logit_scale", None), int | float) else None
     scaling = "logits_scaling" if isinstance(getattr(cfg, "logits_scaling", None), int | float) else None
     formula, eps = final_norm_form(model.get_submodule(norm), model.config.model_type)
     return replace(GENERIC, embed=embed, layers=layers, final_norm=norm, lm_head=lm_head, final_softcap=softcap,
-                   logit_scale=scale, logits_scaling=scaling, norm_formula=formula, norm_eps_value=eps)
+                   logit_scale=scale, logits_scaling=scaling, norm_formula=formula, norm_eps_value=eps,
+                   head_fp32=_head_in_fp32(model, lm_head) if softcap or scale or scaling else False)
+
+
+_SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")     # the config attributes HF decoders softcap with
+
+
+def _head_in_fp32(model: nn.Module, lm_head: str) -> bool:
+    """Whether the model does its arithmetic after lm_head in float32 (BEAM's softcap), read off a 1-token
+    probe: its logits come out float32 from a head of another dtype."""
+    weight = model.get_submodule(lm_head).weight
+    if weight.dtype == torch.float32:
+        return False
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.get_input_embeddings().weight.device),
+                    use_cache=False)
+    return out.logits.dtype == torch.float32
 
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")       # where torch's and HF's norm modules keep eps
+
+
+def _final_norm(model: nn.Module, layers: str, cfg) -> str | None:
+    """The final norm: a child of the layers' parent, registered after the layers, with an eps attribute and a
+    1-d weight of the hidden size (found by what it is, so BioGPT's `layer_norm` and CTRL's `layernorm` need no
+    list of names); else one of the usual names beside the layers."""
+    parent = layers.rpartition(".")[0]
+    children = list(model.get_submodule(parent).named_children())
+    after = children[[n for n, _ in children].index(layers.rpartition(".")[2]) + 1:]
+    width = getattr(cfg, "hidden_size", None)
+
+    def is_norm(m: nn.Module) -> bool:
+        w = getattr(m, "weight", None)
+        return (any(isinstance(getattr(m, a, None), int | float) for a in _EPS_ATTRS) and isinstance(w, torch.Tensor)
+                and w.ndim == 1 and w.shape[0] == width)
+    found = next((name for name, m in after if is_norm(m)), None) or next(
+        (k for k in _FINAL_NORMS if isinstance(getattr(model.get_submodule(parent), k, None), nn.Module)), None)
+    return f"{parent}.{found}".lstrip(".") if found else None
 
 
 def final_norm_form(norm: nn.Module, model_type: str) -> tuple[str, float]:

@@ -87,6 +87,9 @@ def prefill(model: torch.nn.Module, prompt_ids: list[int], kv_cache: bool) -> Pr
         else:
             out = model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=False, logits_to_keep=1)
         logits = out.logits[0, -1].to("cpu", copy=True)
+    if kv_cache and getattr(out, "cache", None) is None:     # RecurrentGemma: a CausalLMOutput with no cache
+        raise UserError(f"model_type={model.config.model_type!r} cannot be decoded with a KV cache: its output "
+                        f"({type(out).__name__}) returns no cache, and the trajectories' KV-cache path extends one")
     return Prefill(tuple(ids), kv_cache, logits, out.cache if kv_cache else None)
 
 

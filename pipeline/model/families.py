@@ -65,6 +65,7 @@ class ModuleNames:
     norm_eps: str = "rms_norm_eps"
     norm_eps_value: float | None = None            # generic: the final norm module's own eps, where config.json
                                                    # has no `norm_eps` (found on the model: `find_generic`)
+    head_fp32: bool = False                        # the arithmetic after lm_head in float32 (generic: BEAM's softcap)
     generic: bool = False                          # found by `find_generic`: residual stream only
     notes: tuple[str, ...] = field(default=())
 
@@ -156,8 +157,44 @@ FAMILIES: dict[str, ModuleNames] = {
 GENERIC_TESTED = ("qwen3_5_text", "cohere", "stablelm", "falcon")
 # What `model=tiny model.source.family=X` builds (pipeline/model/tiny.py), each proven by the tests.
 TINY_FAMILIES = (*FAMILIES, *GENERIC_TESTED)
+# Decoders the residual-stream tier cannot capture, each measured on a toy of its own config class
+# (tests/integration/test_decoder_zoo.py): refused from config.json, before any stage's outputs are removed.
+_NO_FINAL_NORM = ("its layers normalise after each residual add (post-LN) and no final norm follows them, so "
+                  "there is no LM-head input to capture as final_norm_out")
+REFUSED: dict[str, str] = {
+    "bert-generation": _NO_FINAL_NORM,
+    "openai-gpt": _NO_FINAL_NORM,
+    "trocr": _NO_FINAL_NORM,
+    "deepseek_v4": "its residual stream is hc_mult streams mixed between layers (hyper-connections), not one "
+                   "[T, hidden] tensor per layer",
+    "hy_v4": "its final norm does not read the last layer's output (the toy's final_norm_recompute is inf)",
+    "dory": "its final norm (DoryL2Norm) is an L2 normalisation with no weight or eps, neither RMSNorm nor LayerNorm",
+    "nanochat": "its final norm is an RMSNorm without a weight, and the lens and LM-head checks read the final "
+                "norm's weight",
+    "olmo": "its final norm (OlmoLayerNorm) is a LayerNorm without weight or bias, and the lens and LM-head "
+            "checks read the final norm's weight",
+    "nemotron": "its final norm (NemotronLayerNorm1P) is a LayerNorm scaled by 1 + weight, a form the lens's FP64 "
+                "recompute does not write out",
+    "hrm_text": "its layers are recurrent stacks run in cycles, not one list of num_hidden_layers decoder layers",
+    "longcat_flash": "each of its decoder layers holds two attention and two MLP blocks, so there is no list of "
+                     "num_hidden_layers decoder layers",
+    "inkling_text": "it divides the final norm's output by logits_mup_width_multiplier before the LM head, so the "
+                    "LM head does not read final_norm_out",
+    "modernbert-decoder": "a prediction head (dense, activation, norm) sits between the final norm and the output "
+                          "embedding, so the LM head does not read final_norm_out",
+    "recurrent_gemma": "its forward returns no cache (a CausalLMOutput), and the trajectories' KV-cache path "
+                       "extends the model's cache",
+    "inkling2_text": "its forward fails in bfloat16 in the pinned transformers (a float32 matmul meets bfloat16)",
+    "inkling2_loop_text": "its forward fails in bfloat16 in the pinned transformers (a float32 matmul meets "
+                          "bfloat16)",
+}
 # Decoders with no attention layers at all: nothing to capture as attention, refused up front.
 NO_ATTENTION = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
+
+
+# The names config.json files give the head and layer counts (transformers' attribute_map aliases).
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 
 
 @dataclass(frozen=True)
@@ -186,8 +223,12 @@ def support(config: dict, where: str) -> Support:
                         "other sizes per layer (per_layer_config), and the capture reads them as one value per model "
                         f"(supported: {', '.join(sorted(FAMILIES))}, or any decoder with one head size at the "
                         "residual-stream level)")
-    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
-    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    if model_type in REFUSED:
+        raise UserError(f"model_type={model_type!r} ({where}) cannot be captured: {REFUSED[model_type]} "
+                        f"(supported: {', '.join(sorted(FAMILIES))}, or any decoder with attention layers at the "
+                        "residual-stream level)")
+    heads = next((cfg[k] for k in _HEADS if cfg.get(k)), None)
+    layers = next((cfg[k] for k in _LAYERS if cfg.get(k)), None) or len(cfg.get("layers_block_type") or ())
     if model_type in NO_ATTENTION or not heads or not layers:
         raise UserError(f"model_type={model_type!r} ({where}) cannot be captured: it has no attention layers "
                         f"(supported: {', '.join(sorted(FAMILIES))}, or any decoder with attention layers at the "

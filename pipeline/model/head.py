@@ -31,6 +31,8 @@ def lm_head_rows(model: nn.Module, final_norm_out: torch.Tensor, rows: int) -> t
     cap = getattr(cfg, names.final_softcap) if names.final_softcap else None
     with torch.inference_mode():
         logits = lm_head(x)
+        if names.head_fp32:             # the model scales / softcaps in float32 (found on the model: capture)
+            logits = logits.float()
         if names.logits_scaling:        # Granite: logits / logits_scaling, before any softcap
             logits = logits / getattr(cfg, names.logits_scaling)
         if names.logit_scale:           # Cohere: logits * logit_scale (the model's attribute, from its config)

@@ -101,7 +101,9 @@ def _logit_fns(model: nn.Module, position: int, token_id: int):
 
     def logit(**inputs):
         return model(**inputs, use_cache=False, logits_to_keep=keep).logits[:, 0, token_id]
-    return (lambda ids: logit(input_ids=ids)), (lambda embeds: logit(inputs_embeds=embeds))
+    # A copy of the embeddings goes in: a forward that scales inputs_embeds in place (CTRL's `*= sqrt(d_model)`)
+    # would otherwise change the caller's embeddings, and refuses to on the leaf tensor Captum differentiates by.
+    return (lambda ids: logit(input_ids=ids)), (lambda embeds: logit(inputs_embeds=embeds.clone()))
 
 
 def attribute(model: nn.Module, input_ids: torch.Tensor, targets: Sequence[tuple[int, int]],

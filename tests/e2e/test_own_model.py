@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from pipeline.model import tiny
+from pipeline.model.families import GENERIC_TESTED
 from pipeline.store import provenance
 from tests.conftest import REPO, make_workspace, snapshot
 from tests.helpers.inprocess import run_chain
@@ -89,7 +90,9 @@ def test_edited_weight_is_seen_by_dvc_and_named_by_the_audit(own, tmp_path):
     assert f"FINDING [model] model file {folder.resolve()}/model.safetensors: sha256" in audit.stdout
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt2", "phi3"])
+# qwen3, gpt2, phi3: in the family table; cohere, stablelm, falcon: outside it (issue 48: a logit scale,
+# LayerNorms with a bias), captured at the residual-stream level.
+@pytest.mark.parametrize("family", ["qwen3", "gpt2", "phi3", "cohere", "stablelm", "falcon"])
 def test_saved_folders_of_other_families_run_end_to_end(family, tmp_path):
     folder = save_model(tmp_path / "models" / f"tiny-{family}", family)
     ws = make_workspace(tmp_path / "ws", ["model=local", f"model.source.path={folder}"])
@@ -97,7 +100,8 @@ def test_saved_folders_of_other_families_run_end_to_end(family, tmp_path):
     run_chain(ws)
     assert _errors_failing(ws).empty
     facts = json.loads(next((ws / "artifacts/forward").rglob("facts.json")).read_text())
-    assert facts["model_type"] == family and facts["capture_level"] == "full"
+    assert facts["model_type"] == family
+    assert facts["capture_level"] == ("residual" if family in GENERIC_TESTED else "full")
 
 
 def _refused(clone: Path, override: str) -> str:
@@ -124,6 +128,15 @@ def test_unsupported_or_broken_folders_are_refused_before_anything_is_deleted(ow
     (mamba / "tokenizer.json").write_text("{}")
     err = _refused(clone, f"model.source.path={mamba}")
     assert "model_type='mamba'" in err and "cannot be captured: it has no attention layers" in err
+    assert "Traceback" not in err
+    gemma4 = tmp_path / "gemma4"       # its config's sizes per layer: refused from config.json (issue 48)
+    gemma4.mkdir()
+    from transformers import AutoConfig
+    (gemma4 / "config.json").write_text(AutoConfig.for_model("gemma4_text").to_json_string())
+    (gemma4 / "model.safetensors").write_bytes(b"")
+    (gemma4 / "tokenizer.json").write_text("{}")
+    err = _refused(clone, f"model.source.path={gemma4}")
+    assert "model_type='gemma4_text'" in err and "cannot be captured yet: its config sets head_dim" in err
     assert "Traceback" not in err
     pickle = tmp_path / "pickle"
     pickle.mkdir()
