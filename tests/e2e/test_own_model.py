@@ -18,6 +18,8 @@ from pipeline.store import provenance
 from tests.conftest import REPO, make_workspace, snapshot
 from tests.helpers.inprocess import run_chain
 from tests.helpers.worktree import clone_worktree, sh
+from tests.integration.test_family_chains import FROM_FOLDERS
+from tests.unit.test_families import GOLDEN
 
 pytestmark = pytest.mark.slow
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -93,7 +95,7 @@ def test_edited_weight_is_seen_by_dvc_and_named_by_the_audit(own, tmp_path):
 # cohere, stablelm, falcon: outside the family table (issue 48: a logit scale, LayerNorms with a bias), captured at
 # the residual-stream level, from a user's save_pretrained folder. The table's families run the whole chain from the
 # same toys in tests/integration/test_family_chains.py (kind tiny), and a llama folder through dvc repro above.
-@pytest.mark.parametrize("family", ["cohere", "stablelm", "falcon"])
+@pytest.mark.parametrize("family", FROM_FOLDERS)
 def test_saved_folders_of_other_families_run_end_to_end(family, tmp_path):
     folder = save_model(tmp_path / "models" / f"tiny-{family}", family)
     ws = make_workspace(tmp_path / "ws", ["model=local", f"model.source.path={folder}"])
@@ -101,7 +103,7 @@ def test_saved_folders_of_other_families_run_end_to_end(family, tmp_path):
     run_chain(ws)
     assert _errors_failing(ws).empty
     facts = json.loads(next((ws / "artifacts/forward").rglob("facts.json")).read_text())
-    assert facts["model_type"] == family
+    assert facts["model_type"] == family and list(facts["names"]) == GOLDEN[family]
     assert facts["capture_level"] == ("residual" if family in GENERIC_TESTED else "full")
 
 

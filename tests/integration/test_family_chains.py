@@ -19,9 +19,12 @@ from tests.helpers.partitions import part
 from tests.unit.test_families import GOLDEN
 
 pytestmark = pytest.mark.slow
+# These run the whole chain from a user's save_pretrained folder of the same toy (model=local) in
+# tests/e2e/test_own_model.py, with the same assertions: not twice.
+FROM_FOLDERS = ("cohere", "stablelm", "falcon")
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f not in FROM_FOLDERS])
 def test_family_chain(family, tmp_path):
     ws = make_workspace(tmp_path / "ws", ["model=tiny", f"model.source.family={family}"])
     shutil.copytree(REPO / "prompts", ws / "prompts")
