@@ -78,16 +78,19 @@ def one_prompt(model, model32, input_ids: torch.Tensor, baseline: torch.Tensor, 
     """The last position's parts (top_k candidates) and the top-1's input attribution (ig_steps steps from the
     `baseline` ids: `input_attribution.baseline_ids`)."""
     last = input_ids.shape[1] - 1
+    power = input_attribution.path_alpha_power(model32, input_ids, baseline)
+    ig = {"ig_alpha_power": power}
     try:
         rec = parts.record_parts(model, input_ids, [last])
     except parts.NotApplicable as e:
         logits = tensors[act_name("logits")][0, -1].double()    # the capture's last row: the last position's
         top1 = int(torch.argmax(logits))                 # torch.argmax: the first of equal maxima, the lowest id
-        return Prompt(None, input_attribution.attribute(model32, input_ids, [(last, top1)], baseline, cfg.ig_steps),
-                      not_applicable=str(e), facts={"target_token_id": top1})
+        return Prompt(None, input_attribution.attribute(model32, input_ids, [(last, top1)], baseline, cfg.ig_steps,
+                                                        power), not_applicable=str(e),
+                      facts={"target_token_id": top1, **ig})
     candidates = parts.top_candidates(rec, last, cfg.top_k)
     frame = parts.logit_parts(rec, {last: candidates})
-    inputs = input_attribution.attribute(model32, input_ids, [(last, candidates[0])], baseline, cfg.ig_steps)
+    inputs = input_attribution.attribute(model32, input_ids, [(last, candidates[0])], baseline, cfg.ig_steps, power)
     return Prompt(frame, inputs, parts.residual_check(rec), parts.capture_gap(rec, tensors),
                   facts={"target_token_id": candidates[0], "candidates": candidates,
-                         "dtype": str(rec.dtype).removeprefix("torch.")})
+                         "dtype": str(rec.dtype).removeprefix("torch."), **ig})

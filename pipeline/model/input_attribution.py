@@ -38,6 +38,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from pipeline.errors import UserError
+
 METHODS = ("integrated_gradients", "input_x_gradient")
 COLUMNS = ("target_position", "target_token_id", "source_position", "method", "attribution", "logit_input",
            "logit_baseline")
@@ -55,7 +57,7 @@ def baseline_ids(input_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     fill = next((i for i in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id)
                  if i is not None), None)
     if fill is None:
-        raise ValueError("input attribution needs a baseline token: the tokenizer has no pad, unk or eos token")
+        raise UserError("input attribution needs a baseline token: the tokenizer has no pad, unk or eos token")
     out = torch.full_like(input_ids, int(fill))
     bos = tokenizer.bos_token_id
     if bos is not None:

@@ -37,7 +37,6 @@ def record(stage: StageRun, model_cfg: ModelConfig, cap: CaptureConfig, cfg: Att
             baseline = input_attribution.baseline_ids(ids, tokenizer)
             one = done[pid] = one_prompt(model, model32, ids, baseline, tensors, cfg)
             stage.facts = {"top_k": cfg.top_k, "ig_steps": cfg.ig_steps, "position": ids.shape[1] - 1,
-                           "ig_alpha_power": input_attribution.path_alpha_power(model32, ids, baseline),
                            "ig_baseline_ids": sorted(set(baseline[0].tolist())),
                            "ig_baseline_kept": (baseline == ids)[0].nonzero().flatten().tolist(),
                            "logit_parts": one.not_applicable or "recorded", **one.facts}

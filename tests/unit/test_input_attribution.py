@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.errors import UserError
 from pipeline.model import input_attribution as ia
 from pipeline.model import tiny
 from tests.helpers import conf
@@ -60,7 +61,7 @@ def test_the_baseline_is_pads_with_the_bos_kept():
     assert ia.baseline_ids(ids, SimpleNamespace(**{**vars(gemma), "pad_token_id": None})).tolist() == [[2, 3, 2, 3]]
     assert ia.baseline_ids(ids, QWEN).tolist() == [[PAD] * 4]
     none = SimpleNamespace(pad_token_id=None, unk_token_id=None, eos_token_id=None, bos_token_id=2)
-    with pytest.raises(ValueError, match="the tokenizer has no pad, unk or eos token"):
+    with pytest.raises(UserError, match="the tokenizer has no pad, unk or eos token"):
         ia.baseline_ids(ids, none)
 
 
