@@ -22,12 +22,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -286,9 +288,10 @@ def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
             while queue and len(pending) < IN_FLIGHT_PER_WORKER * n:
                 pid = queue.popleft()
                 actor = actors[(len(prompt_ids) - len(queue) - 1) % n]
-                pending.append((pid, actor, actor.run.remote(root, config, stage.model, pid)))
-            pid, actor, ref = pending.popleft()         # the run's order: the set-level files depend on it
-            result = _get(stage, cfg, pid, actor, ref)
+                send = functools.partial(actor.run.remote, root, config, stage.model, pid)
+                pending.append((pid, send, send()))
+            pid, send, ref = pending.popleft()          # the run's order: the set-level files depend on it
+            result = _get(stage, cfg, pid, send, ref)
             values.append(accept(stage, result))
             stage.executor["prompts"][pid] = result.where
         return values
@@ -300,15 +303,15 @@ def run_prompts(stage: StageRun, work, prompt_ids: list[str], cfg) -> list[Any]:
             ray.shutdown()
 
 
-def _get(stage: StageRun, cfg, pid: str, actor, ref) -> PromptResult:
+def _get(stage: StageRun, cfg, pid: str, send: Callable[[], Any], ref) -> PromptResult:
     """One prompt's result, within executor.prompt_timeout_s. A node lost mid-run (its raylet and object store gone)
     ends the calls on its actors in ActorUnavailableError until the cluster declares the node dead and Ray restarts
     the actors elsewhere (seen: the call sent again at once failed so, three times in a row, and the stage ended);
     Ray does not send such a call again itself. So the prompt is sent again to the same actor, a second apart,
-    until it answers or the bound is spent; a result that was waiting in the lost node's object store
-    (ObjectLostError) is sent again the same way. A worker writes nothing: running a prompt twice changes no byte.
-    An actor that is dead for good (Ray's restarts, executor.max_retries, spent) or a wait past the bound is one
-    line naming the prompt."""
+    until it answers or the bound is spent (`send`: the same call again, a new reference); a result that was
+    waiting in the lost node's object store (ObjectLostError) is sent again the same way. A worker writes nothing:
+    running a prompt twice changes no byte. An actor that is dead for good (Ray's restarts, executor.max_retries,
+    spent) or a wait past the bound is one line naming the prompt."""
     import ray
     import ray.exceptions as rex
     deadline = time.monotonic() + cfg.prompt_timeout_s
@@ -324,7 +327,7 @@ def _get(stage: StageRun, cfg, pid: str, actor, ref) -> PromptResult:
                                 f"{cfg.prompt_timeout_s} s on Ray: its worker or node was lost and it was not back "
                                 f"in time ({type(e).__name__})") from None
             time.sleep(RESEND_PAUSE_S)
-            ref = actor.run.remote(str(stage.root), stage.config, stage.model, pid)
+            ref = send()
         except (rex.RayActorError, rex.ActorDiedError, rex.WorkerCrashedError, rex.NodeDiedError) as e:
             raise UserError(f"stage {stage.stage}: prompt {pid} failed on Ray after executor.max_retries="
                             f"{cfg.max_retries} retries: its worker died ({type(e).__name__})") from None

@@ -54,11 +54,16 @@ def script(monkeypatch):
 STAGE = SimpleNamespace(stage="forward", root="/repo", config={}, model=None)
 
 
+def _send(actor: Actor):
+    """The call run_prompts hands `_get`: the prompt sent to its actor again."""
+    return lambda: actor.run.remote(STAGE.root, STAGE.config, STAGE.model, "p3")
+
+
 @pytest.mark.parametrize("error", [UNAVAILABLE, LOST], ids=["actor unavailable", "object lost"])
 def test_a_lost_nodes_call_is_sent_again_until_the_actor_answers(script, error):
     got = script([error, error, "result"])
     actor = Actor()
-    assert cluster._get(STAGE, ExecutorConfig(kind="ray"), "p3", actor, "ref0") == ("result", "ref2")
+    assert cluster._get(STAGE, ExecutorConfig(kind="ray"), "p3", _send(actor), "ref0") == ("result", "ref2")
     assert actor.sent == ["p3", "p3"]                              # the same prompt, once per failed wait
     assert [ref for ref, _ in got] == ["ref0", "ref1", "ref2"]
     assert all(0 < t <= 600 for _, t in got)                        # every wait within the bound
@@ -70,7 +75,7 @@ def test_an_actor_unavailable_past_the_bound_is_one_line_naming_the_prompt(scrip
     script([UNAVAILABLE] * 100)
     actor = Actor()
     with pytest.raises(UserError) as err:
-        cluster._get(STAGE, ExecutorConfig(kind="ray", prompt_timeout_s=10), "p3", actor, "ref0")
+        cluster._get(STAGE, ExecutorConfig(kind="ray", prompt_timeout_s=10), "p3", _send(actor), "ref0")
     message = str(err.value)
     assert "\n" not in message and "prompt p3" in message and "executor.prompt_timeout_s=10" in message, message
     assert "ActorUnavailableError" in message and 0 < len(actor.sent) < 3, (message, actor.sent)
@@ -80,5 +85,5 @@ def test_an_actor_dead_for_good_is_not_sent_again(script):
     script([DIED])
     actor = Actor()
     with pytest.raises(UserError, match=r"^stage forward: prompt p3 failed on Ray after executor.max_retries=2 "):
-        cluster._get(STAGE, ExecutorConfig(kind="ray"), "p3", actor, "ref0")
+        cluster._get(STAGE, ExecutorConfig(kind="ray"), "p3", _send(actor), "ref0")
     assert actor.sent == []
