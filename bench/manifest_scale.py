@@ -79,9 +79,15 @@ def measure(n: int, folder: Path) -> dict:
             "write_peak_kb_per_prompt": wrote["write_peak_mb"] * 1024 / n}
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a set size is an integer >= 1")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
+    ap.add_argument("--sizes", type=_positive, nargs="+", default=[1000, 10000, 100000])
     ap.add_argument("--out", type=Path, default=Path("artifacts/bench/manifest_scale.json"))
     ap.add_argument("--write", type=int, help=argparse.SUPPRESS)       # the writer's own process
     ap.add_argument("--folder", type=Path, help=argparse.SUPPRESS)

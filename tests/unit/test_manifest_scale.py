@@ -25,3 +25,11 @@ def test_the_figures_grow_with_the_set(tmp_path):
     small, large = json.loads(out.read_text())
     assert 3.5 < large["mb"] / small["mb"] < 4.5 and large["outputs"] == 1600
     assert small["write_s"] > 0 and large["parse_s"] > 0 and 1.0 < small["kb_per_prompt"] < 2.0
+
+
+def test_a_set_size_below_one_is_refused_in_one_line(tmp_path, capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        manifest_scale.main(["--sizes", "0", "--out", str(tmp_path / "scale.json")])
+    assert e.value.code == 2 and "'0': a set size is an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "scale.json").exists()
