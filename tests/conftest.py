@@ -1,7 +1,7 @@
 """Shared fixtures: the real conf/ composed and shrunk to the tiny model, temp workspaces.
 
-Nothing loads at import time. The two workspace fixtures are built once per session (per xdist worker), in
-fresh processes as DVC would run the stages, and are read-only: `tiny_workspace`
+Nothing loads at import time. The two workspace fixtures are built once per run (for every xdist worker:
+tests/helpers/shared.py), in fresh processes as DVC would run the stages, and are read-only: `tiny_workspace`
 (prepare_model, tokenize) and `tiny_chain` (a copy of it, run through lens). A test
 that runs a stage or changes a file works on its own copy (`copy_ws`); each fixture checks
 at the end of the session that nobody wrote into it, so what a test sees never depends on
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.store import paths, provenance
-from tests.helpers import validated
+from tests.helpers import shared, validated
 
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = ("forward", "logits", "probs", "trajectories", "lens")
@@ -45,6 +45,11 @@ for var, val in (("GIT_AUTHOR_NAME", "nexttoken tests"), ("GIT_AUTHOR_EMAIL", "t
 _OWN_SITE_CACHE = None
 if "DVC_SITE_CACHE_DIR" not in os.environ:
     _OWN_SITE_CACHE = os.environ["DVC_SITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nexttoken-tests-dvc-site-")
+# What the files share, built once per run (tests/helpers/shared.py: the dvc repro'd baseline clone, the prepared
+# gemma3_270m), in a folder of this run's own, made and removed the same way.
+_OWN_SHARED = None
+if shared.ENV not in os.environ:
+    _OWN_SHARED = os.environ[shared.ENV] = tempfile.mkdtemp(prefix="nexttoken-tests-shared-")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -71,6 +76,8 @@ def pytest_fixture_setup(fixturedef, request):
 def pytest_sessionfinish(session):
     if _OWN_SITE_CACHE:     # the process that made it: the controller, after its workers (or -n 0's one process)
         shutil.rmtree(_OWN_SITE_CACHE, ignore_errors=True)
+    if _OWN_SHARED:
+        shutil.rmtree(_OWN_SHARED, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -148,19 +155,26 @@ def _read_only(ws: Path):
     assert snapshot(ws) == before, f"a test wrote into the read-only session workspace {ws}: copy it (copy_ws)"
 
 
-@pytest.fixture(scope="session")
-def tiny_workspace(tmp_path_factory) -> Path:
-    """A workspace with tiny_qwen2 prepared and tokenized (read-only)."""
-    ws = make_workspace(tmp_path_factory.mktemp("tiny_ws"), ["model=tiny_qwen2"])
+def _build_tiny_workspace(folder: Path) -> None:
+    ws = make_workspace(folder / "ws", ["model=tiny_qwen2"])
     for stage in ("prepare_model", "tokenize"):
         run_module(f"stages.{stage}", ws, check=True)
-    yield from _read_only(ws)
+
+
+def _build_tiny_chain(folder: Path) -> None:
+    ws = copy_ws(shared.once("tiny_workspace", _build_tiny_workspace) / "ws", folder / "ws")
+    for stage in CHAIN:
+        run_module(f"stages.{stage}", ws, check=True)
 
 
 @pytest.fixture(scope="session")
-def tiny_chain(tiny_workspace, tmp_path_factory) -> Path:
-    """A copy of tiny_workspace with forward -> lens run once (read-only)."""
-    ws = copy_ws(tiny_workspace, tmp_path_factory.mktemp("tiny_chain") / "ws")
-    for stage in CHAIN:
-        run_module(f"stages.{stage}", ws, check=True)
-    yield from _read_only(ws)
+def tiny_workspace() -> Path:
+    """A workspace with tiny_qwen2 prepared and tokenized (read-only; built once per run, for every worker:
+    tests/helpers/shared.py)."""
+    yield from _read_only(shared.once("tiny_workspace", _build_tiny_workspace) / "ws")
+
+
+@pytest.fixture(scope="session")
+def tiny_chain(tiny_workspace) -> Path:
+    """A copy of tiny_workspace with forward -> lens run once (read-only; built once per run)."""
+    yield from _read_only(shared.once("tiny_chain", _build_tiny_chain) / "ws")

