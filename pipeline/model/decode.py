@@ -93,13 +93,24 @@ def prefill(model: torch.nn.Module, prompt_ids: list[int], kv_cache: bool) -> Pr
     return Prefill(tuple(ids), kv_cache, logits, out.cache if kv_cache else None)
 
 
+def _takes_position_ids(model: torch.nn.Module) -> bool:
+    import inspect
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
 def next_logits(model: torch.nn.Module, ids: list[int], cache) -> tuple[torch.Tensor, object | None]:
     """One decoding step after the prompt pass: the last position's logits (on CPU, model dtype)
     and the extended cache. With a cache only the newest id is fed (the model places it after
     the cached positions); without, the whole prefix again."""
     device = _device(model)
     if cache is not None:
-        out = model(input_ids=torch.tensor([ids[-1:]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        # the newest id's position, given as generate gives it (`prepare_inputs_for_generation`: the attention
+        # mask's cumsum - 1, where forward takes position_ids): a model may not derive it from the cache (Bamba's
+        # forward takes arange(1), position 0, when none is given)
+        where = ({"position_ids": torch.tensor([[len(ids) - 1]], device=device)}
+                 if _takes_position_ids(model) else {})
+        out = model(input_ids=torch.tensor([ids[-1:]], device=device), cache=cache, use_cache=True, logits_to_keep=1,
+                    **where)
     else:
         out = model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
     return out.logits[0, -1].to("cpu", copy=True), out.cache if cache is not None else None

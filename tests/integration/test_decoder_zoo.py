@@ -60,6 +60,26 @@ def test_whole_chain_sample(model_type, tmp_path):
     assert result["outcome"] == "pass", result
 
 
+@pytest.mark.parametrize("model_type", ["bamba", "llama"])
+def test_kv_cache_steps_equal_generate_s(model_type):
+    """The trajectories' KV-cache loop (`decode.run_branch`) gives each step's logits bit for bit as
+    `model.generate(use_cache=True)`, greedy and sampled. Bamba's forward does not take the new id's position
+    from its cache (position_ids default to 0 there): before the loop passed it as generate does, its steps 2..4
+    were up to 0.09 away (the whole chain's generate_logits_*_kv and what_if_generate_logits checks failed)."""
+    import torch
+
+    from pipeline.model import decode
+    from pipeline.numerics.sampling import SamplingSettings
+
+    model = zoo.build_toy(model_type).eval()
+    ids = [1000, 2000, 3000, 4000, 5000, 6000, 7000]
+    for settings in (SamplingSettings(temperature=0), SamplingSettings(temperature=1.0)):
+        ours = decode.run_branch(model, ids, settings, 4, 0, True, set())
+        ref = decode.generate_reference(model, ids, settings, 4, 0, True)
+        assert [s.token_id for s in ours] == ref.ids and len(ref.ids) == 4
+        assert all(torch.equal(s.logits, r) for s, r in zip(ours, ref.logits, strict=True)), settings
+
+
 @pytest.mark.skipif(not os.environ.get("NEXTTOKEN_FAMILIES"), reason="make families: the whole chain for every type")
 @pytest.mark.parametrize("model_type", zoo.DECODER_TYPES)
 def test_whole_chain_every_type(model_type, tmp_path):
