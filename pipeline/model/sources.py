@@ -17,6 +17,7 @@ import re
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
+from types import SimpleNamespace
 
 from pipeline.config import schema
 from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
@@ -43,9 +44,12 @@ def folder_hashes(folder: Path) -> dict[str, str]:
     return out
 
 
-def changed_files(record: dict) -> list[str]:
-    """For a model used in place (kind local or hub: source.json's snapshot_dir), one line per file
-    whose sha256 is not what prepare_model recorded: edited, missing, or new. Empty otherwise."""
+def changed_files(record: dict, root: Path) -> list[str]:
+    """One line per model file whose sha256 is not what prepare_model recorded in `record` (source.json).
+    A model used in place (kind local or hub: its snapshot_dir): each file edited, missing or new. A GGUF
+    (kind gguf or ollama): the file found again as prepare_model found it, and hashed. Empty otherwise."""
+    if record.get("kind") in ("gguf", "ollama"):
+        return _gguf_changed(record, root)
     folder = record.get("snapshot_dir")
     if not folder or record.get("kind") not in ("local", "hub"):
         return []
@@ -58,6 +62,28 @@ def changed_files(record: dict) -> list[str]:
               for name in recorded if name not in now]
     lines += [f"model file {folder}/{name}: new since prepare_model" for name in now if name not in recorded]
     return lines
+
+
+def _gguf_changed(record: dict, root: Path) -> list[str]:
+    """The GGUF prepare_model dequantised, found again the same way (the path; the package's file, or the
+    file its package assembles; the Ollama name through the store's manifest now): a line when it cannot
+    be found or its sha256 is not the recorded one (edited, or a model pulled again under the name)."""
+    read = record.get("gguf") or {}
+    if not read.get("sha256"):
+        return [f"source.json of this kind={record.get('kind')} model records no GGUF sha256 (gguf.sha256)"]
+    package = record.get("package")
+    again = SimpleNamespace(kind=record.get("kind"), name=record.get("ollama_name"), package=package,
+                            path=None if package else read.get("file"), file=record.get("file"), pip=record.get("pip"))
+    what = (f"Ollama model {again.name}" if again.kind == "ollama" else
+            f"{package}'s {again.file}" if package else f"GGUF file {again.path}")
+    try:
+        with gguf.opened(again, root) as file:
+            now = sha256_file(file)
+    except UserError as e:
+        return [f"{what}: not found again ({e}); prepare_model read sha256 {read['sha256'][:12]}"]
+    if now != read["sha256"]:
+        return [f"{what} ({file}): sha256 {now[:12]} != recorded {read['sha256'][:12]} (changed after prepare_model)"]
+    return []
 
 
 def check_folder(path: str, root: Path) -> Path:
@@ -131,6 +157,11 @@ class Gguf(Kind):
         file = gguf.locate(source, root)
         if file is not None:
             gguf.check(file, f"model.source ({file})")
+        if source.kind == "ollama" and source.files != str(file):     # params.yaml older than the store's manifest
+            raise UserError(f"model.source.files={source.files!r} is not the blob model.source.name={source.name!r} "
+                            f"resolves to now ({file}; pulled again?): compose again (`nexttoken compose "
+                            f"model=ollama model.source.name={source.name}`, or `dvc exp run`), so that "
+                            "prepare_model's DVC dependency is the file it reads")
         return None
 
     def prepare(self, source, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:

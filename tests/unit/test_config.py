@@ -9,10 +9,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipeline.config import compose, schema
+from pipeline.config import compose, ollama, schema
 from pipeline.errors import UserError
 from pipeline.tools import cli
 from tests.helpers import conf
+from tests.helpers.ollama import ollama_store
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
@@ -33,8 +34,10 @@ SUPPLIED = {("model", "local"): {"model.source.path": "models/mine"}, ("model", 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS
                                           for p in sorted((REPO / "conf" / g).glob("*.yaml"))])
-def test_every_group_option_composes_and_validates(tmp_path, group, option):
+def test_every_group_option_composes_and_validates(tmp_path, monkeypatch, group, option):
     supplied = SUPPLIED.get((group, option), {})
+    if (group, option) == ("model", "ollama"):       # the name is resolved to its blob when conf/ is composed
+        monkeypatch.setenv(ollama.ENV, str(ollama_store(tmp_path / "models", "library/smollm2/135m")))
     params = compose.compose_to(tmp_path / "params.yaml", [f"{group}={option}",
                                                           *(f"{k}={v}" for k, v in supplied.items())], REPO)
     for section in schema.SECTIONS:

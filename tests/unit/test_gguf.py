@@ -10,17 +10,21 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pipeline.config import schema
+from pipeline.config import compose, ollama, schema
 from pipeline.errors import UserError
 from pipeline.model import gguf, sources
+from tests.helpers.ollama import ollama_store
 
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_gguf(path: Path, arch: str) -> Path:
@@ -130,46 +134,153 @@ def test_smollm2_package_file_is_a_llama_q4_1_with_a_chat_template():
 
 # ---------------------------------------------------------------- Ollama's store
 def _ollama_store(root: Path, blob_source: Path, name=("library", "smollm2", "135m")) -> Path:
-    """A store as `ollama pull` lays it out: a manifest naming layers by digest, blobs/sha256-<digest>."""
-    digest = hashlib.sha256(blob_source.read_bytes()).hexdigest()
-    (root / "blobs").mkdir(parents=True)
-    (root / "blobs" / f"sha256-{digest}").symlink_to(blob_source)
-    (root / "blobs" / f"sha256-{'0' * 64}").write_text("{{ .Prompt }}")      # the template layer
-    manifest = root.joinpath("manifests", "registry.ollama.ai", *name)
-    manifest.parent.mkdir(parents=True)
-    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
-        {"mediaType": "application/vnd.ollama.image.template", "digest": f"sha256:{'0' * 64}"},
-        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": 1}]}))
-    return root
+    return ollama_store(root, "/".join(name), blob_source)
 
 
 def test_ollama_name_resolves_through_its_manifest_to_the_gguf_blob(tmp_path, monkeypatch):
     smol = _smollm2()
     store = _ollama_store(tmp_path / "models", smol)
-    monkeypatch.setenv(gguf.OLLAMA_ENV, str(store))
-    src = schema.parse(schema.SourceConfig, {"kind": "ollama", "name": "smollm2:135m"}, "model.source")
+    monkeypatch.setenv(ollama.ENV, str(store))
+    src = schema.parse(schema.SourceConfig, {"kind": "ollama", "name": "smollm2:135m",
+                                             "files": str(ollama.blob("smollm2:135m"))}, "model.source")
     blob = gguf.locate(src, tmp_path)
     assert blob.parent == store / "blobs" and blob.name.startswith("sha256-") and blob.resolve() == smol.resolve()
     assert sources.up_front(src, tmp_path) is None            # its header read and accepted
     with pytest.raises(UserError, match=r"'smollm2:360m': not in the Ollama store .*pulled there: "
                                         r"registry\.ollama\.ai/library/smollm2/135m"):
-        gguf.ollama_blob("smollm2:360m")
+        ollama.blob("smollm2:360m")
 
 
 def test_ollama_default_tag_namespaces_and_refusals(tmp_path, monkeypatch):
     toy = _write_gguf(tmp_path / "toy.gguf", "llama")
     store = _ollama_store(tmp_path / "models", toy, ("someone", "toy", "latest"))
-    assert gguf.ollama_blob("someone/toy", store).resolve() == toy
-    monkeypatch.delenv(gguf.OLLAMA_ENV, raising=False)
+    assert ollama.blob("someone/toy", store).resolve() == toy
+    monkeypatch.delenv(ollama.ENV, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert gguf.ollama_store() == tmp_path / "home" / ".ollama" / "models"
+    assert ollama.store() == tmp_path / "home" / ".ollama" / "models"
     with pytest.raises(UserError, match=r"model\.source\.name='smollm2': no Ollama store at .*OLLAMA_MODELS"):
-        gguf.ollama_blob("smollm2")
+        ollama.blob("smollm2")
     for bad in ("../x", "a//b", ":tag", "a/b/c/d"):
         with pytest.raises(UserError, match="an Ollama model name like smollm2:135m"):
-            gguf.ollama_blob(bad, store)
+            ollama.blob(bad, store)
     manifest = store / "manifests" / "registry.ollama.ai" / "someone" / "toy" / "latest"
     manifest.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.template",
                                                 "digest": "sha256:00"}]}))
     with pytest.raises(UserError, match=r"is not an Ollama manifest with a model layer"):
-        gguf.ollama_blob("someone/toy", store)
+        ollama.blob("someone/toy", store)
+
+
+# ---------------------------------------------------------------- the file is prepare_model's DVC dependency
+def test_composing_ollama_writes_the_blob_the_name_resolves_to(tmp_path, monkeypatch):
+    """conf/model/ollama.yaml's `files: ${ollama_blob:...}`: the blob's path in params.yaml, where dvc.yaml's
+    `${model.source.files}` makes it prepare_model's dependency; a name not in the store is refused in one
+    line (the resolver's own), with no params file written."""
+    store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "toy.gguf", "llama"))
+    monkeypatch.setenv(ollama.ENV, str(store))
+    params = compose.compose_to(tmp_path / "params.yaml", ["model=ollama", "model.source.name=smollm2:135m"], REPO)
+    assert params["model"]["source"]["files"] == str(store / "blobs" / f"sha256-{_sha(tmp_path / 'toy.gguf')}")
+    with pytest.raises(UserError, match=r"^model\.source\.name='smollm2:360m': not in the Ollama store .*"
+                                        r"pulled there: registry\.ollama\.ai/library/smollm2/135m$") as e:
+        compose.compose_to(tmp_path / "other.yaml", ["model=ollama", "model.source.name=smollm2:360m"], REPO)
+    assert "\n" not in str(e.value) and not (tmp_path / "other.yaml").exists()
+
+
+def _dvc_compose(plugins_path: str, out: Path, env: dict) -> subprocess.CompletedProcess:
+    """conf/ composed as `dvc exp run -S` composes it (dvc/repo/experiments/queue/base.py), in a fresh
+    interpreter that never imported nexttoken: the resolver must come from the plugins path."""
+    code = ("import sys\nfrom dvc.utils.hydra import compose_and_dump\n"
+            "compose_and_dump(sys.argv[1], sys.argv[2], None, 'config', sys.argv[3], "
+            "['model=ollama', 'model.source.name=smollm2:135m'])\n")
+    return subprocess.run([sys.executable, "-c", code, str(out), str(REPO / "conf"), plugins_path],
+                          capture_output=True, text=True, env=env, cwd=out.parent)
+
+
+def test_dvcs_own_composition_resolves_the_blob_through_the_plugins_path(tmp_path):
+    store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "toy.gguf", "llama"))
+    env = {**os.environ, ollama.ENV: str(store)}
+    from dvc.config import Config
+    plugins = Config(str(REPO / ".dvc"), validate=False)["hydra"]["plugins_path"]     # what DVC itself reads
+    assert plugins == compose.PLUGINS_PATH
+    done = _dvc_compose(str(REPO / plugins), tmp_path / "params.yaml", env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import yaml
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    assert params["model"]["source"]["files"] == str(ollama.blob("smollm2:135m", store))
+    # without the plugin, DVC's composition cannot resolve it: the plugin is what does it
+    bare = _dvc_compose(str(tmp_path), tmp_path / "bare.yaml", env)
+    assert bare.returncode != 0 and "ollama_blob" in bare.stderr
+
+
+@pytest.mark.parametrize("model", ["gguf", "ollama"])
+def test_dvc_takes_the_gguf_itself_as_prepare_models_dependency(tmp_path, monkeypatch, model):
+    from dvc.repo import Repo
+
+    toy = _write_gguf(tmp_path / "toy.gguf", "llama")
+    store = _ollama_store(tmp_path / "models", toy)
+    monkeypatch.setenv(ollama.ENV, str(store))
+    work = tmp_path / "work"
+    Repo.init(str(work), no_scm=True).close()
+    (work / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    given = f"model.source.path={toy}" if model == "gguf" else "model.source.name=smollm2:135m"
+    compose.compose_to(work / "params.yaml", [f"model={model}", given], REPO)
+    with Repo(str(work)) as repo:
+        [stage] = [s for s in repo.index.stages if s.name == "prepare_model"]
+        deps = {Path(d.def_path) for d in stage.deps}
+    assert (toy if model == "gguf" else ollama.blob("smollm2:135m")) in deps
+
+
+def test_validate_refuses_params_older_than_the_ollama_store(tmp_path, monkeypatch):
+    """A model pulled again under the same tag is a new blob: params.yaml composed before names the old one,
+    which is no longer what prepare_model would read (nor its dependency)."""
+    store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "a.gguf", "llama"))
+    monkeypatch.setenv(ollama.ENV, str(store))
+    src = schema.parse(schema.SourceConfig, {"kind": "ollama", "name": "smollm2:135m",
+                                             "files": str(ollama.blob("smollm2:135m"))}, "model.source")
+    assert sources.up_front(src, tmp_path) is None
+    _ollama_store(store, _write_gguf(tmp_path / "b.gguf", "qwen2"))                 # ollama pull smollm2:135m
+    with pytest.raises(UserError, match=r"^model\.source\.files='.*sha256-[0-9a-f]{64}' is not the blob "
+                                        r"model\.source\.name='smollm2:135m' resolves to now .*compose again"):
+        sources.up_front(src, tmp_path)
+
+
+# ---------------------------------------------------------------- audit: the GGUF hashed again
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record(kind: str, gguf_file: Path, **fields) -> dict:
+    return {"kind": kind, "package": None, "file": None, "pip": None, "ollama_name": None,
+            "gguf": {"file": str(gguf_file), "sha256": _sha(gguf_file)}, **fields}
+
+
+def test_audit_hashes_a_gguf_file_again(tmp_path):
+    toy = _write_gguf(tmp_path / "toy.gguf", "llama")
+    record = _record("gguf", toy, path=str(toy))
+    assert sources.changed_files(record, tmp_path) == []
+    toy.write_bytes(toy.read_bytes() + b"\0")
+    [line] = sources.changed_files(record, tmp_path)
+    assert line.startswith(f"GGUF file {toy} ({toy}): sha256 ") and line.endswith("(changed after prepare_model)")
+    toy.unlink()
+    [line] = sources.changed_files(record, tmp_path)
+    assert "not found again" in line and "no such file" in line
+    assert "records no GGUF sha256" in sources.changed_files({**record, "gguf": {}}, tmp_path)[0]
+
+
+def test_audit_finds_an_ollama_model_pulled_again(tmp_path, monkeypatch):
+    store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "a.gguf", "llama"))
+    monkeypatch.setenv(ollama.ENV, str(store))
+    record = _record("ollama", ollama.blob("smollm2:135m"), ollama_name="smollm2:135m")
+    assert sources.changed_files(record, tmp_path) == []
+    _ollama_store(store, _write_gguf(tmp_path / "b.gguf", "qwen2"))
+    [line] = sources.changed_files(record, tmp_path)
+    assert line.startswith("Ollama model smollm2:135m (") and "changed after prepare_model" in line
+
+
+def test_audit_hashes_a_packages_gguf_again(fake_package, tmp_path):
+    file = fake_package / "data" / "toy-Q8.gguf"
+    record = _record("gguf", file, package="toy_gguf_pkg", pip="toy-gguf-pkg", file="toy-Q8.gguf")
+    record["gguf"]["file"] = file.name                 # as prepare_model records a package's file
+    assert sources.changed_files(record, tmp_path) == []
+    _write_gguf(file, "qwen2")                         # the package's file replaced (another version)
+    [line] = sources.changed_files(record, tmp_path)
+    assert line.startswith("toy_gguf_pkg's toy-Q8.gguf (") and "!= recorded" in line
