@@ -305,16 +305,13 @@ def _conditions(inp, forward: dict) -> list[list[str]]:
 
 
 def _trajectories(inp, vocab_text: dict[int, str]) -> list[dict]:
-    branches: dict[str, dict] = {}
+    branches: dict[tuple[str, bool], dict] = {}
     for r in inp.steps:
-        key = f"{r['branch']}{' (KV cache)' if r['kv_cache'] else ''}"
-        forced = f": id {r['forced_token_id']} (rank {r['forced_rank']}) forced at step {r['forced_step']}, then " \
-                 "greedy" if r.get("forced_step") is not None else ""      # a what-if branch (docs/artifacts.md)
-        b = branches.setdefault(key, {"name": key + forced, "branch": r["branch"], "kv": bool(r["kv_cache"]),
-                                      "forced": None if r.get("forced_step") is None else
-                                      {"step": int(r["forced_step"]), "id": int(r["forced_token_id"]),
-                                       "rank": int(r["forced_rank"])},
-                                      "steps": []})
+        # the page words a heading in its language from these: branch, kv, forced (a what-if branch, docs/artifacts.md)
+        forced = None if r.get("forced_step") is None else \
+            {"step": int(r["forced_step"]), "id": int(r["forced_token_id"]), "rank": int(r["forced_rank"])}
+        b = branches.setdefault((r["branch"], bool(r["kv_cache"])),
+                                {"branch": r["branch"], "kv": bool(r["kv_cache"]), "forced": forced, "steps": []})
         alts = [[int(i), float(p), vocab_text.get(int(i), "")] for i, p in zip(r["top_ids"], r["top_probs"])]
         b["steps"].append({"step": r["step"], "id": r["token_id"], "text": r["text_so_far"], "prob": r["prob"],
                            "piece": vocab_text.get(int(r["token_id"]), r.get("piece")),

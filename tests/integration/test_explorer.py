@@ -14,6 +14,7 @@ is not installed.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -335,7 +336,6 @@ def test_in_chinese_no_panel_text_is_left_in_english(run, driver):
     texts, numbers, file and variation names) is Chinese, Latin only for TERMS and the run's own branch, filter and
     variation names; the same nodes in English are English (the switch changed them), and back in English no
     Chinese is left outside the names."""
-    import re
     collect = """
         const s = document.getElementById("language"); s.value = arguments[0]; s.dispatchEvent(new Event("change"));
         const out = [], w = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
@@ -368,11 +368,35 @@ def test_in_chinese_no_panel_text_is_left_in_english(run, driver):
     assert not [t for t in en if re.search(r"[\u4e00-\u9fff]", t)]
 
 
+def test_the_trajectory_headings_follow_the_language_around_the_recorded_names(run, driver):
+    """Each branch's heading: its recorded name as it is, the KV-cache mark, a what-if branch's forced id, rank and
+    step, and whether the cached and uncached picks agree, in the page's language (English before)."""
+    _open(driver, run / "artifacts/report/explorer.html")
+    heads = """
+        const s = document.getElementById("language"); s.value = arguments[0]; s.dispatchEvent(new Event("change"));
+        return [...document.querySelectorAll("#trajectories h3")].map((e) => e.textContent);"""
+    zh, en = driver.execute_script(heads, "zh"), driver.execute_script(heads, "en")
+    steps = pd.read_parquet(part(paths.STEPS, run))
+    first = steps.groupby(["branch", "kv_cache"], sort=False).first().reset_index()
+    assert len(zh) == len(en) == len(first) and first.kv_cache.any() and first.forced_step.notna().any()
+    twins = set(first.branch[first.branch.duplicated()])       # a branch run with and without the cache
+    for r, z, e in zip(first.itertuples(), zh, en, strict=True):
+        assert z.startswith(r.branch + ("（KV 缓存）" if r.kv_cache else "")), z
+        assert e.startswith(r.branch + (" (KV cache)" if r.kv_cache else "")), e
+        if r.forced_step == r.forced_step:         # a what-if branch
+            step, tid, rank = int(r.forced_step), int(r.forced_token_id), int(r.forced_rank)
+            assert f"：第 {step} 步强制为 id {tid}（排名 {rank}），之后贪心" in z
+            assert f": id {tid} (rank {rank}) forced at step {step}, then greedy" in e
+        assert not re.search(r"[A-Za-z]{3,}", z.removeprefix(r.branch)), z
+        if r.branch in twins:
+            assert z.endswith(("：KV 缓存与完整前缀一致", "：KV 缓存与完整前缀不一致")), z
+            assert e.endswith((": KV cache and full prefix agree", ": KV cache and full prefix DIFFER")), e
+
+
 def test_prompt_tokens_and_picks_are_shaded_by_their_probability(run, driver):
     """Each prompt token after the first carries p (data-p, hover) = numpy's FP64 softmax at T = 1 of logits.parquet
     at the position before, for that token's id, and a green whose opacity grows with p; each trajectory pick the p
     steps.parquet recorded for it."""
-    import re
 
     from pipeline.store import logits_io
     _open(driver, run / "artifacts/report/explorer.html")

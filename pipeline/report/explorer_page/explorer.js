@@ -217,7 +217,10 @@ function trajectories() {
   for (const b of D.trajectories) {
     const twin = D.trajectories.find((o) => o.branch === b.branch && o.kv !== b.kv);
     const agree = twin ? b.steps.every((s, i) => twin.steps[i] && twin.steps[i].id === s.id) : null;
-    const head = ui("h3", agree === null ? "traj" : agree ? "traj-agree" : "traj-differ", [b.name]);
+    // the branch's own name stays as recorded; the words around it follow the language
+    const head = el("h3", {}, el("span", {translate: "no"}, b.branch), ...(b.kv ? [ui("span", "traj-kv")] : []),
+      ...(b.forced ? [ui("span", "traj-forced", [b.forced.id, b.forced.rank, b.forced.step])] : []),
+      ...(agree === null ? [] : [ui("span", agree ? "traj-agree" : "traj-differ")]));
     if (b.loop) head.append(" ", ui("span", "loop"));
     const t = el("table", {class: "step"}, el("tr", {}, ui("th", "th-step"), ui("th", "th-token"), el("th", {}, "p"),
       ui("th", "th-text"), ui("th", "th-alts")));

@@ -75,7 +75,8 @@ const TEXT = {
       "lens-none": "no logit lens in this run",
       "lens-note": "layer × position: the top-1 piece after the model's own final norm and LM head; colour = its " +
         "probability (FP64); hover for the top 5 and the final token's rank",
-      traj: "{0}", "traj-agree": "{0}: KV cache and full prefix agree", "traj-differ": "{0}: KV cache and full prefix DIFFER",
+      "traj-kv": " (KV cache)", "traj-forced": ": id {0} (rank {1}) forced at step {2}, then greedy",
+      "traj-agree": ": KV cache and full prefix agree", "traj-differ": ": KV cache and full prefix DIFFER",
       loop: "(loop)", "th-step": "step", "th-token": "token id", "th-text": "text so far", "th-alts": "alternatives (text id p)",
       "checks-none": "the checks stage has not run",
       "checks-outside": "checks: none ran on this prompt (outside the checks.prompts sample of a large set)",
@@ -166,7 +167,8 @@ const TEXT = {
       "lens-none": "本次运行没有 logit lens",
       "lens-note": "层 × 位置：经过模型自己的最终归一化和 LM head 后排名第一的片段；颜色 = 它的概率（FP64）；" +
         "悬停显示前 5 名和最终 token 的排名",
-      traj: "{0}", "traj-agree": "{0}：KV 缓存与完整前缀一致", "traj-differ": "{0}：KV 缓存与完整前缀不一致",
+      "traj-kv": "（KV 缓存）", "traj-forced": "：第 {2} 步强制为 id {0}（排名 {1}），之后贪心",
+      "traj-agree": "：KV 缓存与完整前缀一致", "traj-differ": "：KV 缓存与完整前缀不一致",
       loop: "（循环）", "th-step": "步", "th-token": "token id", "th-text": "目前的文本", "th-alts": "备选（文本 id p）",
       "checks-none": "checks 阶段尚未运行",
       "checks-outside": "检查：本提示词没有运行检查（不在大集合的 checks.prompts 抽样中）",
