@@ -36,7 +36,7 @@ import torch
 
 from pipeline.checks.rederive import softmax64
 from pipeline.checks.verdicts import Check
-from pipeline.model.capture import act_name, decoder_layers, family
+from pipeline.model.capture import act_name, decoder_layers, family, text_config
 from pipeline.store import safetensors_io
 from pipeline.store.artifacts import read_parquet
 
@@ -206,9 +206,11 @@ def _head(model, snapshot: Path, cfg: dict) -> tuple[dict, str]:
     return {"weights": weights, "key": found["head.weight"], "eps": eps, "w": weights.read(found["norm.weight"]),
             "b": weights.read(found["norm.bias"]) if "norm.bias" in found else None,
             "bias": weights.read(found["head.bias"]) if "head.bias" in found else None,
-            "scaling": float(cfg[names.logits_scaling]) if names.logits_scaling else None,
+            # the head's arithmetic off the model's own config object, as the model and capture read it (MiniCPM3's
+            # logits_scaling is a property of its config class, not in config.json)
+            "scaling": float(getattr(text_config(model), names.logits_scaling)) if names.logits_scaling else None,
             "scale": float(getattr(model, names.logit_scale)) if names.logit_scale else None,
-            "cap": cfg.get(names.final_softcap) if names.final_softcap else None}, ""
+            "cap": getattr(text_config(model), names.final_softcap) if names.final_softcap else None}, ""
 
 
 # ln of the smallest positive float64: a stored FP64 probability of 0 is right when numpy's ln p is below it

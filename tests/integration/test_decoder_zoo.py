@@ -127,6 +127,32 @@ def test_lens_eps_skips_a_null_config_key():
     assert final_norm_eps({"rms_norm_eps": 1e-6}, families.LLAMA_LIKE) == 1e-6
 
 
+def test_lens_takes_the_head_s_scaling_off_the_model_not_config_json(tmp_path):
+    """MiniCPM3 divides its logits by `logits_scaling`, a property its config.json does not hold: the lens
+    read config.json's dict and its checks stopped on a KeyError (`make families`); it now reads the model's own
+    config, as the capture and the LM-head recompute do."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.checks import lens
+    from pipeline.model.capture import family
+    folder = zoo.save_toy("minicpm3", tmp_path / "minicpm3")
+    cfg = json.loads((folder / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert "logits_scaling" not in cfg and family(model).logits_scaling == "logits_scaling"
+    head, problem = lens._head(model, folder, cfg)
+    assert problem == "" and head["scaling"] == model.config.logits_scaling == 64 / 256   # hidden / dim_model_base
+
+
+def test_a_type_whose_toy_does_not_build_is_refused_by_validate_from_its_config(tmp_path):
+    """`make families` on a refused type: the validate stage refuses its config.json in one line before any
+    stage runs (gemma4_text's toy cannot even be built: its sizes are per layer)."""
+    result = zoo.run_one("gemma4_text", tmp_path)
+    assert result["outcome"] == "refused" and "\n" not in result["detail"], result
+    assert "cannot be captured yet: its config sets head_dim and other sizes per layer" in result["detail"]
+
+
 def test_input_attribution_of_a_model_that_scales_its_input_in_place():
     """CTRL's forward does `inputs_embeds *= sqrt(d_model)`: the attribution hands it a copy, so Captum's leaf input
     is not written to and the logit at the input is the model's own logit for the ids."""
