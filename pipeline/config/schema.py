@@ -155,8 +155,10 @@ class _Source(Section):
     (most of them), so `-S model.source.<key>=...` overrides a key the file names. A value in it is refused
     (`_one_line`): this kind would ignore it."""
 
-    # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`):
-    # the folder for kind=local (an edited weight re-runs the chain), the model's conf file otherwise
+    # What prepare_model reads from disk, its DVC dependency in dvc.yaml (`${model.source.files}`): the folder
+    # for kind=local (an edited weight re-runs the chain), the file for kind=gguf with a path, the name's manifest
+    # for kind=ollama (it names the blob by sha256; written by the ollama_manifest resolver when conf/ is
+    # composed), the option's conf file otherwise
     files: Text | None = None
 
     @model_validator(mode="before")

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipeline.config import schema
+from pipeline.config import ollama, schema
 from pipeline.config.schema import HUB_ID, SourceConfig, inside_repo
 from pipeline.errors import UserError, bad_value
 from pipeline.model import gguf
@@ -72,8 +72,8 @@ def _gguf_changed(record: dict, root: Path) -> list[str]:
     if not read.get("sha256"):
         return [f"source.json of this kind={record.get('kind')} model records no GGUF sha256 (gguf.sha256)"]
     package = record.get("package")
-    again = SimpleNamespace(kind=record.get("kind"), name=record.get("ollama_name"), package=package,
-                            path=None if package else read.get("file"), file=record.get("file"), pip=record.get("pip"))
+    again = SimpleNamespace(kind=record.get("kind"), name=record.get("ollama_name"), package=package, file=record.get(
+        "file"), pip=record.get("pip"), path=None if package else record.get("path") or read.get("file"))
     what = (f"Ollama model {again.name}" if again.kind == "ollama" else
             f"{package}'s {again.file}" if package else f"GGUF file {again.path}")
     try:
@@ -157,11 +157,13 @@ class Gguf(Kind):
         file = gguf.locate(source, root)
         if file is not None:
             gguf.check(file, f"model.source ({file})")
-        if source.kind == "ollama" and source.files != str(file):     # params.yaml older than the store's manifest
-            raise UserError(f"model.source.files={source.files!r} is not the blob model.source.name={source.name!r} "
-                            f"resolves to now ({file}; pulled again?): compose again (`nexttoken compose "
-                            f"model=ollama model.source.name={source.name}`, or `dvc exp run`), so that "
-                            "prepare_model's DVC dependency is the file it reads")
+        if source.kind == "ollama" and source.files != str(found := ollama.manifest(source.name)):
+            # params.yaml composed against another store ($OLLAMA_MODELS then), or edited by hand
+            raise UserError(f"model.source.files={source.files!r} is not the manifest of model.source.name="
+                            f"{source.name!r} in the Ollama store now ({found}): compose params.yaml again here "
+                            f"(`nexttoken compose model=ollama model.source.name={source.name} ...`, or `dvc exp run "
+                            f"-S model=ollama -S model.source.name={source.name} ...`), so that prepare_model's DVC "
+                            "dependency is what it reads")
         return None
 
     def prepare(self, source, out_dir: Path, trust_remote_code: bool, show: bool) -> dict:
@@ -194,7 +196,8 @@ class Gguf(Kind):
             f"{package}'s {file.name}" if package else str(file)
         return snapshot.record(source, version, inputs={file.name: file_sha}, **snapshot.describe(out_dir),
                                gguf={"file": str(file) if package is None else file.name, "sha256": file_sha,
-                                     **info, "dequantised_dtype": "float32"},
+                                     **info, "dequantised_dtype": "float32", **({"manifest": str(ollama.manifest(
+                                         source.name))} if source.kind == "ollama" else {})},
                                notes=[f"dequantised from {where} to float32 by transformers' GGUF loader; "
                                       "GGUF quantization_config dropped"])
 

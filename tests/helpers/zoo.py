@@ -167,7 +167,7 @@ def save_toy(model_type: str, dest: Path) -> Path:
 
 
 def save_config_only(model_type: str, dest: Path) -> Path:
-    """The config class's own config.json (a real checkpoint's) with the files a model folder must hold, empty:
+    """The config class's own defaults as config.json, with the files a model folder must hold, empty:
     what the validate stage reads to refuse a type before any stage's outputs are removed."""
     from transformers import AutoConfig
 

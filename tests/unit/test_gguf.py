@@ -142,7 +142,7 @@ def test_ollama_name_resolves_through_its_manifest_to_the_gguf_blob(tmp_path, mo
     store = _ollama_store(tmp_path / "models", smol)
     monkeypatch.setenv(ollama.ENV, str(store))
     src = schema.parse(schema.SourceConfig, {"kind": "ollama", "name": "smollm2:135m",
-                                             "files": str(ollama.blob("smollm2:135m"))}, "model.source")
+                                             "files": str(ollama.manifest("smollm2:135m"))}, "model.source")
     blob = gguf.locate(src, tmp_path)
     assert blob.parent == store / "blobs" and blob.name.startswith("sha256-") and blob.resolve() == smol.resolve()
     assert sources.up_front(src, tmp_path) is None            # its header read and accepted
@@ -171,14 +171,14 @@ def test_ollama_default_tag_namespaces_and_refusals(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the file is prepare_model's DVC dependency
-def test_composing_ollama_writes_the_blob_the_name_resolves_to(tmp_path, monkeypatch):
-    """conf/model/ollama.yaml's `files: ${ollama_blob:...}`: the blob's path in params.yaml, where dvc.yaml's
-    `${model.source.files}` makes it prepare_model's dependency; a name not in the store is refused in one
-    line (the resolver's own), with no params file written."""
+def test_composing_ollama_writes_the_name_s_manifest(tmp_path, monkeypatch):
+    """conf/model/ollama.yaml's `files: ${ollama_manifest:...}`: the manifest's path in params.yaml (it names the
+    blob by its sha256), where dvc.yaml's `${model.source.files}` makes it prepare_model's dependency; a name not
+    in the store is refused in one line (the resolver's own), with no params file written."""
     store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "toy.gguf", "llama"))
     monkeypatch.setenv(ollama.ENV, str(store))
     params = compose.compose_to(tmp_path / "params.yaml", ["model=ollama", "model.source.name=smollm2:135m"], REPO)
-    assert params["model"]["source"]["files"] == str(store / "blobs" / f"sha256-{_sha(tmp_path / 'toy.gguf')}")
+    assert params["model"]["source"]["files"] == str(store / "manifests/registry.ollama.ai/library/smollm2/135m")
     with pytest.raises(UserError, match=r"^model\.source\.name='smollm2:360m': not in the Ollama store .*"
                                         r"pulled there: registry\.ollama\.ai/library/smollm2/135m$") as e:
         compose.compose_to(tmp_path / "other.yaml", ["model=ollama", "model.source.name=smollm2:360m"], REPO)
@@ -205,10 +205,10 @@ def test_dvcs_own_composition_resolves_the_blob_through_the_plugins_path(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     import yaml
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    assert params["model"]["source"]["files"] == str(ollama.blob("smollm2:135m", store))
+    assert params["model"]["source"]["files"] == str(ollama.manifest("smollm2:135m", store))
     # without the plugin, DVC's composition cannot resolve it: the plugin is what does it
     bare = _dvc_compose(str(tmp_path), tmp_path / "bare.yaml", env)
-    assert bare.returncode != 0 and "ollama_blob" in bare.stderr
+    assert bare.returncode != 0 and "ollama_manifest" in bare.stderr
 
 
 @pytest.mark.parametrize("model", ["gguf", "ollama"])
@@ -226,21 +226,38 @@ def test_dvc_takes_the_gguf_itself_as_prepare_models_dependency(tmp_path, monkey
     with Repo(str(work)) as repo:
         [stage] = [s for s in repo.index.stages if s.name == "prepare_model"]
         deps = {Path(d.def_path) for d in stage.deps}
-    assert (toy if model == "gguf" else ollama.blob("smollm2:135m")) in deps
+    assert (toy if model == "gguf" else ollama.manifest("smollm2:135m")) in deps
 
 
-def test_validate_refuses_params_older_than_the_ollama_store(tmp_path, monkeypatch):
-    """A model pulled again under the same tag is a new blob: params.yaml composed before names the old one,
-    which is no longer what prepare_model would read (nor its dependency)."""
+def test_a_model_pulled_again_changes_the_dependency_and_another_store_is_refused(tmp_path, monkeypatch):
+    """`ollama pull` of a new version rewrites the name's manifest (the dependency DVC hashes: prepare_model runs
+    again and reads the new blob); params.yaml composed against another store is refused by validate in one line."""
     store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "a.gguf", "llama"))
     monkeypatch.setenv(ollama.ENV, str(store))
     src = schema.parse(schema.SourceConfig, {"kind": "ollama", "name": "smollm2:135m",
-                                             "files": str(ollama.blob("smollm2:135m"))}, "model.source")
+                                             "files": str(ollama.manifest("smollm2:135m"))}, "model.source")
     assert sources.up_front(src, tmp_path) is None
+    before, first = Path(src.files).read_bytes(), ollama.blob("smollm2:135m")
     _ollama_store(store, _write_gguf(tmp_path / "b.gguf", "qwen2"))                 # ollama pull smollm2:135m
-    with pytest.raises(UserError, match=r"^model\.source\.files='.*sha256-[0-9a-f]{64}' is not the blob "
-                                        r"model\.source\.name='smollm2:135m' resolves to now .*compose again"):
+    assert Path(src.files).read_bytes() != before and ollama.blob("smollm2:135m") != first
+    assert sources.up_front(src, tmp_path) is None and gguf.locate(src, tmp_path) == ollama.blob("smollm2:135m")
+    monkeypatch.setenv(ollama.ENV, str(_ollama_store(tmp_path / "other", tmp_path / "a.gguf")))
+    with pytest.raises(UserError, match=r"^model\.source\.files='.*/models/manifests/registry\.ollama\.ai/library/"
+                                        r"smollm2/135m' is not the manifest of model\.source\.name='smollm2:135m' "
+                                        r"in the Ollama store now .*compose params\.yaml again here") as e:
         sources.up_front(src, tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_relative_store_is_made_absolute_and_a_digest_is_a_blob_name(tmp_path, monkeypatch):
+    store = _ollama_store(tmp_path / "models", _write_gguf(tmp_path / "a.gguf", "llama"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ollama.ENV, "models")
+    assert ollama.store() == store and ollama.manifest("smollm2:135m").is_absolute()
+    manifest = ollama.manifest("smollm2:135m")
+    manifest.write_text(json.dumps({"layers": [{"mediaType": ollama.MODEL_LAYER, "digest": "sha256:../../etc"}]}))
+    with pytest.raises(UserError, match=r"is not an Ollama manifest with a model layer"):
+        ollama.blob("smollm2:135m")
 
 
 # ---------------------------------------------------------------- audit: the GGUF hashed again
