@@ -6,7 +6,8 @@ the layers as content-addressed blobs (blobs/sha256-<digest>). So the manifest s
 name means: it is prepare_model's DVC dependency. conf/model/ollama.yaml sets
 `model.source.files: ${ollama_manifest:${model.source.name}}`, which this resolver turns into the manifest's
 path when conf/ is composed, by `nexttoken compose` (pipeline/config/compose.py registers it) and by
-`dvc exp run -S ...` (DVC loads it as a Hydra plugin: hydra_plugins/nexttoken_resolvers.py). `ollama pull`
+`dvc exp run -S ...` (DVC loads it as a Hydra plugin:
+pipeline/config/plugins/hydra_plugins/nexttoken_resolvers.py). `ollama pull`
 of a new version rewrites that manifest, so the next `dvc repro` runs prepare_model again, which reads the
 blob the manifest names then (pipeline/model/gguf.py); the audit hashes that blob again.
 """

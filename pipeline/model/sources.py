@@ -72,8 +72,9 @@ def _gguf_changed(record: dict, root: Path) -> list[str]:
     if not read.get("sha256"):
         return [f"source.json of this kind={record.get('kind')} model records no GGUF sha256 (gguf.sha256)"]
     package = record.get("package")
-    again = SimpleNamespace(kind=record.get("kind"), name=record.get("ollama_name"), package=package, file=record.get(
-        "file"), pip=record.get("pip"), path=None if package else record.get("path") or read.get("file"))
+    again = SimpleNamespace(kind=record.get("kind"), name=record.get("ollama_name"), package=package,
+                            file=record.get("file"), pip=record.get("pip"),
+                            path=None if package else record.get("path") or read.get("file"))
     what = (f"Ollama model {again.name}" if again.kind == "ollama" else
             f"{package}'s {again.file}" if package else f"GGUF file {again.path}")
     try:
